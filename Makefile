@@ -1,0 +1,31 @@
+# The two commands of the README: `make test` and (from the service on) `make serve`.
+# Everything is installed into ./.venv; nothing depends on the caller's shell state.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+# One BLAS thread per test worker: pytest-xdist already uses both cores.
+TEST_ENV := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+PYTEST_WORKERS ?= 2
+
+.PHONY: test lint bench clean
+
+$(BIN)/.dev-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+lint: $(BIN)/.dev-installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(PYTEST_WORKERS) tests
+
+bench: $(BIN)/.dev-installed
+	$(BIN)/python bench/bench_gram.py
+	$(BIN)/python bench/reproduce_sw_gmm.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

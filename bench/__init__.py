@@ -1,0 +1,1 @@
+"""Benchmarks and paper reproductions (run as scripts; importable by the tests)."""

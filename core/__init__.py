@@ -1,0 +1,33 @@
+"""bagserve core: learning on bags of points (distributions seen through samples).
+
+Public API (DESIGN.md section 4)::
+
+    from core import Bags, SlicedWasserstein, MeanEmbedding
+    from core import DistributionRidge, DistributionRidgeClassifier
+"""
+
+from .bags import Bags, BagValidationError, as_bags
+from .estimators import DistributionRidge, DistributionRidgeClassifier
+from .kernels import DistanceKernel, get_kernel
+from .representations import (
+    MeanEmbedding,
+    SlicedWasserstein,
+    sliced_wasserstein_distance,
+    wasserstein_1d,
+)
+
+__all__ = [
+    "BagValidationError",
+    "Bags",
+    "DistanceKernel",
+    "DistributionRidge",
+    "DistributionRidgeClassifier",
+    "MeanEmbedding",
+    "SlicedWasserstein",
+    "as_bags",
+    "get_kernel",
+    "sliced_wasserstein_distance",
+    "wasserstein_1d",
+]
+
+__version__ = "0.1.0"

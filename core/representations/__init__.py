@@ -1,0 +1,23 @@
+"""Bag representations: bags → embeddings whose distance is a distribution distance."""
+
+from .base import BagRepresentation, Embedding, FeatureEmbedding
+from .mean import MeanEmbedding, SetKernelEmbedding, set_kernel_gram
+from .sliced import (
+    SlicedWasserstein,
+    sliced_wasserstein_distance,
+    uniform_directions,
+    wasserstein_1d,
+)
+
+__all__ = [
+    "BagRepresentation",
+    "Embedding",
+    "FeatureEmbedding",
+    "MeanEmbedding",
+    "SetKernelEmbedding",
+    "SlicedWasserstein",
+    "set_kernel_gram",
+    "sliced_wasserstein_distance",
+    "uniform_directions",
+    "wasserstein_1d",
+]

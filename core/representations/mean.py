@@ -1,0 +1,419 @@
+"""Kernel mean embeddings of bags: exact (blocked), random Fourier, Nyström.
+
+The mean embedding of a bag ``P̂ = Σ_i c_i δ_{x_i}`` under a point kernel ``k`` is
+``μ_P = Σ_i c_i k(·, x_i)``; inner products and distances between embeddings are
+
+    ⟨μ_P, μ_Q⟩ = Σ_i Σ_j c_i c'_j k(x_i, x'_j)          (the set kernel)
+    MMD²(P, Q) = ⟨μ_P, μ_P⟩ + ⟨μ_Q, μ_Q⟩ - 2 ⟨μ_P, μ_Q⟩   (the plug-in V-statistic)
+
+(paper 003 §2 steps 1-2; paper 000 §2.6). ``method="exact"`` computes these sums by
+blocks of points, so the point Gram of all points never exists in memory (its cost
+stays quadratic in the bag sizes). ``"rff"`` and ``"nystroem"`` give explicit feature
+vectors ``Σ_i c_i z(x_i)`` whose inner products approximate the set kernel, linear in
+the number of points.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+from scipy.spatial.distance import cdist, pdist
+from threadpoolctl import threadpool_limits
+
+from .._random import check_generator
+from ..bags import Bags
+from ..kernels import POINT_KERNELS, point_kernel
+from .base import BagRepresentation, Embedding, FeatureEmbedding
+from .base import n_threads_for as _n_threads
+
+__all__ = ["MeanEmbedding", "SetKernelEmbedding", "set_kernel_gram"]
+
+# Point-kernel blocks hold at most this many float64 entries (8 MiB): small enough
+# to stay in cache through the exp and the two reductions.
+_BLOCK_ENTRIES = 1 << 20
+# The median heuristic looks at pairwise distances of at most this many points.
+_MEDIAN_SUBSAMPLE = 2000
+
+
+def _chunk_bounds(n_points: int, chunk: int) -> list[tuple[int, int]]:
+    return [(lo, min(n_points, lo + chunk)) for lo in range(0, n_points, chunk)]
+
+
+def _segments_in(
+    offsets: NDArray[np.int64], lo: int, hi: int
+) -> tuple[int, int, NDArray[np.int64]]:
+    """Bags overlapping points ``[lo, hi)``: first bag, end bag, local segment starts."""
+    b0 = int(np.searchsorted(offsets, lo, side="right") - 1)
+    b1 = int(np.searchsorted(offsets, hi, side="left"))
+    starts = np.maximum(offsets[b0:b1], lo) - lo
+    return b0, b1, starts
+
+
+def _kernel_factors(
+    A: Bags, B: Bags, kernel: str, bandwidth: float
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Row factors whose products are log-kernel values (Gaussian) or the raw points.
+
+    For the Gaussian kernel, ``[x/σ², -‖x‖²/(2σ²), 1] · [y, 1, -‖y‖²/(2σ²)]`` equals
+    ``-‖x - y‖²/(2σ²)``, so one GEMM gives the exponent of a whole block with no extra
+    passes over it. Both sides are shifted by the mean of ``A`` (the kernel is
+    translation invariant) to keep the cancellation in that sum small.
+    """
+    center = A.points.mean(axis=0)
+    pa, pb = A.points - center, B.points - center
+    if kernel != "gaussian":
+        return pa, pb
+    s2 = bandwidth**2
+    na = np.einsum("ij,ij->i", pa, pa) / (2 * s2)
+    nb = np.einsum("ij,ij->i", pb, pb) / (2 * s2)
+    left = np.hstack([pa / s2, -na[:, None], np.ones((pa.shape[0], 1))])
+    right = np.hstack([pb, np.ones((pb.shape[0], 1)), -nb[:, None]])
+    return left, right
+
+
+def _power_steps(ratios: NDArray[np.float64]) -> list[int | None]:
+    """How to get each ``E^{r_k}`` from the previous one: squarings, or ``None`` (an exp).
+
+    With a geometric bandwidth grid of ratio ``√2^j`` (Gaussian) the kernel for the next
+    bandwidth is the previous one squared ``j`` times, a multiplication instead of an
+    ``exp`` per entry.
+    """
+    steps: list[int | None] = [None]
+    for prev, cur in itertools.pairwise(ratios):
+        j = float(np.log2(cur / prev))
+        n = round(j)
+        steps.append(n if abs(j - n) < 1e-9 and 0 <= n <= 8 else None)
+    return steps
+
+
+def set_kernel_gram(
+    A: Bags,
+    B: Bags | None,
+    kernel: str,
+    bandwidth: float | ArrayLike,
+    *,
+    block_entries: int = _BLOCK_ENTRIES,
+    n_jobs: int | None = None,
+) -> NDArray[np.float64]:
+    """Set-kernel Gram ``⟨μ_a, μ_b⟩`` between all bags of ``A`` and ``B``, by blocks.
+
+    Points of both sides are cut into chunks (independently of bag boundaries) so a
+    block of the point kernel has at most ``block_entries`` entries (small enough to
+    stay in cache); each block is weighted and reduced to bag pairs with segment
+    sums, and partial bags at chunk edges accumulate into the same cells. With
+    ``B=None`` only chunk pairs on or above the diagonal are computed and mirrored.
+    ``n_jobs`` threads share the row chunks (numpy's ``exp`` and the reductions
+    release the GIL; BLAS is held to one thread meanwhile).
+
+    Several bandwidths cost one pass over the points: each block's distances are
+    computed once, and on a geometric grid of ratio ``2^(j/2)`` (Gaussian) or
+    ``2^j`` (Laplace) each further kernel is the previous one squared ``j`` times.
+
+    Parameters
+    ----------
+    A, B : Bags
+        ``B=None`` means ``B = A`` (symmetric Gram).
+    kernel : {"gaussian", "laplace"}
+    bandwidth : float or array-like of float
+        ``σ``; a sequence gives one Gram per bandwidth.
+
+    Returns
+    -------
+    ndarray of shape (len(A), len(B)), or (n_bandwidths, len(A), len(B))
+    """
+    sym = B is None
+    B = A if sym else B
+    sigmas = np.atleast_1d(np.asarray(bandwidth, dtype=np.float64))
+    order = np.argsort(-sigmas)  # widest first: smallest exponents, then powers of them
+    q = 2.0 if kernel == "gaussian" else 1.0
+    ratios = (sigmas[order[0]] / sigmas[order]) ** q
+    steps = _power_steps(ratios)
+    left, right = _kernel_factors(A, B, kernel, float(sigmas[order[0]]))
+    wa, wb = A.point_weights(), B.point_weights()
+    inv_b = 1.0 / B.sizes
+    chunk = max(1, math.isqrt(block_entries))
+    rows = _chunk_bounds(A.n_points, chunk)
+    cols = _chunk_bounds(B.n_points, chunk)
+    G = np.zeros((sigmas.size, len(A), len(B)))
+    lock = threading.Lock()
+
+    def log_block(r0: int, r1: int, c0: int, c1: int, out: NDArray[np.float64]) -> None:
+        if kernel == "gaussian":
+            np.matmul(left[r0:r1], right[c0:c1].T, out=out)
+        else:
+            out[...] = cdist(left[r0:r1], right[c0:c1], metric="cityblock")
+            out *= -1.0 / sigmas[order[0]]
+
+    def row_task(bounds: tuple[int, int]) -> None:
+        r0, r1 = bounds
+        ra0, ra1, rstarts = _segments_in(A.offsets, r0, r1)
+        # Buffers reused for every block of this row chunk (no allocation per block).
+        n_buf = (r1 - r0) * chunk
+        buf_l = np.empty(n_buf)
+        buf_k = np.empty(n_buf) if sigmas.size > 1 else buf_l
+        buf_w = np.empty(n_buf) if B.is_weighted else None
+        for c0, c1 in cols:
+            if sym and c1 <= r0:
+                continue  # below the diagonal: the mirror of a block computed elsewhere
+            cb0, cb1, cstarts = _segments_in(B.offsets, c0, c1)
+            shape = (r1 - r0, c1 - c0)
+            size = shape[0] * shape[1]
+            L = buf_l[:size].reshape(shape)
+            K = buf_k[:size].reshape(shape)
+            log_block(r0, r1, c0, c1, L)
+            for k, (ratio, step) in enumerate(zip(ratios, steps, strict=True)):
+                if step is None:
+                    if ratio != 1.0:
+                        np.multiply(L, ratio, out=K)
+                        np.exp(K, out=K)
+                    else:
+                        np.exp(L, out=K)
+                else:
+                    for _ in range(step):
+                        np.multiply(K, K, out=K)
+                if buf_w is not None:
+                    scratch = buf_w[:size].reshape(shape)
+                    np.multiply(K, wb[c0:c1], out=scratch)
+                    S = np.add.reduceat(scratch, cstarts, axis=1)
+                else:
+                    # Uniform weights are constant within a bag: scale sums, not the block.
+                    S = np.add.reduceat(K, cstarts, axis=1)
+                    S *= inv_b[cb0:cb1]
+                S *= wa[r0:r1, None]
+                part = np.add.reduceat(S, rstarts, axis=0)
+                with lock:
+                    G[order[k], ra0:ra1, cb0:cb1] += part
+                    if sym and c0 >= r1:
+                        G[order[k], cb0:cb1, ra0:ra1] += part.T
+
+    n_threads = min(_n_threads(n_jobs), len(rows))
+    if n_threads == 1:
+        for r in rows:
+            row_task(r)
+    else:
+        with threadpool_limits(1), ThreadPoolExecutor(n_threads) as pool:
+            list(pool.map(row_task, rows))
+    if sym:
+        G = 0.5 * (G + G.transpose(0, 2, 1))
+    return G if np.ndim(bandwidth) else G[0]
+
+
+def _self_terms(
+    bags: Bags, kernel: str, bandwidth: float, n_jobs: int | None = None
+) -> NDArray[np.float64]:
+    """``⟨μ_t, μ_t⟩`` for every bag, from groups of consecutive bags."""
+    out = np.empty(len(bags))
+    group_points = int(np.sqrt(_BLOCK_ENTRIES))
+    sizes = bags.sizes
+    t = 0
+    while t < len(bags):
+        # Grow the group while it stays small; a large bag forms its own group and is
+        # chunked inside set_kernel_gram.
+        end = t + 1
+        total = int(sizes[t])
+        while end < len(bags) and total + sizes[end] <= group_points:
+            total += int(sizes[end])
+            end += 1
+        out[t:end] = np.diag(set_kernel_gram(bags[t:end], None, kernel, bandwidth, n_jobs=n_jobs))
+        t = end
+    return out
+
+
+class SetKernelEmbedding(Embedding):
+    """Exact mean embeddings, kept as the bags themselves plus the point kernel.
+
+    Inner products are set-kernel values and squared distances are V-statistic
+    ``MMD²``, both computed by :func:`set_kernel_gram`. Training bags must be kept to
+    predict, so models using it store their training points.
+    """
+
+    def __init__(self, bags: Bags, kernel: str, bandwidth: float, n_jobs: int | None = None):
+        self.bags = bags
+        self.kernel = kernel
+        self.bandwidth = float(bandwidth)
+        self.n_jobs = n_jobs
+        self._self: NDArray[np.float64] | None = None
+
+    def __len__(self) -> int:
+        return len(self.bags)
+
+    def self_inner(self) -> NDArray[np.float64]:
+        """``⟨μ_t, μ_t⟩`` for each bag (cached)."""
+        if self._self is None:
+            self._self = _self_terms(self.bags, self.kernel, self.bandwidth, self.n_jobs)
+        return self._self
+
+    def _other(self, other: Embedding | None) -> SetKernelEmbedding | None:
+        if other is None:
+            return None
+        if not isinstance(other, SetKernelEmbedding) or (other.kernel, other.bandwidth) != (
+            self.kernel,
+            self.bandwidth,
+        ):
+            raise TypeError("both embeddings must come from the same fitted representation")
+        return other
+
+    def inner(self, other: Embedding | None = None) -> NDArray[np.float64]:
+        o = self._other(other)
+        G = set_kernel_gram(
+            self.bags,
+            None if o is None else o.bags,
+            self.kernel,
+            self.bandwidth,
+            n_jobs=self.n_jobs,
+        )
+        if o is None and self._self is None:
+            self._self = np.diag(G).copy()
+        return G
+
+    def sq_distances(self, other: Embedding | None = None) -> NDArray[np.float64]:
+        o = self._other(other)
+        G = self.inner(o)
+        s_self = self.self_inner()
+        s_other = s_self if o is None else o.self_inner()
+        D = s_self[:, None] + s_other[None, :] - 2.0 * G
+        np.maximum(D, 0.0, out=D)
+        if o is None:
+            np.fill_diagonal(D, 0.0)
+        return D
+
+
+def _median_distance(points: NDArray[np.float64], kernel: str, rng: np.random.Generator) -> float:
+    """Median pairwise distance (Euclidean, or ℓ1 for the Laplace kernel) of a subsample."""
+    if points.shape[0] > _MEDIAN_SUBSAMPLE:
+        points = points[rng.choice(points.shape[0], _MEDIAN_SUBSAMPLE, replace=False)]
+    d = pdist(points, metric="cityblock" if kernel == "laplace" else "euclidean")
+    d = d[d > 0]
+    if d.size == 0:
+        return 1.0
+    return float(np.median(d))
+
+
+class MeanEmbedding(BagRepresentation):
+    """Kernel mean embedding of bags, exact or with explicit random features.
+
+    Parameters
+    ----------
+    kernel : {"gaussian", "laplace"}, default="gaussian"
+        Point kernel: ``exp(-‖x - y‖² / (2σ²))`` or ``exp(-‖x - y‖₁ / σ)``.
+    bandwidth : float or None, default=None
+        ``σ``. ``None``: the median heuristic, the median pairwise distance between
+        (up to 2000 subsampled) training points.
+    method : {"exact", "rff", "nystroem"}, default="exact"
+        ``"exact"``: set-kernel sums computed by blocks (no feature vector; cost
+        quadratic in the bag sizes, memory bounded). ``"rff"``: random Fourier
+        features ``[cos(Wx), sin(Wx)] / √(D/2)`` averaged over each bag
+        (Rahimi & Recht). ``"nystroem"``: ``k(x, L) Λ^{-1/2} U^T`` on ``D`` landmarks
+        drawn from the training points, averaged over each bag.
+    n_components : int, default=1000
+        Feature length ``D`` for ``"rff"`` (rounded down to even) and ``"nystroem"``.
+    n_jobs : int or None, default=None
+        Threads for the exact method's blocks (``None``: 1; ``-1``: all cores).
+    random_state : int, Generator or None
+        Seed for frequencies, landmarks and the median-heuristic subsample.
+
+    Attributes
+    ----------
+    bandwidth_ : float
+    frequencies_ : ndarray of shape (D/2, d)
+        ``"rff"`` only.
+    landmarks_ : ndarray of shape (D, d), normalization_ : ndarray of shape (D, r)
+        ``"nystroem"`` only (``r`` ≤ ``D`` retained eigen-directions).
+
+    References
+    ----------
+    Szabó, Gretton, Póczos, Sriperumbudur. "Two-stage sampled learning theory on
+    distributions", AISTATS 2015 (set kernel, MMD). Rahimi & Recht, NIPS 2007.
+    Williams & Seeger, NIPS 2001 (Nyström).
+    """
+
+    def __init__(
+        self,
+        kernel: Literal["gaussian", "laplace"] = "gaussian",
+        bandwidth: float | None = None,
+        method: Literal["exact", "rff", "nystroem"] = "exact",
+        n_components: int = 1000,
+        n_jobs: int | None = None,
+        random_state: Any = None,
+    ):
+        self.kernel = kernel
+        self.bandwidth = bandwidth
+        self.method = method
+        self.n_components = n_components
+        self.n_jobs = n_jobs
+        self.random_state = random_state
+
+    def _fit(self, bags: Bags) -> None:
+        if self.kernel not in POINT_KERNELS:
+            raise ValueError(f"kernel must be one of {POINT_KERNELS}, got {self.kernel!r}")
+        if self.method not in ("exact", "rff", "nystroem"):
+            raise ValueError(f"method must be 'exact', 'rff' or 'nystroem', got {self.method!r}")
+        if self.method != "exact" and (
+            int(self.n_components) != self.n_components or self.n_components < 2
+        ):
+            raise ValueError(f"n_components must be an integer >= 2, got {self.n_components!r}")
+        rng = check_generator(self.random_state)
+        if self.bandwidth is None:
+            self.bandwidth_ = _median_distance(bags.points, self.kernel, rng)
+        elif not self.bandwidth > 0:
+            raise ValueError(f"bandwidth must be > 0, got {self.bandwidth!r}")
+        else:
+            self.bandwidth_ = float(self.bandwidth)
+        d = bags.dim
+        if self.method == "rff":
+            half = int(self.n_components) // 2
+            if self.kernel == "gaussian":
+                self.frequencies_ = rng.standard_normal((half, d)) / self.bandwidth_
+            else:
+                # The Fourier transform of exp(-|u|/σ) is a Cauchy density of scale 1/σ.
+                self.frequencies_ = rng.standard_cauchy((half, d)) / self.bandwidth_
+        elif self.method == "nystroem":
+            m = min(int(self.n_components), bags.n_points)
+            self.landmarks_ = bags.points[rng.choice(bags.n_points, m, replace=False)].copy()
+            Kmm = point_kernel(self.landmarks_, self.landmarks_, self.kernel, self.bandwidth_)
+            vals, vecs = np.linalg.eigh(Kmm)
+            # Drop numerically null directions: a pseudo-inverse square root.
+            keep = vals > vals.max() * 1e-12
+            self.normalization_ = vecs[:, keep] / np.sqrt(vals[keep])
+
+    def embed(self, X: Any) -> Embedding:
+        """Exact set-kernel embedding, or explicit mean feature vectors."""
+        bags = self._validated_bags(X)
+        if self.method == "exact":
+            return SetKernelEmbedding(bags, self.kernel, self.bandwidth_, self.n_jobs)
+        return FeatureEmbedding(self._mean_features(bags), "euclidean")
+
+    def _point_features(self, pts: NDArray[np.float64]) -> NDArray[np.float64]:
+        if self.method == "rff":
+            proj = pts @ self.frequencies_.T
+            half = proj.shape[1]
+            z = np.empty((pts.shape[0], 2 * half))
+            np.cos(proj, out=z[:, :half])
+            np.sin(proj, out=z[:, half:])
+            z *= 1.0 / np.sqrt(half)
+            return z
+        return (
+            point_kernel(pts, self.landmarks_, self.kernel, self.bandwidth_) @ self.normalization_
+        )
+
+    def _mean_features(self, bags: Bags) -> NDArray[np.float64]:
+        if self.method == "rff":
+            width = 2 * self.frequencies_.shape[0]
+            chunk = max(1, _BLOCK_ENTRIES // width)
+        else:
+            width = self.normalization_.shape[1]
+            chunk = max(1, _BLOCK_ENTRIES // self.landmarks_.shape[0])
+        out = np.zeros((len(bags), width))
+        w = bags.point_weights()
+        for lo, hi in _chunk_bounds(bags.n_points, chunk):
+            b0, b1, starts = _segments_in(bags.offsets, lo, hi)
+            z = self._point_features(bags.points[lo:hi])
+            z *= w[lo:hi, None]
+            out[b0:b1] += np.add.reduceat(z, starts, axis=0)
+        return out

@@ -1,0 +1,39 @@
+"""Shared fixtures: small seeded bags."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core import Bags
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(12345)
+
+
+def random_bags(
+    rng: np.random.Generator,
+    n_bags: int = 12,
+    dim: int = 3,
+    sizes: tuple[int, int] = (15, 40),
+    weighted: bool = False,
+) -> Bags:
+    """Bags of varied sizes whose means and spreads differ (so distances do too)."""
+    arrays, weights = [], []
+    for t in range(n_bags):
+        n = int(rng.integers(*sizes))
+        arrays.append(rng.normal(loc=0.3 * t, scale=1.0 + 0.1 * t, size=(n, dim)))
+        weights.append(rng.uniform(0.1, 1.0, size=n))
+    return Bags.from_arrays(arrays, weights=weights if weighted else None)
+
+
+@pytest.fixture
+def bags(rng: np.random.Generator) -> Bags:
+    return random_bags(rng)
+
+
+@pytest.fixture
+def weighted_bags(rng: np.random.Generator) -> Bags:
+    return random_bags(rng, weighted=True)
