@@ -4,10 +4,18 @@ Public API (DESIGN.md section 4)::
 
     from core import Bags, SlicedWasserstein, MeanEmbedding
     from core import DistributionRidge, DistributionRidgeClassifier
+    from core import MarginalTransferClassifier, MarginalTransferRegressor
 """
 
 from .bags import Bags, BagValidationError, as_bags
-from .estimators import DistributionRidge, DistributionRidgeClassifier
+from .estimators import (
+    DistributionRidge,
+    DistributionRidgeClassifier,
+    MarginalTransferClassifier,
+    MarginalTransferRegressor,
+    TaskPrediction,
+    TaskReport,
+)
 from .kernels import DistanceKernel, get_kernel
 from .representations import (
     MeanEmbedding,
@@ -22,8 +30,12 @@ __all__ = [
     "DistanceKernel",
     "DistributionRidge",
     "DistributionRidgeClassifier",
+    "MarginalTransferClassifier",
+    "MarginalTransferRegressor",
     "MeanEmbedding",
     "SlicedWasserstein",
+    "TaskPrediction",
+    "TaskReport",
     "as_bags",
     "get_kernel",
     "sliced_wasserstein_distance",

@@ -6,13 +6,20 @@
 * :func:`make_entropy_bags` — learn the entropy of the first marginal of rotated 2-D
   Gaussians (paper 003 supplement A.2.1; the paper's formula, not ITE's);
 * :func:`load_digits_clouds` — scikit-learn's bundled 8×8 digits as weighted 2-D point
-  clouds, optionally rotated and translated (paper 000 §5.2's MNIST recipe).
+  clouds, optionally rotated and translated (paper 000 §5.2's MNIST recipe);
+* :func:`make_ellipse_tasks` — the rotated-ellipse domain-generalization tasks of
+  paper 004 (Algorithm 1);
+* :func:`make_cytometry_tasks` — synthetic flow-cytometry-like samples: shared cell
+  populations, sample-specific proportions and instrument/batch shifts;
+* :func:`load_flowcap_gvhd` — the FlowCAP-I GvHD samples with per-cell gates, read from
+  a directory of the shared test data (never bundled: tests and benchmarks only).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -23,6 +30,9 @@ from .bags import Bags
 __all__ = [
     "GaussianMixtures",
     "load_digits_clouds",
+    "load_flowcap_gvhd",
+    "make_cytometry_tasks",
+    "make_ellipse_tasks",
     "make_entropy_bags",
     "make_gmm_modes",
 ]
@@ -174,3 +184,159 @@ def load_digits_clouds(
     sizes = np.bincount(rows, minlength=n)
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     return Bags(coords, offsets, weights), digits.target.astype(np.int64)
+
+
+def make_ellipse_tasks(
+    n_tasks: int,
+    n_points: int,
+    random_state: Any = None,
+    *,
+    semi_axes: tuple[float, float] = (1.0, 0.2),
+    angle_range: tuple[float, float] = (np.pi / 4, 3 * np.pi / 4),
+) -> tuple[Bags, NDArray[np.int64], NDArray[np.float64]]:
+    """Rotated-ellipse classification tasks (paper 004 §8.2, Algorithm 1).
+
+    Each task draws an angle ``α ~ U[angle_range]``, rotates an ellipse with the given
+    semi-axes (major axis first) by ``α`` about the origin, and samples ``n_points``
+    points uniformly inside it. A point is labelled ``+1`` on the right of the major
+    axis (the side of the normal ``(sin α, -cos α)``) and ``-1`` on the left. Every task
+    has mean zero, so only second-order information (the orientation) tells the tasks
+    apart, and the Bayes risk given the marginal is zero.
+
+    Returns
+    -------
+    tasks : Bags
+        ``n_tasks`` bags of ``n_points`` points in ``R²``.
+    y : ndarray of shape (n_tasks * n_points,)
+        Labels in ``{-1, +1}`` for every point, task after task.
+    angles : ndarray of shape (n_tasks,)
+    """
+    rng = check_generator(random_state)
+    a, b = semi_axes
+    angles = rng.uniform(*angle_range, size=n_tasks)
+    # Uniform in the unit disc (radius √U), stretched to the ellipse: still uniform.
+    r = np.sqrt(rng.uniform(size=(n_tasks, n_points)))
+    phi = rng.uniform(0.0, 2.0 * np.pi, size=(n_tasks, n_points))
+    u, v = a * r * np.cos(phi), b * r * np.sin(phi)
+    c, s = np.cos(angles)[:, None], np.sin(angles)[:, None]
+    points = np.stack([c * u - s * v, s * u + c * v], axis=-1)
+    # v is the coordinate along the minor axis; v < 0 lies on the (sin α, -cos α) side.
+    y = np.where(v < 0, 1, -1).astype(np.int64).ravel()
+    return Bags.from_arrays(points), y, angles
+
+
+def make_cytometry_tasks(
+    n_tasks: int,
+    n_cells: int,
+    n_markers: int = 8,
+    n_populations: int = 4,
+    batch_shift: float = 1.0,
+    random_state: Any = None,
+    *,
+    panel_seed: int = 0,
+) -> tuple[Bags, NDArray[np.int64]]:
+    """Synthetic flow samples: shared populations seen through per-sample batch effects.
+
+    The *panel* (``panel_seed``) fixes the populations: centre ``m_k ~ N(0, 1.5² I)`` and
+    per-marker spreads in ``[0.4, 0.8]``. Each sample (``random_state``) draws its
+    population proportions from a Dirichlet(2) law and a batch effect acting on every
+    marker, ``x ↦ a ⊙ x + b`` with ``log a ~ N(0, 0.15²)`` and ``b ~ N(0, batch_shift²)``.
+    The label of a cell is its population, so a model that sees the sample's
+    distribution can undo the batch effect; a pooled model cannot. Calls with the same
+    panel and different ``random_state`` give new samples of the same populations.
+
+    Returns
+    -------
+    tasks : Bags
+        ``n_tasks`` samples of ``n_cells`` cells with ``n_markers`` markers.
+    y : ndarray of shape (n_tasks * n_cells,)
+        Population of every cell, ``0..n_populations-1``.
+    """
+    panel = np.random.default_rng([panel_seed, n_markers, n_populations])
+    centres = panel.normal(0.0, 1.5, size=(n_populations, n_markers))
+    spreads = panel.uniform(0.4, 0.8, size=(n_populations, n_markers))
+    rng = check_generator(random_state)
+    arrays, labels = [], []
+    for _ in range(n_tasks):
+        props = rng.dirichlet(np.full(n_populations, 2.0))
+        pop = rng.choice(n_populations, size=n_cells, p=props)
+        x = centres[pop] + spreads[pop] * rng.standard_normal((n_cells, n_markers))
+        a = np.exp(rng.normal(0.0, 0.15, size=n_markers))
+        b = rng.normal(0.0, batch_shift, size=n_markers)
+        arrays.append(a * x + b)
+        labels.append(pop)
+    return Bags.from_arrays(arrays), np.concatenate(labels).astype(np.int64)
+
+
+GVHD_CHANNELS = ("FSC.H", "SSC.H", "FL1.H", "FL2.H", "FL3.H", "FL4.H")
+
+
+def load_flowcap_gvhd(
+    directory: str | Path,
+    samples: list[int] | None = None,
+    *,
+    labels: Literal["aligned", "binary", "raw"] = "aligned",
+    transform: Literal["channel", "arcsinh", "none"] = "channel",
+    cofactor: float = 150.0,
+) -> tuple[Bags, NDArray[np.int64], list[int]]:
+    """FlowCAP-I GvHD flow samples with per-cell manual gates (one task per sample).
+
+    Reads ``sample{k}.csv.gz`` (6 channels: FSC.H, SSC.H, FL1.H..FL4.H) and
+    ``labels{k}.csv.gz`` from ``directory``. The data are not shipped with bagserve;
+    they are test inputs only (see the data set's README for source and licence).
+
+    Parameters
+    ----------
+    directory : path
+        Folder with the 12 sample/label pairs.
+    samples : list of int, optional
+        Sample numbers to read (default 1..12).
+    labels : {"aligned", "binary", "raw"}, default="aligned"
+        Gate IDs are not aligned across samples except 1, 3 and 4 (README).
+        ``"aligned"``: keep 1, 3, 4 and map every other gate (0, 2, 5) to 0 ("other");
+        ``"binary"``: 1 for gates {1, 3, 4}, 0 otherwise; ``"raw"``: the file's IDs.
+    transform : {"channel", "arcsinh", "none"}, default="channel"
+        ``"channel"``: the values are 1024-channel numbers; divide by 1023 to put every
+        channel in ``[0, 1]``. ``"arcsinh"``: ``arcsinh(x / cofactor)``.
+        ``"none"``: raw values.
+
+    Returns
+    -------
+    tasks : Bags
+        One bag per sample (12,751–32,700 cells each).
+    y : ndarray of shape (n_cells_total,)
+        Per-cell labels, sample after sample.
+    samples : list of int
+        The sample numbers, in order.
+    """
+    import gzip
+
+    directory = Path(directory)
+    samples = list(range(1, 13)) if samples is None else list(samples)
+    arrays, ys = [], []
+    for k in samples:
+        with gzip.open(directory / f"sample{k}.csv.gz", "rt") as fh:
+            header = fh.readline().strip().replace('"', "").split(",")
+            if tuple(header) != GVHD_CHANNELS:
+                raise ValueError(
+                    f"sample{k}.csv.gz: expected columns {GVHD_CHANNELS}, got {header}"
+                )
+            x = np.loadtxt(fh, delimiter=",", dtype=np.float64, ndmin=2)
+        lab = np.loadtxt(directory / f"labels{k}.csv.gz", dtype=np.int64, ndmin=1)
+        if lab.shape[0] != x.shape[0]:
+            raise ValueError(f"sample {k}: {x.shape[0]} cells but {lab.shape[0]} labels")
+        if labels == "aligned":
+            lab = np.where(np.isin(lab, (1, 3, 4)), lab, 0)
+        elif labels == "binary":
+            lab = np.isin(lab, (1, 3, 4)).astype(np.int64)
+        elif labels != "raw":
+            raise ValueError(f"labels must be 'aligned', 'binary' or 'raw', got {labels!r}")
+        if transform == "channel":
+            x = x / 1023.0
+        elif transform == "arcsinh":
+            x = np.arcsinh(x / cofactor)
+        elif transform != "none":
+            raise ValueError(f"transform must be 'channel', 'arcsinh' or 'none', got {transform!r}")
+        arrays.append(x)
+        ys.append(lab)
+    return Bags.from_arrays(arrays), np.concatenate(ys), samples

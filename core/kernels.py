@@ -63,6 +63,8 @@ __all__ = [
     "cityblock_distances",
     "get_kernel",
     "point_kernel",
+    "random_fourier_features",
+    "random_fourier_frequencies",
     "squared_euclidean_distances",
 ]
 
@@ -145,6 +147,36 @@ def point_kernel(
         raise ValueError(f"unknown point kernel {kernel!r}; expected one of {POINT_KERNELS}")
     np.exp(K, out=K)
     return K
+
+
+def random_fourier_frequencies(
+    kernel: str, bandwidth: float, n_frequencies: int, dim: int, rng: np.random.Generator
+) -> NDArray[np.float64]:
+    """Frequencies ``W`` (n_frequencies, dim) of a shift-invariant point kernel.
+
+    Bochner: ``k(x - y) = E_w cos(wᵀ(x - y))`` with ``w`` drawn from the kernel's
+    spectral density, ``N(0, σ⁻² I)`` for the Gaussian ``exp(-‖x-y‖²/(2σ²))`` and a
+    product of Cauchy laws of scale ``1/σ`` for the Laplace ``exp(-‖x-y‖₁/σ)``
+    (Rahimi & Recht, NIPS 2007).
+    """
+    if kernel == "gaussian":
+        return rng.standard_normal((n_frequencies, dim)) / bandwidth
+    if kernel == "laplace":
+        return rng.standard_cauchy((n_frequencies, dim)) / bandwidth
+    raise ValueError(f"unknown point kernel {kernel!r}; expected one of {POINT_KERNELS}")
+
+
+def random_fourier_features(
+    X: NDArray[np.float64], frequencies: NDArray[np.float64]
+) -> NDArray[np.float64]:
+    """``z(x) = [cos(Wx), sin(Wx)] / √m`` so that ``z(x)ᵀz(y) ≈ k(x, y)``; shape (n, 2m)."""
+    proj = X @ frequencies.T
+    m = proj.shape[1]
+    z = np.empty((X.shape[0], 2 * m))
+    np.cos(proj, out=z[:, :m])
+    np.sin(proj, out=z[:, m:])
+    z *= 1.0 / np.sqrt(m)
+    return z
 
 
 # --------------------------------------------------------------------------- distance kernels

@@ -10,16 +10,18 @@ per ``λ`` after the ``O(T³)`` decomposition. One distance matrix serves every
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from ._random import check_generator
 from .kernels import DistanceKernel
 
 __all__ = [
     "DEFAULT_ALPHA_GRID",
     "gamma_grid",
+    "leave_tasks_out_folds",
     "median_heuristic_gamma",
     "ridge_selection_scores",
 ]
@@ -148,3 +150,33 @@ def ridge_selection_scores(
             resid = (Yc - fitted) / one_minus_h[:, None]
         scores[a] = np.mean(resid**2)
     return scores
+
+
+def leave_tasks_out_folds(
+    n_tasks: int, n_splits: int = 5, n_repeats: int = 1, random_state: Any = None
+) -> list[tuple[NDArray[np.int64], NDArray[np.int64]]]:
+    """Leave-tasks-out cross-validation: whole tasks (bags) go to validation.
+
+    Each repeat shuffles the tasks and cuts them into ``min(n_splits, n_tasks)`` groups
+    of near-equal size; every group is the validation set of one fold, so within a
+    repeat the validation sets partition the tasks. A validation task never
+    contributes a point, a label or an embedding to its fold's training side.
+
+    Returns
+    -------
+    list of (train_tasks, validation_tasks)
+        ``n_repeats * min(n_splits, n_tasks)`` pairs of sorted task indices.
+    """
+    if n_tasks < 2:
+        raise ValueError(f"cross-validation over tasks needs at least 2 tasks, got {n_tasks}")
+    if n_splits < 2 or n_repeats < 1:
+        raise ValueError(f"need n_splits >= 2 and n_repeats >= 1, got {n_splits}, {n_repeats}")
+    rng = check_generator(random_state)
+    k = min(n_splits, n_tasks)
+    folds = []
+    for _ in range(n_repeats):
+        perm = rng.permutation(n_tasks)
+        for part in np.array_split(perm, k):
+            val = np.sort(part)
+            folds.append((np.setdiff1d(np.arange(n_tasks), val), val))
+    return folds

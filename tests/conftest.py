@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from core import Bags
+
+#: The shared real data sets (``../shared/data`` beside the repository, as in CI).
+SHARED_DATA = Path(
+    os.environ.get("BAGSERVE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")
+)
 
 
 @pytest.fixture

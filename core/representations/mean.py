@@ -28,7 +28,12 @@ from threadpoolctl import threadpool_limits
 
 from .._random import check_generator
 from ..bags import Bags
-from ..kernels import POINT_KERNELS, point_kernel
+from ..kernels import (
+    POINT_KERNELS,
+    point_kernel,
+    random_fourier_features,
+    random_fourier_frequencies,
+)
 from .base import BagRepresentation, Embedding, FeatureEmbedding
 from .base import n_threads_for as _n_threads
 
@@ -367,12 +372,9 @@ class MeanEmbedding(BagRepresentation):
             self.bandwidth_ = float(self.bandwidth)
         d = bags.dim
         if self.method == "rff":
-            half = int(self.n_components) // 2
-            if self.kernel == "gaussian":
-                self.frequencies_ = rng.standard_normal((half, d)) / self.bandwidth_
-            else:
-                # The Fourier transform of exp(-|u|/σ) is a Cauchy density of scale 1/σ.
-                self.frequencies_ = rng.standard_cauchy((half, d)) / self.bandwidth_
+            self.frequencies_ = random_fourier_frequencies(
+                self.kernel, self.bandwidth_, int(self.n_components) // 2, d, rng
+            )
         elif self.method == "nystroem":
             m = min(int(self.n_components), bags.n_points)
             self.landmarks_ = bags.points[rng.choice(bags.n_points, m, replace=False)].copy()
@@ -391,13 +393,7 @@ class MeanEmbedding(BagRepresentation):
 
     def _point_features(self, pts: NDArray[np.float64]) -> NDArray[np.float64]:
         if self.method == "rff":
-            proj = pts @ self.frequencies_.T
-            half = proj.shape[1]
-            z = np.empty((pts.shape[0], 2 * half))
-            np.cos(proj, out=z[:, :half])
-            np.sin(proj, out=z[:, half:])
-            z *= 1.0 / np.sqrt(half)
-            return z
+            return random_fourier_features(pts, self.frequencies_)
         return (
             point_kernel(pts, self.landmarks_, self.kernel, self.bandwidth_) @ self.normalization_
         )

@@ -1,0 +1,1024 @@
+"""Domain generalisation by marginal transfer learning (paper 004, Blanchard et al.).
+
+Training data are ``N`` labelled *tasks* (one patient's cells with their gates); a new
+task arrives unlabelled and every one of its points gets a label. The decision
+function acts on augmented points ``x̃ = (P, x)`` where ``P`` is the empirical
+distribution of the point's own task, with the product kernel
+
+    k̄((P, x), (P', x')) = k_X(x, x') · (τ + (1 - τ) k_P(P, P'))          (paper 004 eq. 8)
+
+``k_P`` a kernel on the distance between task embeddings (any representation of the
+core, the exact mean embedding by default) and ``τ`` a share of pooling: ``τ = 1`` is
+the pooled model (``k_P ≡ 1``), ``τ = 0`` the paper's kernel. Every point is weighted
+``1 / (N n_i)`` so every task counts equally (eq. 7), and there is no bias term.
+
+Two solvers behind ``solver=``:
+
+* ``"exact"``: the kernel matrix over all training points, with the paper's bias-free
+  weighted SVM / SVR (hinge / ε-insensitive) or weighted kernel ridge. Small data.
+* ``"random_features"``: explicit features, a weighted ridge, cost linear in the total
+  number of points. ``task_map="nystroem"`` (default) uses random Fourier features
+  ``z(x)`` for ``k_X`` and the *exact* Nyström map of ``k_P`` over the ``N`` training
+  tasks, ``ψ(P) = Λ^{-1/2} Uᵀ k_P(P_train, P)``, so the joint feature is
+  ``[√τ, √(1-τ) ψ(P)] ⊗ z(x)``: exact on the training tasks and vanishing for a task
+  unlike all of them, where the model falls back to its pooled part ``√τ w_0``.
+  ``task_map="rff"`` is the paper's §7.2 construction (an RFF mean embedding
+  concatenated with ``x``, a second RFF layer), kept for comparison: far from the
+  training tasks its features do not vanish and it predicts noise.
+
+Each prediction reports, per new task, its similarity to the nearest training tasks and
+an out-of-range flag (:class:`TaskReport`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
+from sklearn.utils.validation import check_is_fitted
+
+from .._random import check_generator
+from ..bags import Bags, BagValidationError, as_bags
+from ..kernels import get_kernel, point_kernel, random_fourier_features
+from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
+from ..representations.mean import MeanEmbedding, _median_distance
+from ..selection import leave_tasks_out_folds, median_heuristic_gamma
+from ._transfer_solvers import (
+    structured_ridge_path,
+    weighted_kernel_ridge,
+    weighted_svm,
+    weighted_svr,
+)
+
+__all__ = [
+    "MarginalTransferClassifier",
+    "MarginalTransferRegressor",
+    "TaskPrediction",
+    "TaskReport",
+]
+
+#: Default ridge grid ``λ`` of the weighted objective (per-task mean loss ~ 1).
+ALPHA_GRID = np.logspace(-6, -1, 6)
+#: Default shares of pooling searched besides the pooled model itself (τ = 1).
+TAU_GRID = (0.0, 0.2)
+#: Multipliers of the median heuristic searched for each bandwidth or ``γ``; the
+#: search is coordinate-wise (see ``_search``), so each grid costs its length, not
+#: the product of all lengths.
+BANDWIDTH_FACTORS = (0.5, 1.0, 2.0)
+TASK_GAMMA_FACTORS = (0.3, 1.0, 3.0)
+EMBEDDING_BANDWIDTH_FACTORS = (0.5, 1.0, 2.0)
+# Points per point-chunk when features are computed (bounds memory).
+_CHUNK_POINTS = 1 << 15
+
+
+@dataclass(frozen=True)
+class TaskReport:
+    """How a new task relates to the training tasks.
+
+    Attributes
+    ----------
+    nearest_tasks : ndarray of int
+        Training tasks sorted by decreasing similarity (at most 3).
+    similarities : ndarray of float
+        ``k_P`` to those tasks (1 = identical embedding, → 0 far away).
+    distance : float
+        Hilbertian embedding distance to the nearest training task.
+    out_of_range : bool
+        ``distance`` exceeds ``range_factor`` times the largest nearest-neighbour
+        distance among the training tasks: the task is unlike every training task,
+        and a ``τ > 0`` model answers with its pooled part there.
+    """
+
+    nearest_tasks: NDArray[np.int64]
+    similarities: NDArray[np.float64]
+    distance: float
+    out_of_range: bool
+
+
+@dataclass
+class TaskPrediction:
+    """Labels (or values) and scores of every point of one task, plus its report."""
+
+    predictions: NDArray[Any]
+    scores: NDArray[np.float64]
+    report: TaskReport = field(repr=False)
+
+
+def _as_tasks(X: Any) -> tuple[Bags, bool]:
+    """Tasks as :class:`Bags`; a single 2-D array is one task (flag returned)."""
+    if isinstance(X, np.ndarray) and X.ndim == 2:
+        return Bags.from_arrays([X]), True
+    return as_bags(X), False
+
+
+def _canonical_subsample(bags: Bags, size: int | None, seed: int) -> Bags:
+    """At most ``size`` points of every task, chosen independently of point order.
+
+    Rows are put in lexicographic order before a seeded draw, so the subsample (and
+    every prediction) does not depend on how the cells of a task were ordered.
+    """
+    if size is None or bags.sizes.max() <= size:
+        return bags
+    parts = []
+    for pts in bags:
+        if pts.shape[0] <= size:
+            parts.append(pts)
+            continue
+        order = np.lexsort(pts.T[::-1])
+        rng = np.random.default_rng([seed, pts.shape[0]])
+        pick = np.sort(rng.choice(pts.shape[0], size, replace=False))
+        parts.append(pts[order[pick]])
+    return Bags.from_arrays(parts)
+
+
+def _single_point_problems(tasks: Bags) -> list[str]:
+    """Policy: a task needs at least 2 points, in training and at prediction alike, since
+    its distribution (the model's other input) cannot be estimated from one cell."""
+    return [
+        f"task {int(t)} has a single point: its distribution cannot be estimated"
+        for t in np.flatnonzero(tasks.sizes < 2)
+    ]
+
+
+class _MarginalTransfer(BaseEstimator):
+    """Shared implementation; see :class:`MarginalTransferClassifier`."""
+
+    _is_classifier = False
+
+    def __init__(
+        self,
+        solver: Literal["random_features", "exact"] = "random_features",
+        task_map: Literal["nystroem", "rff"] = "nystroem",
+        loss: str | None = None,
+        embedding: BagRepresentation | None = None,
+        embedding_points: int | None = 500,
+        task_kernel: str = "gaussian",
+        task_gamma: float | ArrayLike | None = None,
+        point_kernel: Literal["gaussian", "linear"] = "gaussian",
+        point_bandwidth: float | ArrayLike | None = None,
+        tau: float | ArrayLike | None = None,
+        pooling: bool = False,
+        alpha: float | ArrayLike | None = None,
+        epsilon: float = 0.1,
+        n_components: int = 128,
+        cv: int = 5,
+        cv_repeats: int = 1,
+        cv_points: int = 2000,
+        range_factor: float = 1.5,
+        max_exact_points: int = 4000,
+        random_state: Any = None,
+    ):
+        self.solver = solver
+        self.task_map = task_map
+        self.loss = loss
+        self.embedding = embedding
+        self.embedding_points = embedding_points
+        self.task_kernel = task_kernel
+        self.task_gamma = task_gamma
+        self.point_kernel = point_kernel
+        self.point_bandwidth = point_bandwidth
+        self.tau = tau
+        self.pooling = pooling
+        self.alpha = alpha
+        self.epsilon = epsilon
+        self.n_components = n_components
+        self.cv = cv
+        self.cv_repeats = cv_repeats
+        self.cv_points = cv_points
+        self.range_factor = range_factor
+        self.max_exact_points = max_exact_points
+        self.random_state = random_state
+
+    # ================================================================= validation
+    def _loss(self) -> str:
+        allowed = (
+            ("hinge", "squared") if self._is_classifier else ("epsilon_insensitive", "squared")
+        )
+        if self.solver not in ("exact", "random_features"):
+            raise ValueError(f"solver must be 'exact' or 'random_features', got {self.solver!r}")
+        if self.task_map not in ("nystroem", "rff"):
+            raise ValueError(f"task_map must be 'nystroem' or 'rff', got {self.task_map!r}")
+        if self.point_kernel not in ("gaussian", "linear"):
+            raise ValueError(
+                f"point_kernel must be 'gaussian' or 'linear', got {self.point_kernel!r}"
+            )
+        loss = self.loss or (allowed[0] if self.solver == "exact" else "squared")
+        if loss not in allowed:
+            raise ValueError(f"loss must be one of {allowed}, got {loss!r}")
+        if self.solver == "random_features" and loss != "squared":
+            raise ValueError(
+                "the random-feature solver fits a weighted ridge (loss='squared'); "
+                f"use solver='exact' for loss={loss!r}"
+            )
+        if self.solver == "random_features" and self.task_map == "rff":
+            if self.point_kernel != "gaussian":
+                raise ValueError("task_map='rff' (paper 004 §7.2) needs point_kernel='gaussian'")
+            if self.tau not in (None, 0, 0.0):
+                raise ValueError("task_map='rff' has no pooling share; leave tau=None")
+        return loss
+
+    def _labels(self, y: ArrayLike, tasks: Bags) -> NDArray[np.float64]:
+        """Per-point targets as a float matrix (n_points, n_outputs)."""
+        if (
+            isinstance(y, list | tuple)
+            and len(y) == len(tasks)
+            and all(np.ndim(part) >= 1 for part in y)
+        ):
+            problems = [
+                f"task {t}: {len(part)} label(s) for {n} point(s)"
+                for t, (part, n) in enumerate(zip(y, tasks.sizes, strict=True))
+                if len(part) != n
+            ]
+            if problems:
+                raise BagValidationError(problems)
+            y = np.concatenate([np.asarray(part) for part in y])
+        y = np.asarray(y)
+        if y.shape[0] != tasks.n_points:
+            raise BagValidationError(
+                [f"got {y.shape[0]} label(s) for {tasks.n_points} point(s) in {len(tasks)} task(s)"]
+            )
+        return self._encode(y)
+
+    # ================================================================= fitting
+    def fit(self, X: Any, y: ArrayLike) -> _MarginalTransfer:
+        """Fit on labelled training tasks.
+
+        Parameters
+        ----------
+        X : Bags, list of 2-D arrays, or 3-D array
+            One bag of points per training task (patient).
+        y : array-like of shape (n_points,) or list of per-task arrays
+            A label (or value) for every point, task after task.
+        """
+        loss = self._loss()
+        tasks, _ = _as_tasks(X)
+        Y = self._labels(y, tasks)
+        N = len(tasks)
+        if _single_point_problems(tasks):
+            raise BagValidationError(_single_point_problems(tasks))
+        if self.solver == "exact" and tasks.n_points > self.max_exact_points:
+            raise BagValidationError(
+                [
+                    f"the exact solver builds a {tasks.n_points} x {tasks.n_points} kernel "
+                    f"matrix (more than max_exact_points={self.max_exact_points}); use "
+                    "solver='random_features' or subsample the tasks"
+                ]
+            )
+        self.n_features_in_ = tasks.dim
+        self.n_tasks_ = N
+        self._loss_ = loss
+        rng = check_generator(self.random_state)
+        self._seed = int(rng.integers(2**31))
+        self.task_kernel_ = get_kernel(self.task_kernel)
+        if self.task_kernel_.uses_inner_product:
+            raise ValueError("task_kernel must be a radial kernel on embedding distances")
+        # Standard normal directions shared by every bandwidth candidate (smooth CV).
+        half = max(1, int(self.n_components) // 2)
+        self._base_frequencies = rng.standard_normal((half, tasks.dim))
+        self._joint_base = None
+        if self.solver == "random_features" and self.task_map == "rff":
+            self._joint_base = rng.standard_normal((half, 2 * half + tasks.dim))
+
+        emb_tasks = _canonical_subsample(tasks, self.embedding_points, self._seed)
+        grid = self._grid(tasks)
+        sizes = [len(v) for v in grid.values()]
+        if max(sizes) > 1 or self._alpha_grid.size > 1:
+            best = self._search(tasks, emb_tasks, Y, grid)
+        else:
+            best = {name: values[0] for name, values in grid.items()}
+            best["alpha"] = float(self._alpha_grid[0])
+            self.selection_ = {"evaluated": [], "folds": [], "best": best}
+        self._fit_final(tasks, emb_tasks, Y, best)
+        return self
+
+    # ----------------------------------------------------------------- pieces
+    def _make_embedding(self) -> BagRepresentation:
+        if self.embedding is not None:
+            rep = clone(self.embedding)
+        elif self.solver == "random_features" and self.task_map == "rff":
+            rep = MeanEmbedding(method="rff", n_components=2 * max(1, int(self.n_components) // 2))
+        else:
+            rep = MeanEmbedding()
+        params = rep.get_params(deep=False)
+        if "random_state" in params and params["random_state"] is None:
+            rep.set_params(random_state=self._seed)
+        return rep
+
+    def _fit_embedding(self, emb_tasks: Bags, factor: float) -> tuple[BagRepresentation, Embedding]:
+        rep = self._make_embedding().fit(emb_tasks)
+        if factor != 1.0:
+            rep = rep.set_params(bandwidth=factor * rep.bandwidth_).fit(emb_tasks)
+        emb = rep.embed(emb_tasks)
+        paper = self.solver == "random_features" and self.task_map == "rff"
+        if paper and not (isinstance(emb, FeatureEmbedding) and emb.geometry == "euclidean"):
+            raise ValueError(
+                "task_map='rff' concatenates explicit embedding features with x (paper 004 "
+                "eq. 32); use an embedding with Euclidean feature vectors, e.g. "
+                "MeanEmbedding(method='rff')"
+            )
+        return rep, emb
+
+    def _searches_embedding_bandwidth(self) -> bool:
+        rep = self._make_embedding()
+        return "bandwidth" in rep.get_params(deep=False) and rep.get_params()["bandwidth"] is None
+
+    def _point_features(self, pts: NDArray[np.float64], sigma: float) -> NDArray[np.float64]:
+        if self.point_kernel == "linear":
+            return np.hstack([pts, np.ones((pts.shape[0], 1))])
+        return random_fourier_features(pts, self._base_frequencies / sigma)
+
+    def _point_gram(
+        self, A: NDArray[np.float64], B: NDArray[np.float64], sigma: float
+    ) -> NDArray[np.float64]:
+        if self.point_kernel == "linear":
+            return A @ B.T + 1.0
+        return point_kernel(A, B, "gaussian", sigma)
+
+    def _grid(self, tasks: Bags) -> dict[str, list[Any]]:
+        """Values the search may visit for each hyperparameter (first = default)."""
+        # Relative values are resolved on the tasks at hand: a fold's training tasks
+        # during the search, all training tasks in the final fit.
+        if self.point_kernel == "linear":
+            sigmas: list[Any] = [("absolute", 1.0)]
+        elif self.point_bandwidth is None:
+            sigmas = [("relative", f) for f in BANDWIDTH_FACTORS]
+        else:
+            sigmas = [("absolute", float(v)) for v in np.atleast_1d(self.point_bandwidth)]
+            if any(not v > 0 for _, v in sigmas):
+                raise ValueError(f"point_bandwidth must be > 0, got {self.point_bandwidth!r}")
+        alphas = ALPHA_GRID if self.alpha is None else np.atleast_1d(np.asarray(self.alpha, float))
+        if np.any(alphas <= 0):
+            raise ValueError(f"alpha must be > 0, got {self.alpha!r}")
+        self._alpha_grid = alphas
+        if self.pooling:
+            taus: list[float] = [1.0]
+        elif self.task_map == "rff" and self.solver == "random_features":
+            taus = [0.0]
+        elif self.tau is None:
+            taus = [*TAU_GRID, 1.0]
+        else:
+            taus = [float(v) for v in np.atleast_1d(self.tau)]
+            if any(not 0.0 <= t <= 1.0 for t in taus):
+                raise ValueError(f"tau must lie in [0, 1], got {self.tau!r}")
+        if self.task_gamma is None:
+            gammas: list[Any] = [("relative", f) for f in TASK_GAMMA_FACTORS]
+        else:
+            gammas = [("absolute", float(v)) for v in np.atleast_1d(self.task_gamma)]
+        if taus == [1.0]:
+            gammas = [None]
+        embs = list(EMBEDDING_BANDWIDTH_FACTORS) if self._searches_embedding_bandwidth() else [1.0]
+        if taus == [1.0]:
+            embs = [1.0]
+        return {"sigma": sigmas, "tau": taus, "gamma": gammas, "emb": embs}
+
+    def _sigma_value(self, spec: tuple[str, float], points: NDArray[np.float64]) -> float:
+        kind, value = spec
+        if kind == "absolute":
+            return value
+        return value * _median_distance(points, "gaussian", np.random.default_rng(self._seed))
+
+    def _gamma_value(self, spec: tuple[str, float] | None, sq: NDArray[np.float64]) -> float | None:
+        if spec is None:
+            return None
+        kind, value = spec
+        if kind == "absolute":
+            return value
+        return value * median_heuristic_gamma(sq, self.task_kernel_) if sq.shape[0] > 1 else value
+
+    # ----------------------------------------------------------------- task maps
+    @staticmethod
+    def _nystroem(KP: NDArray[np.float64]) -> NDArray[np.float64]:
+        """``M = U Λ^{-1/2}`` over training tasks: ``ψ(P) = Mᵀ k_P(train, P)``."""
+        vals, vecs = np.linalg.eigh(KP)
+        keep = vals > max(vals.max(), 1e-300) * 1e-10
+        return vecs[:, keep] / np.sqrt(vals[keep])
+
+    def _task_coords(
+        self, kp_new: NDArray[np.float64], basis: NDArray[np.float64] | None, tau: float
+    ) -> NDArray[np.float64]:
+        """``s(P) = [√τ, √(1-τ) ψ(P)]`` for each row of ``kp_new`` (k_P to training tasks)."""
+        n = kp_new.shape[0]
+        if tau == 1.0 or basis is None:
+            return np.ones((n, 1))
+        psi = kp_new @ basis
+        return np.hstack([np.full((n, 1), np.sqrt(tau)), np.sqrt(1.0 - tau) * psi])
+
+    # ----------------------------------------------------------------- statistics
+    def _task_statistics(
+        self, tasks: Bags, Y: NDArray[np.float64], sigma: float
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """Per-task ``A_i = Σ_j z zᵀ / n_i`` and ``b_i = Σ_j z yᵀ / n_i``, one pass over points."""
+        D = self._point_features(tasks.points[:1], sigma).shape[1]
+        N, k = len(tasks), Y.shape[1]
+        A = np.zeros((N, D, D))
+        B = np.zeros((N, D, k))
+        for t in range(N):
+            lo, hi = int(tasks.offsets[t]), int(tasks.offsets[t + 1])
+            for c0 in range(lo, hi, _CHUNK_POINTS):
+                c1 = min(hi, c0 + _CHUNK_POINTS)
+                Z = self._point_features(tasks.points[c0:c1], sigma)
+                A[t] += Z.T @ Z
+                B[t] += Z.T @ Y[c0:c1]
+            A[t] /= hi - lo
+            B[t] /= hi - lo
+        return A, B
+
+    # ----------------------------------------------------------------- search
+    def _search(
+        self, tasks: Bags, emb_tasks: Bags, Y: NDArray[np.float64], grid: dict[str, list[Any]]
+    ) -> dict[str, Any]:
+        """Leave-tasks-out CV, coordinate-wise as the authors' code does it.
+
+        (1) the pooled model (``τ = 1``) over the point bandwidths; (2) at that bandwidth,
+        ``(τ, γ_P)``; (3) the embedding bandwidth; (4) the point bandwidth again. Every
+        evaluation covers the whole ``λ`` grid (one eigendecomposition per fold). The
+        best configuration seen wins, the pooled model included.
+        """
+        N = len(tasks)
+        if N < 2:
+            raise BagValidationError(
+                [
+                    "choosing hyperparameters needs at least 2 training tasks; fix "
+                    "point_bandwidth, task_gamma, tau and alpha to fit on one task"
+                ]
+            )
+        folds = leave_tasks_out_folds(N, self.cv, self.cv_repeats, self._seed)
+        evaluator = _FoldEvaluator(self, tasks, emb_tasks, Y, folds)
+        seen: dict[tuple[Any, ...], NDArray[np.float64]] = {}
+
+        def errors(c: dict[str, Any]) -> float:
+            key = (c["sigma"], c["tau"], c["gamma"], c["emb"])
+            if c["tau"] == 1.0:
+                key = (c["sigma"], 1.0, None, 1.0)
+                c = {"sigma": c["sigma"], "tau": 1.0, "gamma": None, "emb": 1.0}
+            if key not in seen:
+                seen[key] = evaluator.score(c)
+            return float(seen[key].min())
+
+        def best_of(options: list[dict[str, Any]]) -> dict[str, Any]:
+            return min(options, key=errors)
+
+        current = {k: v[0] for k, v in grid.items()}
+        if 1.0 in grid["tau"]:
+            current = best_of([{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]])
+        others = [t for t in grid["tau"] if t != 1.0]
+        if others:
+            base = {**current}
+            current = best_of(
+                [
+                    {**base, "tau": t, "gamma": g, "emb": grid["emb"][len(grid["emb"]) // 2]}
+                    for t in others
+                    for g in grid["gamma"]
+                ]
+            )
+            current = best_of([{**current, "emb": e} for e in grid["emb"]])
+            current = best_of([{**current, "sigma": s} for s in grid["sigma"]])
+        if 1.0 in grid["tau"]:
+            pooled = best_of([{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]])
+            current = min([current, pooled], key=errors)
+        key = min(seen, key=lambda k: seen[k].min())
+        best = {"sigma": key[0], "tau": key[1], "gamma": key[2], "emb": key[3]}
+        best["alpha"] = float(self._alpha_grid[int(np.argmin(seen[key]))])
+        self.selection_ = {
+            "evaluated": [
+                {"sigma": k[0], "tau": k[1], "gamma": k[2], "emb": k[3], "cv_error": v.tolist()}
+                for k, v in seen.items()
+            ],
+            "alpha_grid": self._alpha_grid,
+            "folds": folds,
+            "best": best,
+        }
+        return best
+
+    # ----------------------------------------------------------------- final fit
+    def _fit_final(
+        self, tasks: Bags, emb_tasks: Bags, Y: NDArray[np.float64], best: dict[str, Any]
+    ) -> None:
+        N = len(tasks)
+        self.point_bandwidth_ = self._sigma_value(best["sigma"], tasks.points)
+        self.tau_ = best["tau"]
+        self.alpha_ = float(best["alpha"])
+        rep, emb = self._fit_embedding(emb_tasks, best["emb"])
+        self.embedding_ = rep
+        self.train_embedding_ = emb
+        sq = emb.sq_distances()
+        self.task_sq_distances_ = sq
+        self.task_gamma_ = self._gamma_value(best["gamma"], sq)
+        if N > 1:
+            d = np.sqrt(sq + np.diag(np.full(N, np.inf)))
+            nn = d.min(axis=1)
+            self.range_threshold_ = float(self.range_factor * nn.max())
+        else:
+            self.range_threshold_ = 0.0
+        KP = (
+            np.ones((N, N)) if self.task_gamma_ is None else self.task_kernel_(sq, self.task_gamma_)
+        )
+        w = 1.0 / (N * tasks.sizes)
+        if self.solver == "exact":
+            self.train_points_ = tasks.points.copy()
+            self.train_task_index_ = tasks.bag_index()
+            Kbar = self._joint_train_gram(tasks.points, self.train_task_index_, KP)
+            self.dual_coef_ = self._exact_solve(Kbar, Y, np.repeat(w, tasks.sizes), self.alpha_)
+        elif self.task_map == "nystroem":
+            A, B = self._task_statistics(tasks, Y, self.point_bandwidth_)
+            self.task_basis_ = None if self.tau_ == 1.0 else self._nystroem(KP)
+            S = self._task_coords(KP, self.task_basis_, self.tau_)
+            (theta,) = structured_ridge_path(S, A / N, B / N, np.array([self.alpha_]))
+            self.coef_ = theta
+        else:
+            self._fit_paper_rff(tasks, Y, emb)
+
+    def _joint_train_gram(
+        self, points: NDArray[np.float64], task_index: NDArray[np.int64], KP: NDArray[np.float64]
+    ) -> NDArray[np.float64]:
+        K = self._point_gram(points, points, self.point_bandwidth_)
+        K *= self.tau_ + (1.0 - self.tau_) * KP[np.ix_(task_index, task_index)]
+        return K
+
+    def _exact_solve(
+        self, K: NDArray[np.float64], Y: NDArray[np.float64], c: NDArray[np.float64], lam: float
+    ) -> NDArray[np.float64]:
+        if self._loss_ == "squared":
+            return weighted_kernel_ridge(K, Y, c, lam)
+        cols = []
+        for j in range(Y.shape[1]):
+            if self._loss_ == "hinge":
+                cols.append(weighted_svm(K, Y[:, j], c, lam))
+            else:
+                cols.append(weighted_svr(K, Y[:, j], c, lam, self.epsilon))
+        return np.stack(cols, axis=1)
+
+    # ----------------------------------------------------------------- paper's RFF map
+    @staticmethod
+    def _paper_inputs(
+        pts: NDArray[np.float64], zp: NDArray[np.float64], gamma: float | None, sigma: float
+    ) -> NDArray[np.float64]:
+        """``u = (√(2γ_P) Z_P, x / σ_X)``: one unit Gaussian on ``u`` is ``k_P · k_X``
+        (paper 004 eq. 32)."""
+        scale = 0.0 if gamma is None else np.sqrt(2.0 * gamma)
+        return np.hstack([np.broadcast_to(scale * zp, (pts.shape[0], zp.shape[0])), pts / sigma])
+
+    def _paper_features(self, u: NDArray[np.float64]) -> NDArray[np.float64]:
+        W = self._joint_base[:, : u.shape[1]]
+        return random_fourier_features(u, W)
+
+    def _fit_paper_rff(self, tasks: Bags, Y: NDArray[np.float64], emb: Embedding) -> None:
+        assert isinstance(emb, FeatureEmbedding)
+        N = len(tasks)
+        zp_all = emb.features
+        F = self._paper_features(
+            self._paper_inputs(tasks.points[:1], zp_all[0], self.task_gamma_, self.point_bandwidth_)
+        ).shape[1]
+        A = np.zeros((1, F, F))
+        B = np.zeros((1, F, Y.shape[1]))
+        for t in range(N):
+            lo, hi = int(tasks.offsets[t]), int(tasks.offsets[t + 1])
+            for c0 in range(lo, hi, _CHUNK_POINTS):
+                c1 = min(hi, c0 + _CHUNK_POINTS)
+                Z = self._paper_features(
+                    self._paper_inputs(
+                        tasks.points[c0:c1], zp_all[t], self.task_gamma_, self.point_bandwidth_
+                    )
+                )
+                A[0] += Z.T @ Z / ((hi - lo) * N)
+                B[0] += Z.T @ Y[c0:c1] / ((hi - lo) * N)
+        (theta,) = structured_ridge_path(np.ones((1, 1)), A, B, np.array([self.alpha_]))
+        self.coef_ = theta
+
+    # ================================================================= prediction
+    def _task_similarities(self, tasks: Bags) -> tuple[Embedding, NDArray[np.float64]]:
+        problems = []
+        if tasks.dim != self.n_features_in_:
+            problems.append(
+                f"tasks have {tasks.dim} marker column(s) but the model was fitted "
+                f"on {self.n_features_in_}"
+            )
+        problems += _single_point_problems(tasks)
+        if problems:
+            raise BagValidationError(problems)
+        sub = _canonical_subsample(tasks, self.embedding_points, self._seed)
+        emb = self.embedding_.embed(sub)
+        return emb, emb.sq_distances(self.train_embedding_)
+
+    def _reports(self, sq_new: NDArray[np.float64]) -> list[TaskReport]:
+        kp = (
+            np.ones_like(sq_new)
+            if self.task_gamma_ is None
+            else self.task_kernel_(sq_new, self.task_gamma_)
+        )
+        dist = np.sqrt(np.maximum(sq_new, 0.0))
+        out = []
+        for row_k, row_d in zip(kp, dist, strict=True):
+            order = np.argsort(row_d, kind="stable")[:3]
+            out.append(
+                TaskReport(
+                    nearest_tasks=order,
+                    similarities=row_k[order],
+                    distance=float(row_d[order[0]]),
+                    out_of_range=bool(row_d[order[0]] > self.range_threshold_),
+                )
+            )
+        return out
+
+    def _scores_per_task(self, tasks: Bags) -> tuple[list[NDArray[np.float64]], list[TaskReport]]:
+        check_is_fitted(self, "tau_")
+        if tasks.sizes.min() < 1:  # pragma: no cover - Bags never holds empty bags
+            raise BagValidationError(["empty task"])
+        emb, sq_new = self._task_similarities(tasks)
+        reports = self._reports(sq_new)
+        kp = (
+            np.ones_like(sq_new)
+            if self.task_gamma_ is None
+            else self.task_kernel_(sq_new, self.task_gamma_)
+        )
+        scores = []
+        if self.solver == "exact":
+            for t, pts in enumerate(tasks):
+                mix = self.tau_ + (1.0 - self.tau_) * kp[t][self.train_task_index_]
+                parts = []
+                for c0 in range(0, pts.shape[0], _CHUNK_POINTS // 8):
+                    K = self._point_gram(
+                        pts[c0 : c0 + _CHUNK_POINTS // 8], self.train_points_, self.point_bandwidth_
+                    )
+                    K *= mix
+                    parts.append(K @ self.dual_coef_)
+                scores.append(np.concatenate(parts))
+        elif self.task_map == "nystroem":
+            S = self._task_coords(kp, getattr(self, "task_basis_", None), self.tau_)
+            V = np.einsum("ta,apk->tpk", S, self.coef_)
+            for t, pts in enumerate(tasks):
+                parts = [
+                    self._point_features(pts[c0 : c0 + _CHUNK_POINTS], self.point_bandwidth_) @ V[t]
+                    for c0 in range(0, pts.shape[0], _CHUNK_POINTS)
+                ]
+                scores.append(np.concatenate(parts))
+        else:
+            assert isinstance(emb, FeatureEmbedding)
+            for t, pts in enumerate(tasks):
+                parts = [
+                    self._paper_features(
+                        self._paper_inputs(
+                            pts[c0 : c0 + _CHUNK_POINTS],
+                            emb.features[t],
+                            self.task_gamma_,
+                            self.point_bandwidth_,
+                        )
+                    )
+                    @ self.coef_[0]
+                    for c0 in range(0, pts.shape[0], _CHUNK_POINTS)
+                ]
+                scores.append(np.concatenate(parts))
+        return scores, reports
+
+    def task_report(self, X: Any) -> list[TaskReport]:
+        """Similarity of each new task to the training tasks, and the out-of-range flag."""
+        check_is_fitted(self, "tau_")
+        tasks, _ = _as_tasks(X)
+        return self._reports(self._task_similarities(tasks)[1])
+
+    def predict_tasks(self, X: Any) -> list[TaskPrediction]:
+        """Per task: a prediction for every point, the scores, and the :class:`TaskReport`."""
+        tasks, _ = _as_tasks(X)
+        scores, reports = self._scores_per_task(tasks)
+        return [
+            TaskPrediction(self._decode(s), self._squeeze(s), r)
+            for s, r in zip(scores, reports, strict=True)
+        ]
+
+    def _squeeze(self, s: NDArray[np.float64]) -> NDArray[np.float64]:
+        return s[:, 0] if s.shape[1] == 1 else s
+
+    def _all_scores(self, X: Any) -> NDArray[np.float64]:
+        tasks, _ = _as_tasks(X)
+        scores, _ = self._scores_per_task(tasks)
+        return np.concatenate(scores)
+
+    def predict(self, X: Any) -> NDArray[Any]:
+        """A label (or value) for every point: one task as a 2-D array, or several tasks
+        (a :class:`~core.Bags` or list), concatenated task after task."""
+        return self._decode(self._all_scores(X))
+
+    # ================================================================= inspection
+    def joint_features(self, X: Any) -> NDArray[np.float64]:
+        """Random-feature map of every point of the tasks ``X``: rows ``φ(P, x)`` whose
+        inner products approximate the product kernel ``k̄`` (random-feature solver)."""
+        check_is_fitted(self, "tau_")
+        if self.solver != "random_features":
+            raise TypeError("joint_features needs solver='random_features'")
+        tasks, _ = _as_tasks(X)
+        emb, sq_new = self._task_similarities(tasks)
+        out = []
+        if self.task_map == "nystroem":
+            kp = (
+                np.ones_like(sq_new)
+                if self.task_gamma_ is None
+                else self.task_kernel_(sq_new, self.task_gamma_)
+            )
+            S = self._task_coords(kp, getattr(self, "task_basis_", None), self.tau_)
+            for t, pts in enumerate(tasks):
+                Z = self._point_features(pts, self.point_bandwidth_)
+                out.append(
+                    (S[t][:, None, None] * Z.T[None]).transpose(2, 0, 1).reshape(Z.shape[0], -1)
+                )
+        else:
+            assert isinstance(emb, FeatureEmbedding)
+            for t, pts in enumerate(tasks):
+                u = self._paper_inputs(
+                    pts, emb.features[t], self.task_gamma_, self.point_bandwidth_
+                )
+                out.append(self._paper_features(u))
+        return np.concatenate(out)
+
+    def joint_kernel(self, X: Any, Y: Any = None) -> NDArray[np.float64]:
+        """The exact product kernel ``k̄`` between all points of tasks ``X`` and ``Y``."""
+        check_is_fitted(self, "tau_")
+        ta, _ = _as_tasks(X)
+        tb = ta if Y is None else _as_tasks(Y)[0]
+        ea, _ = self._task_similarities(ta)
+        eb = ea if Y is None else self._task_similarities(tb)[0]
+        sq = ea.sq_distances() if Y is None else ea.sq_distances(eb)
+        kp = (
+            np.ones_like(sq)
+            if self.task_gamma_ is None
+            else self.task_kernel_(sq, self.task_gamma_)
+        )
+        K = self._point_gram(ta.points, tb.points, self.point_bandwidth_)
+        K *= self.tau_ + (1.0 - self.tau_) * kp[np.ix_(ta.bag_index(), tb.bag_index())]
+        return K
+
+
+class _FoldEvaluator:
+    """Validation errors of candidate configurations, with caches shared across them."""
+
+    def __init__(
+        self,
+        model: _MarginalTransfer,
+        tasks: Bags,
+        emb_tasks: Bags,
+        Y: NDArray[np.float64],
+        folds: list[tuple[NDArray[np.int64], NDArray[np.int64]]],
+    ):
+        self.m = model
+        self.tasks = tasks
+        self.emb_tasks = emb_tasks
+        self.Y = Y
+        self.folds = folds
+        self._stats: dict[float, tuple[NDArray[np.float64], NDArray[np.float64]]] = {}
+        self._sigmas: dict[tuple[int, Any], float] = {}
+        self._emb: dict[
+            tuple[int, float], tuple[NDArray[np.float64], NDArray[np.float64], Any]
+        ] = {}
+
+    def _fold_embedding(
+        self, f: int, factor: float
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64], Any]:
+        key = (f, factor)
+        if key not in self._emb:
+            train, val = self.folds[f]
+            rep, emb = self.m._fit_embedding(self.emb_tasks[train], factor)
+            sq_tr = emb.sq_distances()
+            val_emb = rep.embed(self.emb_tasks[val])
+            sq_va = val_emb.sq_distances(emb)
+            self._emb[key] = (sq_tr, sq_va, (emb, val_emb))
+        return self._emb[key]
+
+    def _sigma(self, f: int, spec: tuple[str, float]) -> float:
+        """The point bandwidth of fold ``f``: relative values use its training points only."""
+        if (f, spec) not in self._sigmas:
+            self._sigmas[(f, spec)] = self.m._sigma_value(spec, self.tasks[self.folds[f][0]].points)
+        return self._sigmas[(f, spec)]
+
+    def _error(self, scores: NDArray[np.float64], y: NDArray[np.float64]) -> float:
+        if self.m._is_classifier:
+            if scores.shape[1] == 1:
+                return float(np.mean(np.sign(scores[:, 0]) != np.sign(y[:, 0])))
+            return float(np.mean(np.argmax(scores, 1) != np.argmax(y, 1)))
+        return float(np.mean((scores - y) ** 2))
+
+    def score(self, cand: dict[str, Any]) -> NDArray[np.float64]:
+        """Mean validation error (per task, then over folds) for each ``λ`` of the grid."""
+        m = self.m
+        lams = m._alpha_grid
+        errors = np.zeros(lams.size)
+        for f, (train, val) in enumerate(self.folds):
+            if cand["tau"] == 1.0:
+                sq_tr = np.zeros((train.size, train.size))
+                sq_va = np.zeros((val.size, train.size))
+                extra = None
+            else:
+                sq_tr, sq_va, extra = self._fold_embedding(f, cand["emb"])
+            gamma = m._gamma_value(cand["gamma"], sq_tr)
+            kp_tr = np.ones_like(sq_tr) if gamma is None else m.task_kernel_(sq_tr, gamma)
+            kp_va = np.ones_like(sq_va) if gamma is None else m.task_kernel_(sq_va, gamma)
+            sigma = self._sigma(f, cand["sigma"])
+            if m.solver == "exact":
+                errs = self._exact_fold(sigma, cand, train, val, kp_tr, kp_va, lams)
+            elif m.task_map == "nystroem":
+                errs = self._nystroem_fold(sigma, cand, train, val, kp_tr, kp_va, lams)
+            else:
+                errs = self._paper_fold(sigma, train, val, gamma, extra, lams)
+            errors += errs
+        return errors / len(self.folds)
+
+    def _nystroem_fold(self, sigma, cand, train, val, kp_tr, kp_va, lams) -> NDArray[np.float64]:
+        m = self.m
+        if sigma not in self._stats:
+            self._stats[sigma] = m._task_statistics(self.tasks, self.Y, sigma)
+        A, B = self._stats[sigma]
+        basis = None if cand["tau"] == 1.0 else m._nystroem(kp_tr)
+        S = m._task_coords(kp_tr, basis, cand["tau"])
+        Sv = m._task_coords(kp_va, basis, cand["tau"])
+        n_tr = train.size
+        # Validation errors do not need the final fit's precision.
+        thetas = structured_ridge_path(S, A[train] / n_tr, B[train] / n_tr, lams, rtol=1e-6)
+        held = []
+        for v in val:
+            pts, yv = self._validation_points(v)
+            held.append((m._point_features(pts, sigma), yv))
+        errs = np.zeros(lams.size)
+        for li, theta in enumerate(thetas):
+            V = np.einsum("ta,apk->tpk", Sv, theta)
+            errs[li] = np.mean([self._error(Z @ V[j], yv) for j, (Z, yv) in enumerate(held)])
+        return errs
+
+    def _validation_points(self, v: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        lo, hi = int(self.tasks.offsets[v]), int(self.tasks.offsets[v + 1])
+        pick = np.arange(lo, hi)
+        if pick.size > self.m.cv_points:
+            pick = np.sort(
+                np.random.default_rng([self.m._seed, v]).choice(
+                    pick, self.m.cv_points, replace=False
+                )
+            )
+        return self.tasks.points[pick], self.Y[pick]
+
+    def _exact_fold(self, sigma, cand, train, val, kp_tr, kp_va, lams) -> NDArray[np.float64]:
+        m = self.m
+        sub = self.tasks[train]
+        local = sub.bag_index()
+        K = m._point_gram(sub.points, sub.points, sigma)
+        K *= cand["tau"] + (1.0 - cand["tau"]) * kp_tr[np.ix_(local, local)]
+        c = np.repeat(1.0 / (train.size * sub.sizes), sub.sizes)
+        Ysub = np.concatenate(
+            [self.Y[self.tasks.offsets[t] : self.tasks.offsets[t + 1]] for t in train]
+        )
+        errs = np.zeros(lams.size)
+        for li, lam in enumerate(lams):
+            coef = m._exact_solve(K, Ysub, c, lam)
+            e = []
+            for j, v in enumerate(val):
+                pts, yv = self._validation_points(v)
+                Kv = m._point_gram(pts, sub.points, sigma)
+                Kv *= cand["tau"] + (1.0 - cand["tau"]) * kp_va[j][local]
+                e.append(self._error(Kv @ coef, yv))
+            errs[li] = np.mean(e)
+        return errs
+
+    def _paper_fold(self, sigma, train, val, gamma, extra, lams) -> NDArray[np.float64]:
+        m = self.m
+        emb_tr, emb_va = extra
+        n_tr = train.size
+        F = 2 * m._joint_base.shape[0]
+        A = np.zeros((1, F, F))
+        B = np.zeros((1, F, self.Y.shape[1]))
+        for j, t in enumerate(train):
+            lo, hi = int(self.tasks.offsets[t]), int(self.tasks.offsets[t + 1])
+            for c0 in range(lo, hi, _CHUNK_POINTS):
+                c1 = min(hi, c0 + _CHUNK_POINTS)
+                u = m._paper_inputs(self.tasks.points[c0:c1], emb_tr.features[j], gamma, sigma)
+                Z = m._paper_features(u)
+                A[0] += Z.T @ Z / ((hi - lo) * n_tr)
+                B[0] += Z.T @ self.Y[c0:c1] / ((hi - lo) * n_tr)
+        thetas = structured_ridge_path(np.ones((1, 1)), A, B, lams)
+        feats = []
+        for j, v in enumerate(val):
+            pts, yv = self._validation_points(v)
+            u = m._paper_inputs(pts, emb_va.features[j], gamma, sigma)
+            feats.append((m._paper_features(u), yv))
+        return np.array(
+            [np.mean([self._error(Z @ theta[0], yv) for Z, yv in feats]) for theta in thetas]
+        )
+
+
+class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
+    """Label every cell of a new, unlabelled task from labelled training tasks.
+
+    Marginal transfer learning (Blanchard et al., JMLR 2021, paper 004): the decision
+    function sees each point together with its own task's distribution, through the
+    product kernel ``k_X(x, x') (τ + (1 - τ) k_P(P, P'))`` (see the module docstring).
+
+    Parameters
+    ----------
+    solver : {"random_features", "exact"}, default="random_features"
+        ``"exact"``: the kernel matrix over all training points (at most
+        ``max_exact_points``). ``"random_features"``: explicit features, a weighted
+        ridge, linear in the number of points.
+    task_map : {"nystroem", "rff"}, default="nystroem"
+        Random-feature solver only. ``"nystroem"``: exact task map over the training
+        tasks, vanishing far from them (robust to new instruments or batches).
+        ``"rff"``: the paper's two-layer random features (§7.2).
+    loss : {"hinge", "squared"} or None
+        ``None``: ``"hinge"`` (the paper's bias-free weighted SVM) for the exact
+        solver, ``"squared"`` (one-vs-rest ridge on ±1 codes) for random features.
+        Decision scores are returned; neither loss gives probabilities.
+    embedding : BagRepresentation or None
+        How a task's distribution is embedded; default :class:`~core.MeanEmbedding`
+        (exact, Gaussian, median-heuristic bandwidth, searched ×{0.5, 1, 2}); with
+        ``task_map="rff"`` an RFF mean embedding. Any representation of the core works.
+    embedding_points : int or None, default=500
+        Each task's embedding (training and new tasks) is computed from at most this
+        many of its points, drawn independently of point order (paper 004 §6.2:
+        about ``N`` points suffice). ``None``: all points.
+    task_kernel : str, default="gaussian"
+        Radial kernel ``k_P`` on embedding distances (:mod:`core.kernels`).
+    task_gamma : float, array-like or None
+        ``None``: search ×{0.1 .. 10} around the median heuristic.
+    point_kernel : {"gaussian", "linear"}, default="gaussian"
+        ``k_X``: ``exp(-‖x - x'‖²/(2σ²))``, or ``xᵀx' + 1`` (the ``+1`` gives each task
+        its own offset, as the model has no separate bias).
+    point_bandwidth : float, array-like or None
+        ``σ``; ``None``: search ×{0.25, 0.5, 1, 2} around the median distance.
+    tau : float, array-like or None
+        Share of pooling in ``[0, 1]``; ``None``: search {0, 0.1, 0.3} and the pooled
+        model ``τ = 1`` by leave-tasks-out CV.
+    pooling : bool, default=False
+        The pooling baseline: ``k_P ≡ 1`` (``τ = 1``). With equal task sizes it is a
+        single model on all points pooled.
+    alpha : float, array-like or None
+        Ridge ``λ`` of eq. 7 (weights ``1/(N n_i)``); ``None``: search 1e-7..1e-1.
+    n_components : int, default=128
+        Random Fourier features for ``k_X`` (and for each layer of ``task_map="rff"``).
+    cv, cv_repeats : int
+        Leave-tasks-out folds and repeats for the search.
+    cv_points : int, default=2000
+        Points per held-out task used to score it during the search.
+    range_factor : float, default=1.5
+        A new task is out of range when its embedding distance to the nearest training
+        task exceeds this factor times the largest such distance among training tasks.
+    max_exact_points : int, default=4000
+    random_state : int, Generator or None
+
+    Attributes
+    ----------
+    classes_ : ndarray
+    tau_, alpha_, point_bandwidth_, task_gamma_ : float
+        Selected hyperparameters (``task_gamma_`` is ``None`` for pooling).
+    embedding_ : BagRepresentation
+        Fitted task representation; ``train_embedding_`` its training-task embedding.
+    selection_ : dict
+        Candidates, their CV errors per ``λ``, and the folds.
+
+    References
+    ----------
+    Blanchard, Deshmukh, Dogan, Lee, Scott. "Domain Generalization by Marginal Transfer
+    Learning", JMLR 22 (2021), eq. 7-8, §7.
+    """
+
+    _is_classifier = True
+
+    def _encode(self, y: NDArray[Any]) -> NDArray[np.float64]:
+        if y.ndim != 1:
+            raise BagValidationError([f"labels must be 1-D (one per point), got shape {y.shape}"])
+        self.classes_, codes = np.unique(y, return_inverse=True)
+        if self.classes_.size < 2:
+            raise BagValidationError([f"need at least 2 classes, got only {self.classes_[0]!r}"])
+        if self.classes_.size == 2:
+            return (2.0 * codes - 1.0)[:, None]
+        Y = -np.ones((y.shape[0], self.classes_.size))
+        Y[np.arange(y.shape[0]), codes] = 1.0
+        return Y
+
+    def _decode(self, scores: NDArray[np.float64]) -> NDArray[Any]:
+        if scores.shape[1] == 1:
+            return self.classes_[(scores[:, 0] > 0).astype(int)]
+        return self.classes_[np.argmax(scores, axis=1)]
+
+    def decision_function(self, X: Any) -> NDArray[np.float64]:
+        """Scores per point: ``(n_points,)`` for two classes (positive means
+        ``classes_[1]``), else ``(n_points, n_classes)`` one-vs-rest."""
+        return self._squeeze(self._all_scores(X))
+
+
+class MarginalTransferRegressor(RegressorMixin, _MarginalTransfer):
+    """Predict a value for every point of a new task from labelled training tasks.
+
+    Same model and parameters as :class:`MarginalTransferClassifier`; the exact
+    solver's default loss is the paper's ε-insensitive loss (bias-free weighted SVR,
+    width ``epsilon``), ``loss="squared"`` gives weighted kernel ridge; the
+    random-feature solver fits a weighted ridge.
+    """
+
+    def _encode(self, y: NDArray[Any]) -> NDArray[np.float64]:
+        Y = np.asarray(y, dtype=np.float64)
+        if Y.ndim not in (1, 2):
+            raise BagValidationError([f"targets must be 1-D or 2-D, got shape {Y.shape}"])
+        if not np.isfinite(Y).all():
+            raise BagValidationError(["targets contain NaN or Inf"])
+        self.y_ndim_ = Y.ndim
+        return Y.reshape(Y.shape[0], -1)
+
+    def _decode(self, scores: NDArray[np.float64]) -> NDArray[np.float64]:
+        return scores[:, 0] if self.y_ndim_ == 1 else scores

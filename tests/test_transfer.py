@@ -1,0 +1,386 @@
+"""Marginal transfer learning (paper 004): kernels, solvers, special cases, robustness."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.kernel_ridge import KernelRidge
+from sklearn.linear_model import Ridge
+
+from core import (
+    Bags,
+    BagValidationError,
+    MarginalTransferClassifier,
+    MarginalTransferRegressor,
+    MeanEmbedding,
+    SlicedWasserstein,
+)
+from core.datasets import make_ellipse_tasks
+from core.estimators._transfer_solvers import (
+    _assemble,
+    structured_ridge_path,
+    weighted_svm,
+    weighted_svr,
+)
+from core.selection import leave_tasks_out_folds
+
+FIXED = {"point_bandwidth": 0.3, "task_gamma": 2.0, "alpha": 1e-4, "tau": 0.2}
+
+
+@pytest.fixture(scope="module")
+def ellipses():
+    tasks, y, _ = make_ellipse_tasks(8, 40, random_state=0)
+    return tasks, y
+
+
+def task_labels(tasks: Bags, y: np.ndarray, t: int) -> np.ndarray:
+    return y[tasks.offsets[t] : tasks.offsets[t + 1]]
+
+
+# ----------------------------------------------------------------- kernel algebra
+def test_product_gram_is_symmetric_psd_with_unit_task_kernel_diagonal(ellipses):
+    tasks, y = ellipses
+    model = MarginalTransferClassifier(solver="exact", loss="squared", **FIXED).fit(tasks, y)
+    K = model.joint_kernel(tasks)
+    np.testing.assert_allclose(K, K.T, atol=1e-12)
+    assert np.linalg.eigvalsh(K).min() >= -1e-10 * np.trace(K)
+    # Points of one task paired with themselves: k_P(P, P) = 1, so k̄ = k_X there.
+    rep = model.joint_kernel(tasks[[0]])
+    from core.kernels import point_kernel
+
+    np.testing.assert_allclose(rep, point_kernel(tasks[0], tasks[0], "gaussian", 0.3), rtol=1e-12)
+
+
+def test_task_embedding_ignores_order_and_duplicating_a_whole_sample(ellipses):
+    tasks, y = ellipses
+    model = MarginalTransferClassifier(**FIXED).fit(tasks, y)
+    x = tasks[3]
+    perm = np.random.default_rng(0).permutation(x.shape[0])
+    r0, r1, r2 = model.task_report([x, x[perm], np.tile(x, (2, 1))])
+    assert r0.distance == pytest.approx(0.0, abs=1e-7)
+    assert r0.distance == pytest.approx(r1.distance, abs=1e-12)
+    assert r2.distance == pytest.approx(r0.distance, abs=1e-7)
+    assert r0.nearest_tasks[0] == 3 and r0.similarities[0] == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------- solvers vs oracles
+def test_weighted_kernel_ridge_equals_sklearn_with_sample_weights(ellipses):
+    tasks, _ = ellipses
+    model = MarginalTransferRegressor(solver="exact", loss="squared", **FIXED)
+    target = tasks.points[:, 0] ** 2 - tasks.points[:, 1]
+    model.fit(tasks, target)
+    K = model.joint_kernel(tasks)
+    c = np.repeat(1.0 / (len(tasks) * tasks.sizes), tasks.sizes)
+    ref = KernelRidge(kernel="precomputed", alpha=FIXED["alpha"]).fit(K, target, sample_weight=c)
+    np.testing.assert_allclose(model.dual_coef_[:, 0], ref.dual_coef_, rtol=1e-6, atol=1e-8)
+    new = make_ellipse_tasks(2, 30, random_state=5)[0]
+    np.testing.assert_allclose(
+        model.predict(new), ref.predict(model.joint_kernel(new, tasks)), rtol=1e-8, atol=1e-9
+    )
+
+
+def test_svm_dual_solution_satisfies_kkt(rng):
+    X = rng.normal(size=(60, 2))
+    y = np.where(X[:, 0] + 0.3 * rng.normal(size=60) > 0, 1.0, -1.0)
+    K = np.exp(-((X[:, None] - X[None]) ** 2).sum(-1))
+    c = rng.uniform(0.5, 1.5, size=60) / 60
+    lam = 1e-3
+    r = weighted_svm(K, y, c, lam)
+    alpha = r * y * 2 * lam
+    margin = y * (K @ r)
+    tol = 1e-4
+    assert np.all(alpha >= -1e-12) and np.all(alpha <= c + 1e-12)
+    free = (alpha > 1e-6 * c) & (alpha < c * (1 - 1e-6))
+    assert np.all(margin[alpha <= 1e-6 * c] >= 1 - tol)
+    assert np.all(np.abs(margin[free] - 1) <= tol)
+    assert np.all(margin[alpha >= c * (1 - 1e-6)] <= 1 + tol)
+    # Zero duality gap: primal objective equals the dual objective.
+    primal = np.sum(c * np.maximum(0, 1 - margin)) + lam * r @ K @ r
+    dual = alpha.sum() - (alpha * y) @ K @ (alpha * y) / (4 * lam)
+    assert primal == pytest.approx(dual, rel=1e-5)
+
+
+def test_svr_dual_solution_satisfies_kkt(rng):
+    X = rng.normal(size=(50, 1))
+    y = np.sin(2 * X[:, 0]) + 0.1 * rng.normal(size=50)
+    K = np.exp(-((X - X.T) ** 2))
+    c = np.full(50, 1 / 50)
+    lam, eps = 1e-3, 0.1
+    r = weighted_svr(K, y, c, lam, eps)
+    beta = 2 * lam * r
+    resid = y - K @ r
+    tol = 1e-4
+    inside = np.abs(beta) <= 1e-6 * c
+    assert np.all(np.abs(resid[inside]) <= eps + tol)
+    at_bound = np.abs(beta) >= c * (1 - 1e-6)
+    assert np.all(np.abs(resid[at_bound]) >= eps - tol)
+    primal = np.sum(c * np.maximum(0, np.abs(resid) - eps)) + lam * r @ K @ r
+    dual = y @ beta - eps * np.abs(beta).sum() - beta @ K @ beta / (4 * lam)
+    assert primal == pytest.approx(dual, rel=1e-5)
+
+
+@pytest.mark.parametrize("size_limit", [10**6, 1])
+def test_structured_ridge_equals_dense_ridge_on_joint_features(rng, monkeypatch, size_limit):
+    # size_limit=1 forces the preconditioned conjugate-gradient path.
+    monkeypatch.setattr("core.estimators._transfer_solvers._EIGEN_MAX_SIZE", size_limit)
+    N, a, D, k = 5, 3, 6, 2
+    S = rng.normal(size=(N, a))
+    Z = [rng.normal(size=(n, D)) for n in (4, 7, 5, 9, 3)]
+    Y = [rng.normal(size=(z.shape[0], k)) for z in Z]
+    c = [np.full(z.shape[0], 1 / (N * z.shape[0])) for z in Z]
+    A = np.stack([(z * w[:, None]).T @ z for z, w in zip(Z, c, strict=True)])
+    B = np.stack([(z * w[:, None]).T @ yy for z, w, yy in zip(Z, c, Y, strict=True)])
+    lams = np.array([1e-3, 0.1])
+    thetas = structured_ridge_path(S, A, B, lams)
+    Phi = np.concatenate([np.kron(S[i][None, :], z) for i, z in enumerate(Z)])
+    for lam, theta in zip(lams, thetas, strict=True):
+        ref = Ridge(alpha=lam, fit_intercept=False).fit(
+            Phi, np.concatenate(Y), sample_weight=np.concatenate(c)
+        )
+        np.testing.assert_allclose(theta.reshape(a * D, k), ref.coef_.T, rtol=1e-7, atol=1e-9)
+    G = _assemble(S, A)
+    np.testing.assert_allclose(G, Phi.T @ (Phi * np.concatenate(c)[:, None]), rtol=1e-10)
+
+
+# ----------------------------------------------------------------- special cases
+def test_pooling_with_equal_task_sizes_is_one_pooled_model(ellipses):
+    tasks, y = ellipses
+    exact = MarginalTransferClassifier(
+        solver="exact", loss="squared", pooling=True, point_bandwidth=0.3, alpha=1e-3
+    ).fit(tasks, y)
+    from core.kernels import point_kernel
+
+    K = point_kernel(tasks.points, tasks.points, "gaussian", 0.3)
+    M = tasks.n_points
+    ref = KernelRidge(kernel="precomputed", alpha=1e-3 * M).fit(K, np.where(y > 0, 1.0, -1.0))
+    new = make_ellipse_tasks(3, 25, random_state=9)[0]
+    Kn = point_kernel(new.points, tasks.points, "gaussian", 0.3)
+    np.testing.assert_allclose(exact.decision_function(new), ref.predict(Kn), rtol=1e-7, atol=1e-9)
+    rf = MarginalTransferClassifier(pooling=True, point_bandwidth=0.3, alpha=1e-3, random_state=0)
+    rf.fit(tasks, y)
+    Z = rf.joint_features(tasks)
+    ridge = Ridge(alpha=1e-3 * M, fit_intercept=False).fit(Z, np.where(y > 0, 1.0, -1.0))
+    np.testing.assert_allclose(
+        rf.decision_function(new), rf.joint_features(new) @ ridge.coef_, rtol=1e-7, atol=1e-9
+    )
+
+
+@pytest.mark.parametrize("loss", ["squared", "hinge"])
+def test_duplicating_a_task_leaves_the_exact_objective_unchanged(ellipses, loss):
+    tasks, y = ellipses
+    twice = Bags.from_arrays([np.tile(tasks[0], (2, 1)), *list(tasks)[1:]])
+    y2 = np.concatenate([np.tile(task_labels(tasks, y, 0), 2), y[tasks.offsets[1] :]])
+    new = make_ellipse_tasks(2, 30, random_state=4)[0]
+    # A fixed embedding bandwidth: the median heuristic would see the duplicated points.
+    params = {**FIXED, "embedding": MeanEmbedding(bandwidth=0.3)}
+    a = MarginalTransferClassifier(solver="exact", loss=loss, **params).fit(tasks, y)
+    b = MarginalTransferClassifier(solver="exact", loss=loss, **params).fit(twice, y2)
+    tol = 1e-7 if loss == "squared" else 2e-3
+    np.testing.assert_allclose(b.decision_function(new), a.decision_function(new), atol=tol)
+
+
+# ----------------------------------------------------------------- random features
+@pytest.mark.parametrize("task_map", ["nystroem", "rff"])
+def test_random_feature_gram_converges_to_exact_product_gram(ellipses, task_map):
+    tasks, y = ellipses
+    sub = tasks[[0, 3, 5]]
+    params = {"point_bandwidth": 0.5, "task_gamma": 2.0, "alpha": 1e-3}
+    if task_map == "nystroem":
+        params["tau"] = 0.3
+    errors = []
+    for D in (32, 1024):
+        emb = (
+            MeanEmbedding(bandwidth=0.3)
+            if task_map == "nystroem"
+            else MeanEmbedding(bandwidth=0.3, method="rff", n_components=D, random_state=1)
+        )
+        rf = MarginalTransferClassifier(
+            task_map=task_map, embedding=emb, n_components=D, random_state=0, **params
+        ).fit(tasks, y)
+        exact = MarginalTransferClassifier(
+            solver="exact",
+            loss="squared",
+            embedding=MeanEmbedding(bandwidth=0.3),
+            tau=params.get("tau", 0.0),
+            **{k: v for k, v in params.items() if k != "tau"},
+        ).fit(tasks, y)
+        F = rf.joint_features(sub)
+        errors.append(np.abs(F @ F.T - exact.joint_kernel(sub)).mean())
+    assert errors[1] < errors[0] / 4
+    assert errors[1] < 0.02
+
+
+# ----------------------------------------------------------------- model selection
+def test_leave_tasks_out_folds_partition_tasks():
+    folds = leave_tasks_out_folds(11, n_splits=4, n_repeats=3, random_state=0)
+    assert len(folds) == 12
+    for r in range(3):
+        vals = np.concatenate([folds[4 * r + f][1] for f in range(4)])
+        np.testing.assert_array_equal(np.sort(vals), np.arange(11))
+        for train, val in folds[4 * r : 4 * r + 4]:
+            assert np.intersect1d(train, val).size == 0
+            assert np.union1d(train, val).size == 11
+
+
+def test_validation_tasks_never_reach_the_fold_training_side(ellipses, monkeypatch):
+    tasks, y = ellipses
+    # Task 7 moved far away: any fold-side fit that saw its points would show them.
+    shifted = Bags.from_arrays([*list(tasks)[:-1], tasks[7] + 1000.0])
+    seen: list[float] = []
+    original = MarginalTransferClassifier._fit_embedding
+
+    def spy(self, emb_tasks, factor):
+        seen.append(float(np.abs(emb_tasks.points).max()))
+        return original(self, emb_tasks, factor)
+
+    monkeypatch.setattr(MarginalTransferClassifier, "_fit_embedding", spy)
+    sigma_fits: list[float] = []
+    original_sigma = MarginalTransferClassifier._sigma_value
+
+    def spy_sigma(self, spec, points):
+        sigma_fits.append(float(np.abs(points).max()))
+        return original_sigma(self, spec, points)
+
+    monkeypatch.setattr(MarginalTransferClassifier, "_sigma_value", spy_sigma)
+    model = MarginalTransferClassifier(
+        alpha=[1e-4, 1e-2], tau=[0.2], task_gamma=[1.0], cv=4, random_state=0
+    ).fit(shifted, y)
+    folds = model.selection_["folds"]
+    # The search fits one embedding per (fold, bandwidth factor), folds in order; the
+    # last fit is the final model's, on every task.
+    assert len(seen) > len(folds) and seen[-1] > 500
+    for j, value in enumerate(seen[:-1]):
+        assert (value > 500) == (7 in folds[j % len(folds)][0])
+    for j, value in enumerate(sigma_fits[:-1]):
+        assert (value > 500) == (7 in folds[j % len(folds)][0])
+
+
+def test_search_picks_the_smallest_cv_error(ellipses):
+    tasks, y = ellipses
+    model = MarginalTransferClassifier(
+        point_bandwidth=[0.15, 0.3],
+        alpha=[1e-5, 1e-2],
+        tau=[0.0, 1.0],
+        task_gamma=[2.0],
+        cv=4,
+        random_state=0,
+    ).fit(tasks, y)
+    evaluated = model.selection_["evaluated"]
+    best = min(evaluated, key=lambda e: min(e["cv_error"]))
+    assert model.point_bandwidth_ == best["sigma"][1] and model.tau_ == best["tau"]
+    assert model.alpha_ == [1e-5, 1e-2][int(np.argmin(best["cv_error"]))]
+
+
+# ----------------------------------------------------------------- behaviour
+def test_marginal_transfer_beats_pooling_on_ellipses():
+    tasks, y, _ = make_ellipse_tasks(16, 64, random_state=1)
+    test, yt, _ = make_ellipse_tasks(5, 2000, random_state=2)
+    mtl = MarginalTransferClassifier(
+        point_bandwidth=0.3, task_gamma=None, tau=[0.0], alpha=[1e-5, 1e-3], random_state=0
+    ).fit(tasks, y)
+    pool = MarginalTransferClassifier(pooling=True, alpha=[1e-5, 1e-3], random_state=0).fit(
+        tasks, y
+    )
+    err_mtl = np.mean(mtl.predict(test) != yt)
+    err_pool = np.mean(pool.predict(test) != yt)
+    assert err_mtl < 0.15 < 0.25 < err_pool
+
+
+def test_same_input_same_labels_and_cell_order_does_not_matter(ellipses):
+    tasks, y = ellipses
+    model = MarginalTransferClassifier(embedding_points=15, random_state=0, **FIXED).fit(tasks, y)
+    new = make_ellipse_tasks(1, 300, random_state=3)[0][0]
+    perm = np.random.default_rng(1).permutation(300)
+    a = model.predict(new)
+    np.testing.assert_array_equal(a, model.predict(new))
+    np.testing.assert_array_equal(model.predict(new[perm]), a[perm])
+    assert a.shape == (300,) and set(np.unique(a)) <= {-1, 1}
+
+
+def test_far_task_is_flagged_and_falls_back_to_the_pooled_part(ellipses):
+    tasks, y = ellipses
+    # γ_P relative to the median heuristic (searched), so k_P decays on the tasks' scale.
+    params = {**FIXED, "task_gamma": None, "alpha": [1e-4]}
+    model = MarginalTransferClassifier(random_state=0, **params).fit(tasks, y)
+    near = make_ellipse_tasks(1, 200, random_state=11)[0][0]
+    # A new instrument: every marker scaled and offset.
+    far = near * 3.0 + np.array([4.0, -2.0])
+    r_near, r_far = model.task_report([near, far])
+    assert not r_near.out_of_range and r_far.out_of_range
+    assert r_far.similarities[0] < 1e-3 < 0.5 < r_near.similarities[0]
+    (pred,) = model.predict_tasks([far])
+    # k_P ≈ 0, so the scores are the shared part √τ w_0ᵀ z(x) alone.
+    Z = model._point_features(far, model.point_bandwidth_)
+    shared = np.sqrt(model.tau_) * Z @ model.coef_[0]
+    np.testing.assert_allclose(pred.scores, shared[:, 0], atol=1e-3 * np.abs(shared).max())
+    assert pred.report.out_of_range
+
+
+def test_multiclass_and_list_labels(rng):
+    arrays = [rng.normal(size=(30, 2)) + t * 0.1 for t in range(5)]
+    labels = [np.digitize(a[:, 0], [-0.5, 0.5]) for a in arrays]
+    model = MarginalTransferClassifier(random_state=0, **FIXED).fit(arrays, labels)
+    np.testing.assert_array_equal(model.classes_, [0, 1, 2])
+    scores = model.decision_function(arrays[:2])
+    assert scores.shape == (60, 3)
+    acc = np.mean(model.predict(arrays) == np.concatenate(labels))
+    assert acc > 0.8
+
+
+def test_regressor_exact_svr_and_random_features(rng):
+    arrays = [rng.normal(size=(40, 2)) for _ in range(6)]
+    shifts = np.linspace(-1, 1, 6)
+    arrays = [a + s for a, s in zip(arrays, shifts, strict=True)]
+    # The target depends on the point and on its task's mean.
+    targets = [a[:, 0] - a.mean(0)[0] for a in arrays]
+    for solver in ("exact", "random_features"):
+        model = MarginalTransferRegressor(
+            solver=solver,
+            point_bandwidth=1.0,
+            task_gamma=1.0,
+            alpha=1e-4,
+            tau=0.0,
+            epsilon=0.01,
+            random_state=0,
+        ).fit(arrays, targets)
+        pred = model.predict(arrays)
+        rmse = np.sqrt(np.mean((pred - np.concatenate(targets)) ** 2))
+        assert rmse < 0.3 * np.std(np.concatenate(targets)), solver
+
+
+# ----------------------------------------------------------------- errors
+def test_clear_errors(ellipses, rng):
+    tasks, y = ellipses
+    model = MarginalTransferClassifier(**FIXED).fit(tasks, y)
+    with pytest.raises(
+        BagValidationError, match=r"3 marker column\(s\) but the model was fitted on 2"
+    ):
+        model.predict(rng.normal(size=(10, 3)))
+    with pytest.raises(BagValidationError, match=r"bag 1 is empty"):
+        model.predict([rng.normal(size=(5, 2)), np.zeros((0, 2))])
+    with pytest.raises(BagValidationError, match="task 1 has a single point"):
+        MarginalTransferClassifier(**FIXED).fit([tasks[0], tasks[1][:1]], y[: tasks.sizes[0] + 1])
+    with pytest.raises(BagValidationError, match="task 0 has a single point"):
+        model.predict([rng.normal(size=(1, 2))])
+    with pytest.raises(ValueError, match="Euclidean feature vectors"):
+        MarginalTransferClassifier(
+            task_map="rff",
+            embedding=MeanEmbedding(),
+            **{k: v for k, v in FIXED.items() if k != "tau"},
+        ).fit(tasks, y)
+    with pytest.raises(BagValidationError, match=r"got 5 label\(s\) for 320 point\(s\)"):
+        MarginalTransferClassifier(**FIXED).fit(tasks, y[:5])
+    with pytest.raises(BagValidationError, match="task 0: 3 label"):
+        MarginalTransferClassifier(**FIXED).fit(list(tasks)[:2], [y[:3], y[:40]])
+    with pytest.raises(ValueError, match="random-feature solver fits a weighted ridge"):
+        MarginalTransferClassifier(loss="hinge").fit(tasks, y)
+    with pytest.raises(BagValidationError, match="max_exact_points"):
+        MarginalTransferClassifier(solver="exact", max_exact_points=100, **FIXED).fit(tasks, y)
+
+
+def test_any_representation_embeds_tasks(ellipses):
+    tasks, y = ellipses
+    model = MarginalTransferClassifier(
+        embedding=SlicedWasserstein(n_directions=20, n_levels=20), random_state=0, **FIXED
+    ).fit(tasks, y)
+    assert np.mean(model.predict(tasks) == y) > 0.8
