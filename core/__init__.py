@@ -5,8 +5,10 @@ Public API (DESIGN.md section 4)::
     from core import Bags, SlicedWasserstein, MeanEmbedding
     from core import DistributionRidge, DistributionRidgeClassifier
     from core import MarginalTransferClassifier, MarginalTransferRegressor
+    from core import save, load
 """
 
+from .artifacts import ArtifactError, load, read_manifest, save
 from .bags import Bags, BagValidationError, as_bags
 from .estimators import (
     DistributionRidge,
@@ -25,6 +27,7 @@ from .representations import (
 )
 
 __all__ = [
+    "ArtifactError",
     "BagValidationError",
     "Bags",
     "DistanceKernel",
@@ -38,6 +41,9 @@ __all__ = [
     "TaskReport",
     "as_bags",
     "get_kernel",
+    "load",
+    "read_manifest",
+    "save",
     "sliced_wasserstein_distance",
     "wasserstein_1d",
 ]

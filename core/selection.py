@@ -118,8 +118,7 @@ def ridge_selection_scores(
     mean = Y.mean(axis=0)
     Yc = Y - mean if fit_intercept else Y
     UtY = U.T @ Yc
-    ones = np.ones(T)
-    Ut1 = U.T @ ones
+    Ut1 = U.T @ np.ones(T)
     scores = np.empty(alphas.shape[0])
     for a, lam in enumerate(alphas):
         f = s / (s + lam * T)
@@ -136,16 +135,15 @@ def ridge_selection_scores(
             scores[a] = np.inf
             continue
         if fit_intercept:
-            # LOO prediction of a ridge fit to (y - c): (Hy - h y)/(1-h) - c (H1 - h)/(1-h) + c,
-            # with c the mean of the other T-1 raw targets.
+            # The ridge is linear in its targets, so the LOO prediction of a fit to
+            # (y - c·1) is loo(y) - c·loo(1) + c, with loo(v)_i = ((Hv)_i - h_i v_i)/(1 - h_i)
+            # and c the mean of the other T-1 targets.
             H1 = U @ (f * Ut1)
-            Yraw = Y
-            HY = fitted + (H1[:, None] * mean[None, :])
-            c = (Yraw.sum(axis=0)[None, :] - Yraw) / (T - 1)
-            a_part = (HY - h[:, None] * Yraw) / one_minus_h[:, None]
-            g_part = ((H1 - h) / one_minus_h)[:, None]
-            pred = a_part + c * (1.0 - g_part)
-            resid = Yraw - pred
+            HY = fitted + H1[:, None] * mean[None, :]
+            c = (Y.sum(axis=0)[None, :] - Y) / (T - 1)
+            loo_y = (HY - h[:, None] * Y) / one_minus_h[:, None]
+            loo_1 = ((H1 - h) / one_minus_h)[:, None]
+            resid = Y - (loo_y + c * (1.0 - loo_1))
         else:
             resid = (Yc - fitted) / one_minus_h[:, None]
         scores[a] = np.mean(resid**2)

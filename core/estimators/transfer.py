@@ -39,6 +39,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
 from sklearn.utils.validation import check_is_fitted
+from threadpoolctl import threadpool_limits
 
 from .._random import check_generator
 from ..bags import Bags, BagValidationError, as_bags
@@ -47,7 +48,10 @@ from ..representations.base import BagRepresentation, Embedding, FeatureEmbeddin
 from ..representations.mean import MeanEmbedding, _median_distance
 from ..selection import leave_tasks_out_folds, median_heuristic_gamma
 from ._transfer_solvers import (
+    _DUAL_MAX_POINTS,
+    TaskStatistics,
     structured_ridge_path,
+    task_ridge_path,
     weighted_kernel_ridge,
     weighted_svm,
     weighted_svr,
@@ -269,24 +273,27 @@ class _MarginalTransfer(BaseEstimator):
             )
         self.n_features_in_ = tasks.dim
         self.n_tasks_ = N
-        self._loss_ = loss
+        self.loss_ = loss
         rng = check_generator(self.random_state)
-        self._seed = int(rng.integers(2**31))
+        self.seed_ = int(rng.integers(2**31))
         self.task_kernel_ = get_kernel(self.task_kernel)
         if self.task_kernel_.uses_inner_product:
             raise ValueError("task_kernel must be a radial kernel on embedding distances")
         # Standard normal directions shared by every bandwidth candidate (smooth CV).
         half = max(1, int(self.n_components) // 2)
-        self._base_frequencies = rng.standard_normal((half, tasks.dim))
-        self._joint_base = None
+        self.point_frequencies_ = rng.standard_normal((half, tasks.dim))
+        self.joint_frequencies_ = None
         if self.solver == "random_features" and self.task_map == "rff":
-            self._joint_base = rng.standard_normal((half, 2 * half + tasks.dim))
+            self.joint_frequencies_ = rng.standard_normal((half, 2 * half + tasks.dim))
 
-        emb_tasks = _canonical_subsample(tasks, self.embedding_points, self._seed)
+        emb_tasks = _canonical_subsample(tasks, self.embedding_points, self.seed_)
         grid = self._grid(tasks)
         sizes = [len(v) for v in grid.values()]
         if max(sizes) > 1 or self._alpha_grid.size > 1:
-            best = self._search(tasks, emb_tasks, Y, grid)
+            # The search is thousands of small products: BLAS threads only add
+            # synchronisation (and spin badly when the cores are busy).
+            with threadpool_limits(1):
+                best = self._search(tasks, emb_tasks, Y, grid)
         else:
             best = {name: values[0] for name, values in grid.items()}
             best["alpha"] = float(self._alpha_grid[0])
@@ -304,7 +311,7 @@ class _MarginalTransfer(BaseEstimator):
             rep = MeanEmbedding()
         params = rep.get_params(deep=False)
         if "random_state" in params and params["random_state"] is None:
-            rep.set_params(random_state=self._seed)
+            rep.set_params(random_state=self.seed_)
         return rep
 
     def _fit_embedding(self, emb_tasks: Bags, factor: float) -> tuple[BagRepresentation, Embedding]:
@@ -328,7 +335,7 @@ class _MarginalTransfer(BaseEstimator):
     def _point_features(self, pts: NDArray[np.float64], sigma: float) -> NDArray[np.float64]:
         if self.point_kernel == "linear":
             return np.hstack([pts, np.ones((pts.shape[0], 1))])
-        return random_fourier_features(pts, self._base_frequencies / sigma)
+        return random_fourier_features(pts, self.point_frequencies_ / sigma)
 
     def _point_gram(
         self, A: NDArray[np.float64], B: NDArray[np.float64], sigma: float
@@ -378,7 +385,7 @@ class _MarginalTransfer(BaseEstimator):
         kind, value = spec
         if kind == "absolute":
             return value
-        return value * _median_distance(points, "gaussian", np.random.default_rng(self._seed))
+        return value * _median_distance(points, "gaussian", np.random.default_rng(self.seed_))
 
     def _gamma_value(self, spec: tuple[str, float] | None, sq: NDArray[np.float64]) -> float | None:
         if spec is None:
@@ -407,14 +414,18 @@ class _MarginalTransfer(BaseEstimator):
         return np.hstack([np.full((n, 1), np.sqrt(tau)), np.sqrt(1.0 - tau) * psi])
 
     # ----------------------------------------------------------------- statistics
-    def _task_statistics(
-        self, tasks: Bags, Y: NDArray[np.float64], sigma: float
-    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-        """Per-task ``A_i = Σ_j z zᵀ / n_i`` and ``b_i = Σ_j z yᵀ / n_i``, one pass over points."""
+    def _task_statistics(self, tasks: Bags, Y: NDArray[np.float64], sigma: float) -> TaskStatistics:
+        """Per-task ``A_i = Σ_j z zᵀ / n_i`` and ``b_i = Σ_j z yᵀ / n_i``, one pass over
+        points; the features themselves are kept when there are few points (dual solver)."""
         D = self._point_features(tasks.points[:1], sigma).shape[1]
         N, k = len(tasks), Y.shape[1]
         A = np.zeros((N, D, D))
         B = np.zeros((N, D, k))
+        # Few points in all: keep their features for the dual solver (each task then
+        # fits in one chunk).
+        keep = tasks.n_points <= min(_DUAL_MAX_POINTS, _CHUNK_POINTS)
+        Zs: list[NDArray[np.float64]] = []
+        Ys: list[NDArray[np.float64]] = []
         for t in range(N):
             lo, hi = int(tasks.offsets[t]), int(tasks.offsets[t + 1])
             for c0 in range(lo, hi, _CHUNK_POINTS):
@@ -422,9 +433,12 @@ class _MarginalTransfer(BaseEstimator):
                 Z = self._point_features(tasks.points[c0:c1], sigma)
                 A[t] += Z.T @ Z
                 B[t] += Z.T @ Y[c0:c1]
+                if keep:
+                    Zs.append(Z)
+                    Ys.append(Y[c0:c1])
             A[t] /= hi - lo
             B[t] /= hi - lo
-        return A, B
+        return TaskStatistics(A, B, Zs, Ys) if keep else TaskStatistics(A, B)
 
     # ----------------------------------------------------------------- search
     def _search(
@@ -445,7 +459,7 @@ class _MarginalTransfer(BaseEstimator):
                     "point_bandwidth, task_gamma, tau and alpha to fit on one task"
                 ]
             )
-        folds = leave_tasks_out_folds(N, self.cv, self.cv_repeats, self._seed)
+        folds = leave_tasks_out_folds(N, self.cv, self.cv_repeats, self.seed_)
         evaluator = _FoldEvaluator(self, tasks, emb_tasks, Y, folds)
         seen: dict[tuple[Any, ...], NDArray[np.float64]] = {}
 
@@ -523,10 +537,10 @@ class _MarginalTransfer(BaseEstimator):
             Kbar = self._joint_train_gram(tasks.points, self.train_task_index_, KP)
             self.dual_coef_ = self._exact_solve(Kbar, Y, np.repeat(w, tasks.sizes), self.alpha_)
         elif self.task_map == "nystroem":
-            A, B = self._task_statistics(tasks, Y, self.point_bandwidth_)
+            stats = self._task_statistics(tasks, Y, self.point_bandwidth_)
             self.task_basis_ = None if self.tau_ == 1.0 else self._nystroem(KP)
             S = self._task_coords(KP, self.task_basis_, self.tau_)
-            (theta,) = structured_ridge_path(S, A / N, B / N, np.array([self.alpha_]))
+            (theta,) = task_ridge_path(S, stats, np.arange(N), np.array([self.alpha_]))
             self.coef_ = theta
         else:
             self._fit_paper_rff(tasks, Y, emb)
@@ -541,11 +555,11 @@ class _MarginalTransfer(BaseEstimator):
     def _exact_solve(
         self, K: NDArray[np.float64], Y: NDArray[np.float64], c: NDArray[np.float64], lam: float
     ) -> NDArray[np.float64]:
-        if self._loss_ == "squared":
+        if self.loss_ == "squared":
             return weighted_kernel_ridge(K, Y, c, lam)
         cols = []
         for j in range(Y.shape[1]):
-            if self._loss_ == "hinge":
+            if self.loss_ == "hinge":
                 cols.append(weighted_svm(K, Y[:, j], c, lam))
             else:
                 cols.append(weighted_svr(K, Y[:, j], c, lam, self.epsilon))
@@ -562,7 +576,7 @@ class _MarginalTransfer(BaseEstimator):
         return np.hstack([np.broadcast_to(scale * zp, (pts.shape[0], zp.shape[0])), pts / sigma])
 
     def _paper_features(self, u: NDArray[np.float64]) -> NDArray[np.float64]:
-        W = self._joint_base[:, : u.shape[1]]
+        W = self.joint_frequencies_[:, : u.shape[1]]
         return random_fourier_features(u, W)
 
     def _fit_paper_rff(self, tasks: Bags, Y: NDArray[np.float64], emb: Embedding) -> None:
@@ -599,7 +613,7 @@ class _MarginalTransfer(BaseEstimator):
         problems += _single_point_problems(tasks)
         if problems:
             raise BagValidationError(problems)
-        sub = _canonical_subsample(tasks, self.embedding_points, self._seed)
+        sub = _canonical_subsample(tasks, self.embedding_points, self.seed_)
         emb = self.embedding_.embed(sub)
         return emb, emb.sq_distances(self.train_embedding_)
 
@@ -766,7 +780,7 @@ class _FoldEvaluator:
         self.emb_tasks = emb_tasks
         self.Y = Y
         self.folds = folds
-        self._stats: dict[float, tuple[NDArray[np.float64], NDArray[np.float64]]] = {}
+        self._stats: dict[float, TaskStatistics] = {}
         self._sigmas: dict[tuple[int, Any], float] = {}
         self._emb: dict[
             tuple[int, float], tuple[NDArray[np.float64], NDArray[np.float64], Any]
@@ -827,13 +841,12 @@ class _FoldEvaluator:
         m = self.m
         if sigma not in self._stats:
             self._stats[sigma] = m._task_statistics(self.tasks, self.Y, sigma)
-        A, B = self._stats[sigma]
+        stats = self._stats[sigma]
         basis = None if cand["tau"] == 1.0 else m._nystroem(kp_tr)
         S = m._task_coords(kp_tr, basis, cand["tau"])
         Sv = m._task_coords(kp_va, basis, cand["tau"])
-        n_tr = train.size
         # Validation errors do not need the final fit's precision.
-        thetas = structured_ridge_path(S, A[train] / n_tr, B[train] / n_tr, lams, rtol=1e-6)
+        thetas = task_ridge_path(S, stats, train, lams, rtol=1e-6)
         held = []
         for v in val:
             pts, yv = self._validation_points(v)
@@ -849,7 +862,7 @@ class _FoldEvaluator:
         pick = np.arange(lo, hi)
         if pick.size > self.m.cv_points:
             pick = np.sort(
-                np.random.default_rng([self.m._seed, v]).choice(
+                np.random.default_rng([self.m.seed_, v]).choice(
                     pick, self.m.cv_points, replace=False
                 )
             )
@@ -881,7 +894,7 @@ class _FoldEvaluator:
         m = self.m
         emb_tr, emb_va = extra
         n_tr = train.size
-        F = 2 * m._joint_base.shape[0]
+        F = 2 * m.joint_frequencies_.shape[0]
         A = np.zeros((1, F, F))
         B = np.zeros((1, F, self.Y.shape[1]))
         for j, t in enumerate(train):

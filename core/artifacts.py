@@ -1,0 +1,442 @@
+"""Model artifacts: a directory of plain arrays plus a manifest, safe to load.
+
+Layout of an artifact written by :func:`save`::
+
+    model/
+      manifest.json        format version, estimator class and parameters, fitted state
+                           (JSON), metadata (panel, preprocessing, training data sha256,
+                           metrics, ...), library versions, creation time, the sha256 of
+                           every other file, and the sha256 of the manifest itself
+      arrays/<name>.npy    every fitted array, read with allow_pickle=False
+
+Loading instantiates only classes of a fixed registry (the core's estimators and
+representations), never code named by the file, checks every hash, and refuses a
+tampered, truncated or newer-format artifact with :class:`ArtifactError`. Arrays are
+stored bit for bit, so a loaded model reproduces the saved model's predictions exactly;
+with ``mmap=True`` they are memory-mapped read-only (worker processes share the pages).
+
+Writes are atomic: the artifact is assembled in a temporary sibling directory and
+renamed into place; an existing artifact is never half-overwritten.
+
+A pickle (joblib) export exists for models outside the registry, behind an explicit
+``trusted`` flag on both ends: loading a pickle can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sklearn.base import BaseEstimator
+
+from .bags import Bags
+from .kernels import DistanceKernel
+from .representations.base import FeatureEmbedding
+from .representations.mean import SetKernelEmbedding
+
+__all__ = ["FORMAT_VERSION", "ArtifactError", "load", "read_manifest", "save"]
+
+#: Version of the artifact layout; loading refuses anything newer.
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ARRAY_DIR = "arrays"
+PICKLE_FILE = "model.joblib"
+
+
+class ArtifactError(ValueError):
+    """A model artifact is missing, tampered with, truncated, or of a newer format."""
+
+
+def _registry() -> dict[str, type]:
+    from . import estimators, representations
+
+    classes = [
+        representations.SlicedWasserstein,
+        representations.MeanEmbedding,
+        estimators.DistributionRidge,
+        estimators.DistributionRidgeClassifier,
+        estimators.MarginalTransferClassifier,
+        estimators.MarginalTransferRegressor,
+    ]
+    return {cls.__name__: cls for cls in classes}
+
+
+# ----------------------------------------------------------------------- encoding
+class _Encoder:
+    """Turns fitted objects into JSON plus named arrays (and back)."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def _array(self, value: np.ndarray, hint: str) -> dict[str, str]:
+        if value.dtype == object:
+            raise ArtifactError(f"cannot store object array {hint!r} without pickle")
+        base = re.sub(r"[^A-Za-z0-9_.-]+", "_", hint).strip("_") or "array"
+        name = base
+        i = 1
+        while name in self.arrays:
+            i += 1
+            name = f"{base}.{i}"
+        self.arrays[name] = np.ascontiguousarray(value)
+        return {"__array__": name}
+
+    def encode(self, value: Any, hint: str) -> Any:
+        registry = _registry()
+        if isinstance(value, np.ndarray):
+            return self._array(value, hint)
+        if isinstance(value, np.generic):
+            value = value.item()
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {"__float__": repr(value)}
+        if value is None or isinstance(value, bool | int | str):
+            return value
+        if isinstance(value, tuple):
+            return {"__tuple__": [self.encode(v, f"{hint}.{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, f"{hint}.{i}") for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            if not all(isinstance(k, str) for k in value):
+                raise ArtifactError(f"{hint}: dictionary keys must be strings")
+            return {"__dict__": {k: self.encode(v, f"{hint}.{k}") for k, v in value.items()}}
+        if isinstance(value, np.random.Generator | np.random.RandomState):
+            # A generator's state is not a parameter worth keeping: the fitted draws are.
+            return {"__random_state__": type(value).__name__}
+        if isinstance(value, BaseEstimator) and type(value).__name__ in registry:
+            return self.estimator(value, hint)
+        if isinstance(value, Bags):
+            return {
+                "__bags__": {
+                    "points": self._array(value.points, f"{hint}.points"),
+                    "offsets": self._array(value.offsets, f"{hint}.offsets"),
+                    "weights": None
+                    if value.weights is None
+                    else self._array(value.weights, f"{hint}.weights"),
+                }
+            }
+        if isinstance(value, FeatureEmbedding):
+            return {
+                "__feature_embedding__": {
+                    "features": self._array(value.features, f"{hint}.features"),
+                    "geometry": value.geometry,
+                }
+            }
+        if isinstance(value, SetKernelEmbedding):
+            return {
+                "__set_kernel_embedding__": {
+                    "bags": self.encode(value.bags, f"{hint}.bags"),
+                    "kernel": value.kernel,
+                    "bandwidth": value.bandwidth,
+                    "n_jobs": value.n_jobs,
+                    # Cached self terms come from the training Gram's diagonal; keeping
+                    # them keeps predictions bit for bit.
+                    "self_inner": self._array(value.self_inner(), f"{hint}.self_inner"),
+                }
+            }
+        if isinstance(value, DistanceKernel):
+            return {"__distance_kernel__": {"name": value.name, "params": dict(value.params)}}
+        raise ArtifactError(
+            f"{hint}: cannot store a {type(value).__name__} without pickle "
+            "(use save(..., pickle=True, trusted=True) for objects outside the core)"
+        )
+
+    def estimator(self, est: BaseEstimator, hint: str) -> dict[str, Any]:
+        params = {
+            k: self.encode(v, f"{hint}.param.{k}") for k, v in est.get_params(deep=False).items()
+        }
+        state = {
+            k: self.encode(v, f"{hint}.{k}")
+            for k, v in sorted(vars(est).items())
+            if k.endswith("_") and not k.startswith("_")
+        }
+        return {"__estimator__": type(est).__name__, "params": params, "state": state}
+
+
+class _Decoder:
+    def __init__(self, load_array: Callable[[str], np.ndarray]) -> None:
+        self.load_array = load_array
+        self.registry = _registry()
+
+    def decode(self, value: Any) -> Any:
+        if isinstance(value, list):
+            return [self.decode(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        if len(value) != 1:
+            raise ArtifactError("malformed manifest: unexpected object")
+        ((tag, body),) = value.items()
+        if tag == "__array__":
+            return self.load_array(body)
+        if tag == "__float__":
+            return float(body)
+        if tag == "__tuple__":
+            return tuple(self.decode(v) for v in body)
+        if tag == "__dict__":
+            return {k: self.decode(v) for k, v in body.items()}
+        if tag == "__random_state__":
+            return None
+        if tag == "__estimator__":
+            raise ArtifactError("malformed manifest: estimator without parameters")
+        if tag == "__bags__":
+            w = None if body["weights"] is None else self.decode(body["weights"])
+            return Bags(
+                self.decode(body["points"]), self.decode(body["offsets"]), w, validate=False
+            )
+        if tag == "__feature_embedding__":
+            return FeatureEmbedding(self.decode(body["features"]), body["geometry"])
+        if tag == "__set_kernel_embedding__":
+            emb = SetKernelEmbedding(
+                self.decode(body["bags"]), body["kernel"], body["bandwidth"], body["n_jobs"]
+            )
+            emb._self = np.asarray(self.decode(body["self_inner"]))
+            return emb
+        if tag == "__distance_kernel__":
+            return DistanceKernel(body["name"], dict(body["params"]))
+        raise ArtifactError(f"malformed manifest: unknown tag {tag!r}")
+
+    def estimator(self, spec: dict[str, Any]) -> BaseEstimator:
+        name = spec.get("__estimator__")
+        if name not in self.registry:
+            raise ArtifactError(
+                f"unknown estimator class {name!r}: only the core's estimators load without pickle"
+            )
+        params = {k: self._value(v) for k, v in spec["params"].items()}
+        est = self.registry[name](**params)
+        for k, v in spec["state"].items():
+            setattr(est, k, self._value(v))
+        return est
+
+    def _value(self, v: Any) -> Any:
+        if isinstance(v, dict) and "__estimator__" in v:
+            return self.estimator(v)
+        return self.decode(v)
+
+
+# ----------------------------------------------------------------------- files
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _canonical(manifest: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _libraries() -> dict[str, str]:
+    import scipy
+    import sklearn
+
+    from . import __version__
+
+    return {
+        "bagserve": __version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "scipy": scipy.__version__,
+        "scikit-learn": sklearn.__version__,
+    }
+
+
+def _json_safe(value: Any, where: str) -> Any:
+    """Metadata must be plain JSON (numbers, strings, lists, dicts)."""
+    try:
+        text = json.dumps(value, allow_nan=False, default=_json_default)
+    except (TypeError, ValueError) as exc:
+        raise ArtifactError(f"metadata {where!r} is not JSON-serialisable: {exc}") from exc
+    return json.loads(text)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def save(
+    model: Any,
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    pickle: bool = False,
+    trusted: bool = False,
+    **metadata: Any,
+) -> Path:
+    """Write ``model`` as an artifact directory at ``path``, atomically.
+
+    Parameters
+    ----------
+    model : estimator or representation of the core (fitted), or any object with
+        ``pickle=True, trusted=True``.
+    path : path
+        Directory to create. An existing one is replaced only with ``overwrite=True``,
+        and then only after the new artifact is complete.
+    pickle, trusted : bool
+        Export with joblib (needs ``trusted=True``, and ``load(..., trusted=True)``).
+    **metadata
+        Stored in the manifest: conventionally ``name``, ``version``, ``panel`` (marker
+        names in input order), ``preprocessing``, ``training_data_sha256``,
+        ``metrics``, ``description``. Values must be JSON.
+
+    Returns
+    -------
+    Path
+        The artifact directory.
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise ArtifactError(f"{path} already exists (pass overwrite=True to replace it)")
+    meta = {k: _json_safe(v, k) for k, v in metadata.items()}
+    if pickle and not trusted:
+        raise ArtifactError("pickle export runs code at load time: pass trusted=True to confirm")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        files: dict[str, str] = {}
+        if pickle:
+            import joblib
+
+            joblib.dump(model, tmp / PICKLE_FILE)
+            files[PICKLE_FILE] = _sha256(tmp / PICKLE_FILE)
+            estimator = {"class": type(model).__name__, "format": "joblib"}
+            state = None
+        else:
+            if not (isinstance(model, BaseEstimator) and type(model).__name__ in _registry()):
+                raise ArtifactError(
+                    f"{type(model).__name__} is not one of the core's estimators; "
+                    "use pickle=True, trusted=True to export it with joblib"
+                )
+            if not any(k.endswith("_") and not k.startswith("_") for k in vars(model)):
+                raise ArtifactError(f"{type(model).__name__} is not fitted")
+            enc = _Encoder()
+            state = enc.estimator(model, "model")
+            (tmp / ARRAY_DIR).mkdir()
+            for name, arr in enc.arrays.items():
+                rel = f"{ARRAY_DIR}/{name}.npy"
+                np.save(tmp / rel, arr, allow_pickle=False)
+                files[rel] = _sha256(tmp / rel)
+            estimator = {"class": type(model).__name__, "format": "arrays"}
+        manifest: dict[str, Any] = {
+            "format_version": FORMAT_VERSION,
+            "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            "estimator": estimator,
+            "model": state,
+            "metadata": meta,
+            "libraries": _libraries(),
+            "files": files,
+        }
+        manifest["manifest_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
+        with open(tmp / MANIFEST, "w") as fh:
+            json.dump(manifest, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def read_manifest(path: str | os.PathLike[str], *, verify: bool = True) -> dict[str, Any]:
+    """The manifest of an artifact, after checking its format and (by default) every hash.
+
+    Raises
+    ------
+    ArtifactError
+        Missing or unreadable manifest, newer format, edited manifest, a missing,
+        extra-truncated or modified file.
+    """
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise ArtifactError(f"{path}: no {MANIFEST} (not a bagserve model artifact)")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{mpath}: unreadable manifest ({exc})") from exc
+    if not isinstance(manifest, dict) or "format_version" not in manifest:
+        raise ArtifactError(f"{mpath}: not a bagserve manifest")
+    fv = manifest["format_version"]
+    if not isinstance(fv, int) or fv > FORMAT_VERSION:
+        raise ArtifactError(
+            f"{path}: artifact format {fv!r} is newer than this bagserve reads "
+            f"({FORMAT_VERSION}); upgrade bagserve"
+        )
+    if verify:
+        expected = manifest.get("manifest_sha256")
+        if expected != hashlib.sha256(_canonical(manifest)).hexdigest():
+            raise ArtifactError(f"{mpath}: manifest was modified after it was written")
+        for rel, digest in manifest.get("files", {}).items():
+            f = path / rel
+            if not f.is_file():
+                raise ArtifactError(f"{path}: file {rel} is missing")
+            if _sha256(f) != digest:
+                raise ArtifactError(
+                    f"{path}: file {rel} does not match its sha256 (tampered or truncated)"
+                )
+    return manifest
+
+
+def load(path: str | os.PathLike[str], *, mmap: bool = False, trusted: bool = False) -> Any:
+    """Load an artifact written by :func:`save`, verifying every hash first.
+
+    Parameters
+    ----------
+    path : path
+    mmap : bool, default=False
+        Memory-map the arrays read-only instead of reading them.
+    trusted : bool, default=False
+        Allow a joblib (pickle) artifact; never set it for files of unknown origin.
+
+    Returns
+    -------
+    The fitted model; its manifest is available through :func:`read_manifest`.
+    """
+    path = Path(path)
+    manifest = read_manifest(path, verify=True)
+    fmt = manifest["estimator"].get("format")
+    if fmt == "joblib":
+        if not trusted:
+            raise ArtifactError(
+                f"{path} is a pickle (joblib) artifact: loading it can run arbitrary code; "
+                "pass trusted=True only for files you created"
+            )
+        import joblib
+
+        return joblib.load(path / PICKLE_FILE)
+    if fmt != "arrays":
+        raise ArtifactError(f"{path}: unknown artifact format {fmt!r}")
+    files = manifest["files"]
+
+    def load_array(name: str) -> np.ndarray:
+        rel = f"{ARRAY_DIR}/{name}.npy"
+        if rel not in files:
+            raise ArtifactError(f"{path}: manifest refers to an unlisted array {name!r}")
+        try:
+            return np.load(path / rel, allow_pickle=False, mmap_mode="r" if mmap else None)
+        except ValueError as exc:
+            raise ArtifactError(f"{path}: array {rel} is unreadable ({exc})") from exc
+
+    return _Decoder(load_array).estimator(manifest["model"])
