@@ -275,6 +275,7 @@ def save(
     overwrite: bool = False,
     pickle: bool = False,
     trusted: bool = False,
+    extra_files: dict[str, bytes] | None = None,
     **metadata: Any,
 ) -> Path:
     """Write ``model`` as an artifact directory at ``path``, atomically.
@@ -288,6 +289,9 @@ def save(
         and then only after the new artifact is complete.
     pickle, trusted : bool
         Export with joblib (needs ``trusted=True``, and ``load(..., trusted=True)``).
+    extra_files : dict of str to bytes, optional
+        More files stored (and hashed) in the artifact, e.g. a training report under
+        ``report/``. Paths are relative and may not leave the artifact.
     **metadata
         Stored in the manifest: conventionally ``name``, ``version``, ``panel`` (marker
         names in input order), ``preprocessing``, ``training_data_sha256``,
@@ -332,6 +336,15 @@ def save(
                 np.save(tmp / rel, arr, allow_pickle=False)
                 files[rel] = _sha256(tmp / rel)
             estimator = {"class": type(model).__name__, "format": "arrays"}
+        for rel, content in (extra_files or {}).items():
+            target = (tmp / rel).resolve()
+            if tmp.resolve() not in target.parents or rel in (MANIFEST, PICKLE_FILE, *files):
+                raise ArtifactError(
+                    f"extra file {rel!r} would leave the artifact or replace a model file"
+                )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
+            files[rel] = _sha256(target)
         manifest: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),

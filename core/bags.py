@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-__all__ = ["BagValidationError", "Bags", "as_bags", "segment_sum"]
+__all__ = ["BagValidationError", "Bags", "as_bags", "segment_sum", "subsample_bags"]
 
 # At most this many problems are listed in one error message; the count of the
 # rest is still reported.
@@ -391,3 +391,31 @@ def as_bags(X: Bags | Sequence[ArrayLike] | NDArray[Any]) -> Bags:
     if isinstance(X, Bags):
         return X
     return Bags.from_arrays(X)
+
+
+def subsample_bags(bags: Bags, size: int | None, seed: int) -> Bags:
+    """At most ``size`` points of every bag, chosen independently of point order.
+
+    Each bag larger than ``size`` is put in lexicographic row order before a draw
+    seeded by ``(seed, n_points)``, so the same cells give the same subsample however
+    they are ordered (and predictions that depend on it are reproducible). Weights of
+    the kept points are kept and renormalised.
+    """
+    if size is None or bags.sizes.max() <= size:
+        return bags
+    keep = []
+    for t in range(len(bags)):
+        lo, hi = int(bags.offsets[t]), int(bags.offsets[t + 1])
+        n = hi - lo
+        if n <= size:
+            keep.append(np.arange(lo, hi))
+            continue
+        pts = bags.points[lo:hi]
+        order = np.lexsort(pts.T[::-1])
+        pick = np.sort(np.random.default_rng([seed, n]).choice(n, size, replace=False))
+        keep.append(lo + order[pick])
+    rows = np.concatenate(keep)
+    sizes = np.array([k.size for k in keep])
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    w = None if bags.weights is None else bags.weights[rows]
+    return Bags(bags.points[rows], offsets, w, validate=False)

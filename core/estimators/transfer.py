@@ -42,7 +42,7 @@ from sklearn.utils.validation import check_is_fitted
 from threadpoolctl import threadpool_limits
 
 from .._random import check_generator
-from ..bags import Bags, BagValidationError, as_bags
+from ..bags import Bags, BagValidationError, as_bags, subsample_bags
 from ..kernels import get_kernel, point_kernel, random_fourier_features
 from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
 from ..representations.mean import MeanEmbedding, _median_distance
@@ -116,26 +116,6 @@ def _as_tasks(X: Any) -> tuple[Bags, bool]:
     if isinstance(X, np.ndarray) and X.ndim == 2:
         return Bags.from_arrays([X]), True
     return as_bags(X), False
-
-
-def _canonical_subsample(bags: Bags, size: int | None, seed: int) -> Bags:
-    """At most ``size`` points of every task, chosen independently of point order.
-
-    Rows are put in lexicographic order before a seeded draw, so the subsample (and
-    every prediction) does not depend on how the cells of a task were ordered.
-    """
-    if size is None or bags.sizes.max() <= size:
-        return bags
-    parts = []
-    for pts in bags:
-        if pts.shape[0] <= size:
-            parts.append(pts)
-            continue
-        order = np.lexsort(pts.T[::-1])
-        rng = np.random.default_rng([seed, pts.shape[0]])
-        pick = np.sort(rng.choice(pts.shape[0], size, replace=False))
-        parts.append(pts[order[pick]])
-    return Bags.from_arrays(parts)
 
 
 def _single_point_problems(tasks: Bags) -> list[str]:
@@ -286,7 +266,7 @@ class _MarginalTransfer(BaseEstimator):
         if self.solver == "random_features" and self.task_map == "rff":
             self.joint_frequencies_ = rng.standard_normal((half, 2 * half + tasks.dim))
 
-        emb_tasks = _canonical_subsample(tasks, self.embedding_points, self.seed_)
+        emb_tasks = subsample_bags(tasks, self.embedding_points, self.seed_)
         grid = self._grid(tasks)
         sizes = [len(v) for v in grid.values()]
         if max(sizes) > 1 or self._alpha_grid.size > 1:
@@ -613,7 +593,7 @@ class _MarginalTransfer(BaseEstimator):
         problems += _single_point_problems(tasks)
         if problems:
             raise BagValidationError(problems)
-        sub = _canonical_subsample(tasks, self.embedding_points, self.seed_)
+        sub = subsample_bags(tasks, self.embedding_points, self.seed_)
         emb = self.embedding_.embed(sub)
         return emb, emb.sq_distances(self.train_embedding_)
 

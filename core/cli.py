@@ -1,0 +1,235 @@
+"""The ``bagserve`` command: train, evaluate, predict, list models, build the demo.
+
+Exit codes fit scripts: 0 on success, 1 with one ``error: ...`` line on stderr for any
+data, configuration or model problem, 2 for a wrong command line, 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["main"]
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .training import train
+
+    result = train(
+        args.config, output=args.output, progress=not args.quiet, overwrite=args.overwrite
+    )
+    cv = result.metrics["cv"]
+    shown = {k: v for k, v in cv.items() if not isinstance(v, list)}
+    print(
+        json.dumps(
+            {"model": str(result.path), "cv": shown, "best_params": result.metrics["best_params"]},
+            default=str,
+        )
+    )
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from .training import evaluate
+
+    print(json.dumps(evaluate(args.model, args.data, progress=not args.quiet), default=str))
+    return 0
+
+
+def predict_files(model_path: str | Path, files: Sequence[str | Path]) -> dict[str, Any]:
+    """Predictions of a saved model for sample files, with the model's provenance."""
+    from .artifacts import load, read_manifest
+    from .bags import Bags
+    from .estimators import MarginalTransferClassifier, MarginalTransferRegressor
+    from .io import Panel, Preprocessing, read_sample
+
+    manifest = read_manifest(model_path)
+    model = load(model_path)
+    meta = manifest["metadata"]
+    samples = [read_sample(f) for f in files]
+    if meta.get("panel"):
+        panel = Panel.from_json(meta["panel"])
+        arrays = [panel.select(s) for s in samples]
+        markers = list(panel.markers)
+    else:
+        arrays = [s.points for s in samples]
+        markers = samples[0].names
+    bags = Bags.from_arrays(arrays)
+    pre = (
+        Preprocessing.from_json(meta["preprocessing"])
+        if meta.get("preprocessing")
+        else Preprocessing()
+    )
+    bags = pre.apply(bags, markers)
+    out: dict[str, Any] = {
+        "model": {
+            "name": meta.get("name"),
+            "version": meta.get("version"),
+            "class": manifest["estimator"]["class"],
+            "manifest_sha256": manifest["manifest_sha256"],
+        },
+        "results": [],
+    }
+    if isinstance(model, MarginalTransferClassifier | MarginalTransferRegressor):
+        for f, res in zip(files, model.predict_tasks(bags), strict=True):
+            out["results"].append(
+                {
+                    "file": str(f),
+                    "predictions": res.predictions.tolist(),
+                    "out_of_range": res.report.out_of_range,
+                    "nearest_training_tasks": res.report.nearest_tasks.tolist(),
+                    "similarities": res.report.similarities.tolist(),
+                }
+            )
+    else:
+        for f, p in zip(files, np.asarray(model.predict(bags)).tolist(), strict=True):
+            out["results"].append({"file": str(f), "prediction": p})
+    return out
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    result = predict_files(args.model, args.files)
+    if args.format == "json":
+        text = json.dumps(result, default=str)
+    else:
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        if result["results"] and "predictions" in result["results"][0]:
+            writer.writerow(["file", "cell", "prediction"])
+            for r in result["results"]:
+                for i, p in enumerate(r["predictions"]):
+                    writer.writerow([r["file"], i, p])
+        else:
+            writer.writerow(["file", "prediction"])
+            for r in result["results"]:
+                writer.writerow([r["file"], r["prediction"]])
+        text = buf.getvalue().rstrip("\n")
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def list_models(directory: str | Path) -> list[dict[str, Any]]:
+    """Every artifact under ``directory`` (``<name>/<version>/manifest.json``), verified."""
+    from .artifacts import ArtifactError, read_manifest
+
+    rows = []
+    for mpath in sorted(Path(directory).glob("*/*/manifest.json")):
+        path = mpath.parent
+        row: dict[str, Any] = {"name": path.parent.name, "version": path.name, "path": str(path)}
+        try:
+            manifest = read_manifest(path)
+        except ArtifactError as exc:
+            row.update(status=f"FAILED: {exc}")
+        else:
+            meta = manifest["metadata"]
+            panel = meta.get("panel") or {}
+            row.update(
+                status="ok",
+                estimator=manifest["estimator"]["class"],
+                panel=panel.get("markers"),
+                metrics=meta.get("metrics"),
+                created=manifest.get("created"),
+                manifest_sha256=manifest["manifest_sha256"],
+            )
+        rows.append(row)
+    return rows
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    rows = list_models(args.directory)
+    if args.format == "json":
+        print(json.dumps(rows, default=str))
+        return 0
+    if not rows:
+        print(f"no models under {args.directory}")
+        return 0
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['name']}/{r['version']}  {r['status']}")
+            continue
+        metrics = ", ".join(
+            f"{k}={v:.4g}" for k, v in (r["metrics"] or {}).items() if isinstance(v, int | float)
+        )
+        head = f"{r['name']}/{r['version']}  {r['estimator']}  panel={r['panel']}"
+        print(f"{head}  {metrics}  hashes ok")
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import build_demo_models
+
+    for path in build_demo_models(args.models, overwrite=args.force):
+        print(path)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bagserve", description="Learning on bags of points.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model from a TOML configuration")
+    t.add_argument("config")
+    t.add_argument("--output", help="models directory (default: [model] output)")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing version")
+    t.add_argument("--quiet", action="store_true", help="no progress bars")
+    t.set_defaults(func=_cmd_train)
+
+    e = sub.add_parser("evaluate", help="metrics of a model on the data of a configuration")
+    e.add_argument("model")
+    e.add_argument("data", help="a TOML file with a [data] table (labels included)")
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(func=_cmd_evaluate)
+
+    pr = sub.add_parser("predict", help="predict sample files (FCS, CSV, TSV, NPY)")
+    pr.add_argument("model")
+    pr.add_argument("files", nargs="+")
+    pr.add_argument("--format", choices=("json", "csv"), default="json")
+    pr.add_argument("--output", help="write here instead of stdout")
+    pr.set_defaults(func=_cmd_predict)
+
+    m = sub.add_parser("models", help="model artifacts")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    ml = msub.add_parser("list", help="name, version, estimator, panel, metrics, hash status")
+    ml.add_argument("directory")
+    ml.add_argument("--format", choices=("text", "json"), default="text")
+    ml.set_defaults(func=_cmd_models)
+
+    d = sub.add_parser("demo", help="train the bundled demo models (generated data)")
+    d.add_argument("--models", default="models", help="models directory (default: ./models)")
+    d.add_argument("--force", action="store_true", help="rebuild existing demo models")
+    d.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``bagserve`` command."""
+    from .artifacts import ArtifactError
+    from .bags import BagValidationError
+    from .io import DataError
+    from .training import ConfigError
+
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except (ConfigError, DataError, ArtifactError, BagValidationError, OSError, ValueError) as exc:
+        message = " ".join(str(exc).split())
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

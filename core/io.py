@@ -1,0 +1,566 @@
+"""Reading the files labs have (FCS, CSV/TSV, NPY), marker panels and preprocessing.
+
+* :func:`read_sample` reads one bag of cells with its marker names: FCS 2.0/3.0/3.1
+  through ``flowio`` (names from ``$PnS`` when set, else ``$PnN``; both are matched),
+  CSV/TSV with a header row (optionally gzip-compressed), NPY (a 2-D numeric array).
+* :class:`Panel` lists the markers a model takes, in order, with accepted aliases;
+  :meth:`Panel.select` matches a sample's columns by name, case and punctuation
+  insensitively, reorders them, and names every missing or ambiguous marker.
+* :class:`Preprocessing` is the chain stored with a model: a transform (``arcsinh``
+  with a cofactor, ``log``), per-marker standard scaling learned on the training
+  cells, and a seeded subsample of huge bags that does not depend on cell order.
+
+Every reading problem raises :class:`DataError` naming the file, and the row or
+column when there is one.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import io
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .bags import Bags, subsample_bags
+
+__all__ = [
+    "DataError",
+    "Dataset",
+    "Panel",
+    "Preprocessing",
+    "Sample",
+    "file_sha256",
+    "load_dataset",
+    "normalise_marker",
+    "read_sample",
+]
+
+SUPPORTED_SUFFIXES = (".fcs", ".csv", ".tsv", ".txt", ".npy", ".csv.gz", ".tsv.gz", ".txt.gz")
+
+
+class DataError(ValueError):
+    """A file could not be read as a bag of cells, or does not fit the model's panel."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One bag of cells read from a file.
+
+    Attributes
+    ----------
+    points : ndarray of shape (n_cells, n_columns)
+    names : list of str
+        Display name of each column (``$PnS`` if set, else ``$PnN``, or the CSV header).
+    alt_names : list of str
+        A second name per column (``$PnN`` for FCS), also accepted when matching.
+    source : str
+        Where it came from (file name).
+    """
+
+    points: NDArray[np.float64]
+    names: list[str]
+    alt_names: list[str]
+    source: str
+
+
+def normalise_marker(name: str) -> str:
+    """Case- and punctuation-insensitive key: ``"CD4-PE"``, ``"cd4 pe"`` → ``"cd4pe"``."""
+    return re.sub(r"[\s\-_./:()\[\]]+", "", name).casefold()
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _suffix(name: str) -> str:
+    lower = name.lower()
+    for s in sorted(SUPPORTED_SUFFIXES, key=len, reverse=True):
+        if lower.endswith(s):
+            return s
+    return Path(lower).suffix
+
+
+def _read_fcs(data: bytes, source: str) -> Sample:
+    import flowio
+
+    if len(data) < 58 or not data[:3] == b"FCS":
+        raise DataError(f"{source}: not an FCS file (no 'FCS' header)")
+    try:
+        fd = flowio.FlowData(io.BytesIO(data))
+        arr = np.asarray(fd.as_array(preprocess=True), dtype=np.float64)
+    except DataError:
+        raise
+    except Exception as exc:  # flowio raises several exception types for broken files
+        raise DataError(f"{source}: unreadable FCS file ({type(exc).__name__}: {exc})") from exc
+    pnn = [str(v).strip() for v in fd.pnn_labels]
+    pns = [str(v).strip() for v in fd.pns_labels]
+    if arr.ndim != 2 or arr.shape[1] != len(pnn):
+        raise DataError(f"{source}: FCS data do not match its {len(pnn)} channel(s)")
+    names = [s if s else n for s, n in zip(pns, pnn, strict=True)]
+    return Sample(arr, names, pnn, source)
+
+
+def _read_text(data: bytes, source: str, delimiter: str | None) -> Sample:
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{source}: not UTF-8 text ({exc})") from exc
+    lines = text.splitlines()
+    if not lines or not lines[0].strip():
+        raise DataError(f"{source}: empty file (a header row with marker names is required)")
+    if delimiter is None:
+        try:
+            delimiter = csv.Sniffer().sniff(lines[0], delimiters=",\t;").delimiter
+        except csv.Error:
+            delimiter = ","
+    reader = csv.reader(lines, delimiter=delimiter)
+    header = [h.strip() for h in next(reader)]
+    if any(_is_number(h) for h in header):
+        raise DataError(
+            f"{source}: the first row must hold marker names, found a number "
+            f"({next(h for h in header if _is_number(h))!r})"
+        )
+    rows = list(reader)
+    rows = [r for r in rows if any(c.strip() for c in r)]
+    for i, r in enumerate(rows):
+        if len(r) != len(header):
+            raise DataError(
+                f"{source}: row {i + 2} has {len(r)} field(s), the header has {len(header)}"
+            )
+    try:
+        arr = np.array(rows, dtype=np.float64).reshape(len(rows), len(header))
+    except ValueError:
+        for i, r in enumerate(rows):
+            for j, c in enumerate(r):
+                if not _is_number(c):
+                    raise DataError(
+                        f"{source}: row {i + 2}, column {header[j]!r}: {c!r} is not a number"
+                    ) from None
+        raise
+    return Sample(arr, header, list(header), source)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _read_npy(data: bytes, source: str, names: Sequence[str] | None) -> Sample:
+    try:
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as exc:
+        raise DataError(f"{source}: not a readable NPY array ({exc})") from exc
+    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.number):
+        raise DataError(
+            f"{source}: NPY must hold a 2-D numeric array (cells x markers), "
+            f"got {arr.dtype} of shape {arr.shape}"
+        )
+    if names is None:
+        names = [str(i) for i in range(arr.shape[1])]
+    if len(names) != arr.shape[1]:
+        raise DataError(f"{source}: {len(names)} marker name(s) for {arr.shape[1]} column(s)")
+    return Sample(arr.astype(np.float64), list(names), list(names), source)
+
+
+def read_sample(
+    source: str | os.PathLike[str] | bytes,
+    *,
+    format: str | None = None,
+    name: str | None = None,
+    markers: Sequence[str] | None = None,
+) -> Sample:
+    """Read one bag of cells from a file path or raw bytes.
+
+    Parameters
+    ----------
+    source : path or bytes
+    format : {"fcs", "csv", "tsv", "npy"}, optional
+        Default: from the file name (``.fcs``, ``.csv[.gz]``, ``.tsv[.gz]``,
+        ``.txt[.gz]``, ``.npy``).
+    name : str, optional
+        Name used in error messages (default: the path).
+    markers : sequence of str, optional
+        Column names for NPY input, which has none.
+
+    Raises
+    ------
+    DataError
+        Unreadable, truncated or wrongly typed file, naming it (and the row/column).
+    """
+    if isinstance(source, bytes | bytearray):
+        data = bytes(source)
+        label = name or "<upload>"
+        suffix = f".{format}" if format else ""
+    else:
+        path = Path(source)
+        label = name or str(path)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise DataError(f"{label}: cannot read ({exc.strerror or exc})") from exc
+        suffix = f".{format}" if format else _suffix(path.name)
+    if suffix.endswith(".gz") or data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as exc:
+            raise DataError(f"{label}: broken gzip stream ({exc})") from exc
+        suffix = suffix.removesuffix(".gz")
+    if suffix == ".fcs" or (not suffix and data[:3] == b"FCS"):
+        sample = _read_fcs(data, label)
+    elif suffix == ".npy" or (not suffix and data[:6] == b"\x93NUMPY"):
+        sample = _read_npy(data, label, markers)
+    elif suffix in (".csv", ".tsv", ".txt", ""):
+        sample = _read_text(data, label, "\t" if suffix == ".tsv" else None)
+    else:
+        raise DataError(
+            f"{label}: unsupported file type {suffix!r}; expected one of {SUPPORTED_SUFFIXES}"
+        )
+    if sample.points.shape[0] == 0:
+        raise DataError(f"{label}: no cells")
+    bad = ~np.isfinite(sample.points)
+    if bad.any():
+        row, col = np.argwhere(bad)[0]
+        raise DataError(
+            f"{label}: {int(bad.sum())} non-finite value(s), first at cell {row + 1}, "
+            f"marker {sample.names[col]!r}"
+        )
+    return sample
+
+
+@dataclass(frozen=True)
+class Panel:
+    """The markers a model takes, in input order, with accepted aliases.
+
+    Parameters
+    ----------
+    markers : sequence of str
+        Canonical names in the model's column order.
+    aliases : mapping of str to sequence of str
+        Other names accepted for a marker (e.g. ``{"FITC-A": ["GFP"]}``).
+    """
+
+    markers: tuple[str, ...]
+    aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "markers", tuple(self.markers))
+        object.__setattr__(self, "aliases", {k: tuple(v) for k, v in dict(self.aliases).items()})
+        unknown = set(self.aliases) - set(self.markers)
+        if unknown:
+            raise ValueError(f"aliases for markers not in the panel: {sorted(unknown)}")
+        keys = [normalise_marker(m) for m in self.markers]
+        if len(set(keys)) != len(keys):
+            raise ValueError(
+                f"panel markers collide when case and punctuation are ignored: {self.markers}"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "markers": list(self.markers),
+            "aliases": {k: list(v) for k, v in self.aliases.items()},
+        }
+
+    @classmethod
+    def from_json(cls, spec: Mapping[str, Any]) -> Panel:
+        return cls(tuple(spec["markers"]), dict(spec.get("aliases", {})))
+
+    def columns(
+        self, names: Sequence[str], alt_names: Sequence[str] | None = None, *, source: str = "input"
+    ) -> NDArray[np.int64]:
+        """Column index of each panel marker among ``names`` (and ``alt_names``).
+
+        Raises
+        ------
+        DataError
+            Listing every missing marker (with the names that were available) and every
+            marker matched by more than one column.
+        """
+        alt = list(alt_names) if alt_names is not None else list(names)
+        keys = [{normalise_marker(a), normalise_marker(b)} for a, b in zip(names, alt, strict=True)]
+        out, missing, ambiguous = [], [], []
+        for m in self.markers:
+            wanted = {normalise_marker(m)} | {normalise_marker(a) for a in self.aliases.get(m, ())}
+            hits = [j for j, k in enumerate(keys) if k & wanted]
+            if not hits:
+                missing.append(m)
+            elif len(hits) > 1:
+                ambiguous.append(f"{m!r} matches columns {[names[j] for j in hits]}")
+            else:
+                out.append(hits[0])
+        problems = []
+        if missing:
+            problems.append(f"missing marker(s) {missing} (available: {list(names)})")
+        problems += [f"ambiguous marker {a}" for a in ambiguous]
+        if problems:
+            raise DataError(f"{source}: " + "; ".join(problems))
+        return np.asarray(out, dtype=np.int64)
+
+    def extra(self, names: Sequence[str], alt_names: Sequence[str] | None = None) -> list[str]:
+        """Columns of a sample that the panel does not use."""
+        used = set(self.columns(names, alt_names).tolist())
+        return [n for j, n in enumerate(names) if j not in used]
+
+    def select(self, sample: Sample) -> NDArray[np.float64]:
+        """The sample's columns for this panel, in panel order."""
+        cols = self.columns(sample.names, sample.alt_names, source=sample.source)
+        return np.ascontiguousarray(sample.points[:, cols])
+
+
+Transform = Literal["none", "arcsinh", "log"]
+
+
+@dataclass
+class Preprocessing:
+    """Per-cell preprocessing stored with a model (and re-applied at prediction).
+
+    Parameters
+    ----------
+    transform : {"none", "arcsinh", "log"}
+        ``arcsinh(x / cofactor)``, or ``log10(max(x, log_floor))``.
+    cofactor : float or mapping of marker to float
+        One cofactor, or one per marker (panel names; others use ``default_cofactor``).
+    scale : {"none", "standard"}
+        ``"standard"``: subtract the training cells' mean and divide by their standard
+        deviation, per marker (learned by :meth:`fit`).
+    max_points : int or None
+        Keep at most this many cells per bag (seeded draw, independent of cell order).
+    seed : int
+    """
+
+    transform: Transform = "none"
+    cofactor: float | Mapping[str, float] = 5.0
+    default_cofactor: float = 5.0
+    log_floor: float = 1.0
+    scale: Literal["none", "standard"] = "none"
+    max_points: int | None = None
+    seed: int = 0
+    mean_: list[float] | None = None
+    std_: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.transform not in ("none", "arcsinh", "log"):
+            raise ValueError(
+                f"transform must be 'none', 'arcsinh' or 'log', got {self.transform!r}"
+            )
+        if self.scale not in ("none", "standard"):
+            raise ValueError(f"scale must be 'none' or 'standard', got {self.scale!r}")
+        if self.max_points is not None and self.max_points < 2:
+            raise ValueError(f"max_points must be >= 2 or None, got {self.max_points}")
+
+    def _cofactors(self, markers: Sequence[str]) -> NDArray[np.float64]:
+        if isinstance(self.cofactor, Mapping):
+            return np.array([float(self.cofactor.get(m, self.default_cofactor)) for m in markers])
+        return np.full(len(markers), float(self.cofactor))
+
+    def _transform(self, x: NDArray[np.float64], markers: Sequence[str]) -> NDArray[np.float64]:
+        if self.transform == "arcsinh":
+            return np.arcsinh(x / self._cofactors(markers))
+        if self.transform == "log":
+            return np.log10(np.maximum(x, self.log_floor))
+        return x
+
+    def fit(self, bags: Bags, markers: Sequence[str]) -> Preprocessing:
+        """Learn the per-marker scaling from the (transformed) training cells."""
+        if self.scale == "standard":
+            t = self._transform(bags.points, markers)
+            std = t.std(axis=0)
+            self.mean_ = t.mean(axis=0).tolist()
+            self.std_ = np.where(std > 0, std, 1.0).tolist()
+        return self
+
+    def apply(self, bags: Bags, markers: Sequence[str]) -> Bags:
+        """Subsample, transform and scale bags whose columns follow ``markers``."""
+        if self.max_points is not None:
+            bags = subsample_bags(bags, self.max_points, self.seed)
+        x = self._transform(bags.points, markers)
+        if self.scale == "standard":
+            if self.mean_ is None or self.std_ is None:
+                raise ValueError("standard scaling is not fitted: call fit() on the training bags")
+            x = (x - np.asarray(self.mean_)) / np.asarray(self.std_)
+        return Bags(x, bags.offsets, bags.weights, validate=False)
+
+    def to_json(self) -> dict[str, Any]:
+        cof = dict(self.cofactor) if isinstance(self.cofactor, Mapping) else self.cofactor
+        return {
+            "transform": self.transform,
+            "cofactor": cof,
+            "default_cofactor": self.default_cofactor,
+            "log_floor": self.log_floor,
+            "scale": self.scale,
+            "max_points": self.max_points,
+            "seed": self.seed,
+            "mean_": self.mean_,
+            "std_": self.std_,
+        }
+
+    @classmethod
+    def from_json(cls, spec: Mapping[str, Any]) -> Preprocessing:
+        return cls(**dict(spec))
+
+
+@dataclass
+class Dataset:
+    """Bags read from files, in panel order, with their labels.
+
+    Attributes
+    ----------
+    bags : Bags
+        Raw (not yet preprocessed) cells, columns in ``panel`` order.
+    y : ndarray or None
+        One label per bag (``level="bag"``) or per cell (``level="cell"``).
+    files : list of str
+        File of each bag.
+    panel : Panel
+    level : {"bag", "cell"}
+    sha256 : str
+        Fingerprint of the data: the name and sha256 of every file, and the labels.
+    """
+
+    bags: Bags
+    y: NDArray[Any] | None
+    files: list[str]
+    panel: Panel
+    level: Literal["bag", "cell"]
+    sha256: str
+
+
+def _read_table(path: Path, key: str, value: str) -> dict[str, str]:
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the labels table ({exc.strerror or exc})") from exc
+    rows = list(csv.DictReader(io.StringIO(text)))
+    if not rows:
+        raise DataError(f"{path}: the labels table is empty")
+    for col in (key, value):
+        if col not in rows[0]:
+            raise DataError(f"{path}: no column {col!r} (columns: {list(rows[0])})")
+    out: dict[str, str] = {}
+    for i, r in enumerate(rows):
+        name = (r[key] or "").strip()
+        if name in out:
+            raise DataError(f"{path}: file {name!r} is listed twice (row {i + 2})")
+        out[name] = (r[value] or "").strip()
+    return out
+
+
+def _parse_label(text: str) -> int | float | str:
+    """Integers stay integers (class IDs), other numbers become floats, the rest text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
+def load_dataset(
+    files: Sequence[str | os.PathLike[str]],
+    *,
+    panel: Panel | None = None,
+    labels_table: str | os.PathLike[str] | None = None,
+    file_column: str = "file",
+    label_column: str = "label",
+    cell_label_column: str | None = None,
+    cell_label_files: Mapping[str, str | os.PathLike[str]] | None = None,
+    n_jobs: int | None = None,
+    progress: bool = False,
+) -> Dataset:
+    """Read many files into one :class:`Dataset`.
+
+    Bag-level labels come from ``labels_table`` (a CSV with ``file_column`` and
+    ``label_column``; files without a label are skipped, labels without a file are an
+    error). Cell-level labels come from a column of each CSV (``cell_label_column``,
+    removed from the markers) or from one label file per sample (``cell_label_files``,
+    sample path → label file with one label per line).
+
+    Files are read in parallel with joblib (``n_jobs``); the panel defaults to the
+    first file's columns, and every file must provide all of its markers.
+    """
+    from joblib import Parallel, delayed
+
+    paths = [Path(f) for f in files]
+    if not paths:
+        raise DataError("no data files matched")
+    table: dict[str, str] | None = None
+    if labels_table is not None:
+        table = _read_table(Path(labels_table), file_column, label_column)
+        names = {p.name for p in paths}
+        unknown = sorted(set(table) - names)
+        if unknown:
+            raise DataError(f"{labels_table}: labels for files that were not found: {unknown}")
+        paths = [p for p in paths if p.name in table and table[p.name] != ""]
+        if not paths:
+            raise DataError(f"{labels_table}: no data file has a label")
+    iterator: Iterable[Path] = paths
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(paths, desc="reading", unit="file")
+    samples = Parallel(n_jobs=n_jobs, prefer="threads")(delayed(read_sample)(p) for p in iterator)
+    cell_labels: list[NDArray[Any]] | None = None
+    if cell_label_column is not None:
+        cell_labels, stripped = [], []
+        for s in samples:
+            keys = [normalise_marker(n) for n in s.names]
+            if normalise_marker(cell_label_column) not in keys:
+                raise DataError(f"{s.source}: no cell label column {cell_label_column!r}")
+            j = keys.index(normalise_marker(cell_label_column))
+            cell_labels.append(s.points[:, j].copy())
+            keep = [k for k in range(len(s.names)) if k != j]
+            stripped.append(
+                Sample(
+                    s.points[:, keep],
+                    [s.names[k] for k in keep],
+                    [s.alt_names[k] for k in keep],
+                    s.source,
+                )
+            )
+        samples = stripped
+    elif cell_label_files is not None:
+        cell_labels = []
+        for p, s in zip(paths, samples, strict=True):
+            lab_path = cell_label_files.get(str(p)) or cell_label_files.get(p.name)
+            if lab_path is None:
+                raise DataError(f"{p}: no cell label file")
+            lab = np.loadtxt(lab_path, dtype=str, ndmin=1)
+            if lab.shape[0] != s.points.shape[0]:
+                raise DataError(
+                    f"{lab_path}: {lab.shape[0]} label(s) for {s.points.shape[0]} cell(s) "
+                    f"of {p.name}"
+                )
+            cell_labels.append(np.array([_parse_label(v) for v in lab]))
+    if panel is None:
+        panel = Panel(tuple(samples[0].names))
+    arrays = [panel.select(s) for s in samples]
+    bags = Bags.from_arrays(arrays)
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.name.encode() + b"\0" + file_sha256(p).encode() + b"\n")
+    if table is not None:
+        y: NDArray[Any] | None = np.array([_parse_label(table[p.name]) for p in paths])
+        level: Literal["bag", "cell"] = "bag"
+    elif cell_labels is not None:
+        y = np.concatenate(cell_labels)
+        level = "cell"
+    else:
+        y, level = None, "bag"
+    if y is not None:
+        h.update(repr(y.tolist()).encode())
+    return Dataset(bags, y, [str(p) for p in paths], panel, level, h.hexdigest())

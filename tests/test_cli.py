@@ -1,0 +1,184 @@
+"""The bagserve command: train on real data, evaluate, predict, list, demo, errors."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core import load, read_manifest
+from core.cli import list_models, main, predict_files
+from core.demo import DEMO_MODELS, demo_samples
+
+from .conftest import SHARED_DATA
+
+ROOT = Path(__file__).resolve().parents[1]
+YEAST = SHARED_DATA / "cytoflow_yeast" / "dose_response"
+GVHD = SHARED_DATA / "flowcap1_gvhd"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    return repr(v)
+
+
+def write_toml(path: Path, config: dict) -> Path:
+    """A small TOML writer for the test configs (tables of scalars, lists, inline tables)."""
+    lines = []
+    for table, body in config.items():
+        nested = {k: v for k, v in body.items() if isinstance(v, dict) and "class" in v}
+        lines.append(f"[{table}]")
+        lines += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in body.items() if k not in nested]
+        for k, v in nested.items():
+            lines.append(f"[{table}.{k}]")
+            lines += [f"{json.dumps(kk)} = {_toml_value(vv)}" for kk, vv in v.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def example(name: str, tmp_path: Path, **overrides: dict) -> Path:
+    """The shipped example config, with absolute data paths and optional overrides."""
+    src = ROOT / "examples" / name / "train.toml"
+    config = tomllib.loads(src.read_text())
+    base = src.parent
+    data = config["data"]
+    for key in ("files", "labels", "cell_label_files"):
+        if key in data:
+            data[key] = (
+                str((base / data[key]).resolve()) if key != "files" else str(base / data[key])
+            )
+    config["model"]["output"] = str(tmp_path / "models")
+    for table, values in overrides.items():
+        config.setdefault(table, {}).update(values)
+    return write_toml(tmp_path / f"{name}.toml", config)
+
+
+def test_train_yeast_example_on_real_fcs(tmp_path, capsys):
+    cfg = example("yeast_dose", tmp_path)
+    code, out, err = run(capsys, "train", str(cfg), "--quiet")
+    assert code == 0, err
+    summary = json.loads(out)
+    path = Path(summary["model"])
+    # Dose is a property of the whole sample: cross-validated R² well above 0.
+    assert summary["cv"]["r2"] > 0.8
+    manifest = read_manifest(path)
+    meta = manifest["metadata"]
+    assert meta["panel"]["markers"] == ["FSC-A", "SSC-A", "FITC-A"]
+    assert meta["preprocessing"]["transform"] == "arcsinh"
+    assert len(meta["training_data_sha256"]) == 64 and len(meta["training_files"]) == 21
+    for f in ("report/metrics.json", "report/predicted_vs_true.png", "report/cv_curve.png"):
+        assert f in manifest["files"]
+        assert (path / f).read_bytes()[:4] in (b"\x89PNG", b"{\n  ")
+    # evaluate and predict agree with the library.
+    code, out, _ = run(capsys, "evaluate", str(path), str(cfg), "--quiet")
+    assert code == 0 and json.loads(out)["r2"] > 0.95
+    files = [str(YEAST / "Yeast_B1_B01.fcs"), str(YEAST / "Yeast_C9_C09.fcs")]
+    code, out, _ = run(capsys, "predict", str(path), *files)
+    result = json.loads(out)
+    assert result["model"]["name"] == "yeast-dose"
+    high, low = (r["prediction"] for r in result["results"])
+    assert high > low
+    assert high == pytest.approx(predict_files(path, files)["results"][0]["prediction"])
+    code, out, _ = run(capsys, "predict", str(path), *files, "--format", "csv")
+    rows = list(csv.reader(io.StringIO(out)))
+    assert rows[0] == ["file", "prediction"] and len(rows) == 3
+
+
+def test_train_gvhd_example_cell_level(tmp_path, capsys):
+    # The shipped config, on 4 samples and with fixed hyperparameters (the full search
+    # runs in make bench / by hand).
+    files = [str(GVHD / f"sample{k}.csv.gz") for k in (1, 2, 3, 4)]
+    cfg = example(
+        "gvhd",
+        tmp_path,
+        data={"files": files},
+        estimator={"point_bandwidth": 1.0, "task_gamma": 1.0, "tau": 0.2, "alpha": 1e-5,
+                   "embedding_points": 300, "n_components": 64},
+        cv={"n_splits": 2},
+    )  # fmt: skip
+    code, out, err = run(capsys, "train", str(cfg), "--quiet")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["cv"]["scheme"] == "leave-tasks-out"
+    assert summary["cv"]["accuracy"] > 0.6
+    path = Path(summary["model"])
+    assert "report/confusion_matrix.png" in read_manifest(path)["files"]
+    model = load(path)
+    assert set(model.classes_) == {"gate 1", "gate 3", "gate 4", "other"}
+    code, out, _ = run(
+        capsys, "predict", str(path), str(GVHD / "sample5.csv.gz"), "--format", "csv"
+    )
+    rows = list(csv.reader(io.StringIO(out)))
+    assert rows[0] == ["file", "cell", "prediction"] and len(rows) > 10_000
+
+
+def test_demo_models_and_list(tmp_path, capsys):
+    code, out, _ = run(capsys, "demo", "--models", str(tmp_path))
+    assert code == 0
+    assert [Path(p).parts[-2] for p in out.split()] == list(DEMO_MODELS)
+    rows = list_models(tmp_path)
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert rows[0]["metrics"]["holdout_rmse"] < 0.25 * rows[0]["metrics"]["dose_std"]
+    assert rows[1]["metrics"]["holdout_cell_accuracy"] > 0.9
+    # A second run keeps the existing models.
+    code, out, _ = run(capsys, "demo", "--models", str(tmp_path))
+    assert code == 0 and out == ""
+    bags, y, _ = demo_samples("gating", 1, 5)
+    model = load(tmp_path / "demo-gating" / "1")
+    assert np.mean(model.predict(bags) == y) > 0.9
+    # A tampered model is reported, and the listing exits non-zero.
+    victim = sorted((tmp_path / "demo-dose" / "1" / "arrays").glob("*.npy"))[0]
+    victim.write_bytes(victim.read_bytes()[:-4])
+    code, out, _ = run(capsys, "models", "list", str(tmp_path))
+    assert code == 1 and "FAILED" in out and "demo-gating/1" in out
+
+
+def test_errors_are_one_line_and_exit_non_zero(tmp_path, capsys):
+    code, _, err = run(capsys, "predict", str(tmp_path / "none"), "x.csv")
+    assert code == 1 and err.startswith("error: ") and err.count("\n") == 1
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[data]\nfiles = 'nothing/*.fcs'\n[estimator]\nclass = 'DistributionRidge'\n")
+    code, _, err = run(capsys, "train", str(bad))
+    assert code == 1 and "nothing matches" in err
+    bad.write_text("[data]\nfiles = 'x'\n[estimator]\nclass = 'os.system'\n")
+    code, _, err = run(capsys, "train", str(bad))
+    assert code == 1 and "class must be one of" in err
+    bad.write_text("[data\n")
+    code, _, err = run(capsys, "train", str(bad))
+    assert code == 1 and "invalid TOML" in err
+    shutil.copy(YEAST / "Yeast_B1_B01.fcs", tmp_path / "cells.fcs")
+    run(capsys, "demo", "--models", str(tmp_path / "m"))
+    code, _, err = run(
+        capsys, "predict", str(tmp_path / "m" / "demo-dose" / "1"), str(tmp_path / "cells.fcs")
+    )
+    assert code == 1 and "missing marker(s) ['GFP']" in err
+    with pytest.raises(SystemExit) as info:
+        main(["no-such-command"])
+    assert info.value.code == 2
+
+
+def test_entry_point_is_installed():
+    exe = Path(sys.executable).parent / "bagserve"
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True)
+    assert "train" in out.stdout and "predict" in out.stdout
