@@ -31,6 +31,8 @@ __all__ = [
 # solved matrix-free by preconditioned conjugate gradients, or in the dual (one unknown
 # per point) when there are fewer points than unknowns and at most _DUAL_MAX_POINTS.
 _EIGEN_MAX_SIZE = 512
+# Points per chunk when per-point features are computed (bounds memory).
+_CHUNK_POINTS = 1 << 15
 _DUAL_MAX_POINTS = 6000
 
 
