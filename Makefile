@@ -10,13 +10,26 @@ PYTEST_WORKERS ?= 2
 # The marginal-transfer solvers run many small BLAS calls: one thread avoids spinning.
 BENCH_ENV := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 
-.PHONY: test lint bench clean
+MODELS ?= models
+
+.PHONY: test lint bench serve clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+# Serve on 127.0.0.1:8000; the demo models are trained first if $(MODELS) is empty.
+serve: $(BIN)/.installed
+	@if [ -z "$$(ls -A $(MODELS) 2>/dev/null)" ]; then $(BIN)/bagserve demo --models $(MODELS); fi
+	$(BIN)/bagserve serve --host 127.0.0.1 --port 8000 --models $(MODELS)
 
 $(BIN)/.dev-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	touch $@
+	touch $@ $(BIN)/.installed
 
 lint: $(BIN)/.dev-installed
 	$(BIN)/ruff check .

@@ -393,27 +393,31 @@ def as_bags(X: Bags | Sequence[ArrayLike] | NDArray[Any]) -> Bags:
     return Bags.from_arrays(X)
 
 
-def subsample_bags(bags: Bags, size: int | None, seed: int) -> Bags:
+def subsample_bags(bags: Bags, size: int | None, seed: int, *, canonical: bool = False) -> Bags:
     """At most ``size`` points of every bag, chosen independently of point order.
 
     Each bag larger than ``size`` is put in lexicographic row order before a draw
     seeded by ``(seed, n_points)``, so the same cells give the same subsample however
     they are ordered (and predictions that depend on it are reproducible). Weights of
-    the kept points are kept and renormalised.
+    the kept points are kept and renormalised. With ``canonical=True`` the bags left
+    whole are put in lexicographic order too, so that everything computed from the
+    result (sums included) is bit for bit the same for any order of the input cells.
     """
-    if size is None or bags.sizes.max() <= size:
+    if not canonical and (size is None or bags.sizes.max() <= size):
         return bags
     keep = []
     for t in range(len(bags)):
         lo, hi = int(bags.offsets[t]), int(bags.offsets[t + 1])
         n = hi - lo
-        if n <= size:
-            keep.append(np.arange(lo, hi))
-            continue
         pts = bags.points[lo:hi]
-        order = np.lexsort(pts.T[::-1])
-        pick = np.sort(np.random.default_rng([seed, n]).choice(n, size, replace=False))
-        keep.append(lo + order[pick])
+        if size is not None and n > size:
+            order = np.lexsort(pts.T[::-1])
+            pick = np.sort(np.random.default_rng([seed, n]).choice(n, size, replace=False))
+            keep.append(lo + order[pick])
+        elif canonical:
+            keep.append(lo + np.lexsort(pts.T[::-1]))
+        else:
+            keep.append(np.arange(lo, hi))
     rows = np.concatenate(keep)
     sizes = np.array([k.size for k in keep])
     offsets = np.concatenate([[0], np.cumsum(sizes)])

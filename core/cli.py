@@ -95,8 +95,32 @@ def predict_files(model_path: str | Path, files: Sequence[str | Path]) -> dict[s
     return out
 
 
+def _remote_predict(args: argparse.Namespace) -> dict[str, Any]:
+    """Predict through a running service (MODEL is ``name`` or ``name/version``)."""
+    import os
+
+    from service.client import BagserveError, Client
+
+    name, _, version = args.model.partition("/")
+    key = args.api_key or os.environ.get("BAGSERVE_API_KEY")
+    try:
+        with Client(args.url, api_key=key) as client:
+            answer = client.predict_files(name, args.files, version=version or None)
+    except BagserveError as exc:
+        raise ValueError(str(exc)) from exc
+    results = []
+    for f, p in zip(args.files, answer["predictions"], strict=True):
+        row: dict[str, Any] = {"file": str(f)}
+        if "labels" in p:
+            row.update(predictions=p["labels"], out_of_range=p["report"]["out_of_range"])
+        else:
+            row["prediction"] = p["prediction"]
+        results.append(row)
+    return {"model": answer["model"], "request_id": answer["request_id"], "results": results}
+
+
 def _cmd_predict(args: argparse.Namespace) -> int:
-    result = predict_files(args.model, args.files)
+    result = _remote_predict(args) if args.url else predict_files(args.model, args.files)
     if args.format == "json":
         text = json.dumps(result, default=str)
     else:
@@ -174,6 +198,52 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.app import create_app
+    from service.settings import Settings
+
+    overrides = {
+        k: v
+        for k, v in {
+            "host": args.host,
+            "port": args.port,
+            "workers": args.workers,
+            "models_dir": args.models,
+        }.items()
+        if v is not None
+    }
+    settings = Settings(**overrides)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def openapi_document() -> dict[str, Any]:
+    """The service's OpenAPI description, as ``openapi/openapi.json`` holds it."""
+    from service.app import create_app
+    from service.settings import Settings
+
+    return create_app(Settings()).openapi()
+
+
+def _cmd_openapi(args: argparse.Namespace) -> int:
+    text = json.dumps(openapi_document(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bagserve", description="Learning on bags of points.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -196,6 +266,8 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("files", nargs="+")
     pr.add_argument("--format", choices=("json", "csv"), default="json")
     pr.add_argument("--output", help="write here instead of stdout")
+    pr.add_argument("--url", help="use a running service (MODEL is then name or name/version)")
+    pr.add_argument("--api-key", help="service API key (default: BAGSERVE_API_KEY)")
     pr.set_defaults(func=_cmd_predict)
 
     m = sub.add_parser("models", help="model artifacts")
@@ -204,6 +276,17 @@ def _parser() -> argparse.ArgumentParser:
     ml.add_argument("directory")
     ml.add_argument("--format", choices=("text", "json"), default="text")
     ml.set_defaults(func=_cmd_models)
+
+    s = sub.add_parser("serve", help="serve the models over HTTP (settings: BAGSERVE_* variables)")
+    s.add_argument("--host", help="default: BAGSERVE_HOST or 127.0.0.1")
+    s.add_argument("--port", type=int, help="default: BAGSERVE_PORT or 8000")
+    s.add_argument("--workers", type=int, help="compute processes; default: BAGSERVE_WORKERS or 2")
+    s.add_argument("--models", help="models directory; default: BAGSERVE_MODELS_DIR or ./models")
+    s.set_defaults(func=_cmd_serve)
+
+    o = sub.add_parser("openapi", help="print (or write) the service's OpenAPI document")
+    o.add_argument("--output", help="e.g. openapi/openapi.json")
+    o.set_defaults(func=_cmd_openapi)
 
     d = sub.add_parser("demo", help="train the bundled demo models (generated data)")
     d.add_argument("--models", default="models", help="models directory (default: ./models)")

@@ -60,6 +60,7 @@ from scipy.spatial.distance import cdist
 __all__ = [
     "DISTANCE_KERNELS",
     "DistanceKernel",
+    "batch_invariant_matmul",
     "cityblock_distances",
     "get_kernel",
     "point_kernel",
@@ -118,6 +119,35 @@ def cityblock_distances(
     return out
 
 
+#: Rows per block in :func:`batch_invariant_matmul`.
+INVARIANT_BLOCK = 16
+
+
+def batch_invariant_matmul(
+    A: NDArray[np.float64], B: NDArray[np.float64], block: int = INVARIANT_BLOCK
+) -> NDArray[np.float64]:
+    """``A @ B`` where each row of the result depends on its row of ``A`` only.
+
+    BLAS picks its blocking from the matrix shapes, so the same row of ``A`` can give a
+    result that differs in the last bits when it comes with other rows. Multiplying
+    fixed blocks of :data:`INVARIANT_BLOCK` rows (the last one zero-padded) keeps the
+    arithmetic of every row identical, so a bag's prediction never depends on what else
+    was in the request (or in which order the cells of a sample came). ``block`` must be
+    the same at every call of a given product.
+    """
+    A = np.asarray(A, dtype=np.float64)
+    n = A.shape[0]
+    out = np.empty((n, B.shape[1]))
+    full = n - n % block
+    for lo in range(0, full, block):
+        out[lo : lo + block] = A[lo : lo + block] @ B
+    if full < n:
+        pad = np.zeros((block, A.shape[1]))
+        pad[: n - full] = A[full:]
+        out[full:] = (pad @ B)[: n - full]
+    return out
+
+
 # --------------------------------------------------------------------------- point kernels
 POINT_KERNELS = ("gaussian", "laplace")
 
@@ -169,8 +199,11 @@ def random_fourier_frequencies(
 def random_fourier_features(
     X: NDArray[np.float64], frequencies: NDArray[np.float64]
 ) -> NDArray[np.float64]:
-    """``z(x) = [cos(Wx), sin(Wx)] / √m`` so that ``z(x)ᵀz(y) ≈ k(x, y)``; shape (n, 2m)."""
-    proj = X @ frequencies.T
+    """``z(x) = [cos(Wx), sin(Wx)] / √m`` so that ``z(x)ᵀz(y) ≈ k(x, y)``; shape (n, 2m).
+
+    Each row depends on its point only (:func:`batch_invariant_matmul`).
+    """
+    proj = batch_invariant_matmul(X, frequencies.T, 256)
     m = proj.shape[1]
     z = np.empty((X.shape[0], 2 * m))
     np.cos(proj, out=z[:, :m])

@@ -270,3 +270,14 @@ def test_entropy_task_beats_the_mean_predictor():
         rmse = np.sqrt(np.mean((model.predict(bags[50:]) - y[50:]) ** 2))
         ratios.append(rmse / np.sqrt(np.mean((y[:50].mean() - y[50:]) ** 2)))
     assert np.median(ratios) < 1 / 3
+
+
+@pytest.mark.parametrize("rep", ["sw2", "sw1", "mmd", "rff"])
+def test_a_bags_prediction_does_not_depend_on_the_batch(rng, rep):
+    train = random_bags(rng, n_bags=20)
+    others = random_bags(rng, n_bags=21, sizes=(1, 50), weighted=True)
+    model = DistributionRidge(REPS[rep](), gamma=0.3, alpha=1e-3).fit(train, targets(train))
+    alone = model.predict(others[[5]])[0]
+    # Bit for bit: the same bag alone, first, in the middle, or last of a batch.
+    for batch, position in ((others, 5), (others[[5, 0]], 0), (others[[3, 4, 5]], 2)):
+        assert model.predict(batch)[position] == alone

@@ -393,7 +393,8 @@ def test_any_representation_embeds_tasks(ellipses):
     assert np.mean(model.predict(tasks) == y) > 0.8
 
 
-def test_dual_and_primal_task_ridge_agree(rng, monkeypatch):
+@pytest.mark.parametrize("dual_eigen_limit", [10**6, 0])
+def test_dual_and_primal_task_ridge_agree(rng, monkeypatch, dual_eigen_limit):
     from core.estimators._transfer_solvers import TaskStatistics, task_ridge_path
 
     N, a, D, k = 6, 4, 20, 2
@@ -405,9 +406,25 @@ def test_dual_and_primal_task_ridge_agree(rng, monkeypatch):
     tasks = np.array([0, 2, 3, 5])
     lams = np.array([1e-4, 1e-1])
     monkeypatch.setattr("core.estimators._transfer_solvers._EIGEN_MAX_SIZE", 1)
+    # 0 forces the per-λ Cholesky branch of the dual.
+    monkeypatch.setattr(
+        "core.estimators._transfer_solvers._DUAL_EIGEN_MAX_POINTS", dual_eigen_limit
+    )
     dual = task_ridge_path(S[tasks], TaskStatistics(A, B, Z, Y), tasks, lams)
     primal = task_ridge_path(S[tasks], TaskStatistics(A, B), tasks, lams)
     # The primal here runs conjugate gradients to a relative residual of 1e-12; with
     # λ = 1e-4 the conditioning leaves up to ~1e-6 relative error in θ.
     for d, p in zip(dual, primal, strict=True):
         np.testing.assert_allclose(d, p, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("solver", ["random_features", "exact"])
+def test_scores_do_not_depend_on_batch_or_cell_order_bit_for_bit(ellipses, solver):
+    tasks, y = ellipses
+    params = {**FIXED, "loss": "squared"} if solver == "exact" else FIXED
+    model = MarginalTransferClassifier(solver=solver, random_state=0, **params).fit(tasks, y)
+    new = make_ellipse_tasks(3, 200, random_state=8)[0]
+    alone = model.decision_function(new[[1]])
+    np.testing.assert_array_equal(model.decision_function(new)[200:400], alone)
+    perm = np.random.default_rng(0).permutation(200)
+    np.testing.assert_array_equal(model.decision_function(new[1][perm]), alone[perm])

@@ -34,6 +34,7 @@ _EIGEN_MAX_SIZE = 512
 # Points per chunk when per-point features are computed (bounds memory).
 _CHUNK_POINTS = 1 << 15
 _DUAL_MAX_POINTS = 6000
+_DUAL_EIGEN_MAX_POINTS = 1500
 
 
 def weighted_kernel_ridge(
@@ -271,14 +272,17 @@ def task_ridge_path(
     Ks = S @ S.T
     K = (Z @ Z.T) * Ks[np.ix_(owner, owner)]
     c = np.repeat(1.0 / (N * np.asarray(sizes, dtype=np.float64)), sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)])[:-1]
+
+    def theta(r: NDArray[np.float64]) -> NDArray[np.float64]:
+        per_task = np.add.reduceat(Z[:, :, None] * r[:, None, :], starts, axis=0)  # (N, D, k)
+        return np.tensordot(S.T, per_task, axes=(1, 0))
+
+    if M > _DUAL_EIGEN_MAX_POINTS:
+        # A Cholesky factorisation per λ costs a fraction of one eigendecomposition.
+        return [theta(weighted_kernel_ridge(K, Y, c, float(lam))) for lam in lams]
     root = np.sqrt(c)
     vals, vecs = np.linalg.eigh(K * root[:, None] * root[None, :])
     vals = np.maximum(vals, 0.0)
     proj = vecs.T @ (root[:, None] * Y)
-    starts = np.concatenate([[0], np.cumsum(sizes)])[:-1]
-    out = []
-    for lam in lams:
-        r = root[:, None] * (vecs @ (proj / (vals + lam)[:, None]))
-        per_task = np.add.reduceat(Z[:, :, None] * r[:, None, :], starts, axis=0)  # (N, D, k)
-        out.append(np.tensordot(S.T, per_task, axes=(1, 0)))
-    return out
+    return [theta(root[:, None] * (vecs @ (proj / (vals + lam)[:, None]))) for lam in lams]

@@ -20,7 +20,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
 from sklearn.utils.validation import check_is_fitted
 
 from ..bags import BagValidationError, as_bags
-from ..kernels import get_kernel
+from ..kernels import batch_invariant_matmul, get_kernel
 from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
 from ..representations.sliced import SlicedWasserstein
 from ..selection import DEFAULT_ALPHA_GRID, as_grid, gamma_grid, ridge_selection_scores
@@ -154,8 +154,8 @@ class _DistributionKernelRidge(BaseEstimator):
         emb = self.representation_.embed(X)
         if self.primal_:
             assert isinstance(emb, FeatureEmbedding)
-            return emb.features @ self.coef_ + self.intercept_
-        return self.kernel_matrix(emb) @ self.dual_coef_ + self.intercept_
+            return batch_invariant_matmul(emb.features, self.coef_) + self.intercept_
+        return batch_invariant_matmul(self.kernel_matrix(emb), self.dual_coef_) + self.intercept_
 
     def kernel_matrix(self, X: Any | Embedding) -> NDArray[np.float64]:
         """Kernel values between bags ``X`` and the training bags, ``(n_bags, T)``."""

@@ -43,7 +43,12 @@ from threadpoolctl import threadpool_limits
 
 from .._random import check_generator
 from ..bags import Bags, BagValidationError, as_bags, subsample_bags
-from ..kernels import get_kernel, point_kernel, random_fourier_features
+from ..kernels import (
+    batch_invariant_matmul,
+    get_kernel,
+    point_kernel,
+    random_fourier_features,
+)
 from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
 from ..representations.mean import MeanEmbedding, _median_distance
 from ..selection import leave_tasks_out_folds, median_heuristic_gamma
@@ -65,6 +70,9 @@ __all__ = [
     "TaskPrediction",
     "TaskReport",
 ]
+
+# Rows per block of the per-cell products: every cell's score depends on that cell only.
+_POINT_BLOCK = 256
 
 #: Default ridge grid ``λ`` of the weighted objective (per-task mean loss ~ 1).
 ALPHA_GRID = np.logspace(-6, -1, 6)
@@ -266,7 +274,7 @@ class _MarginalTransfer(BaseEstimator):
         if self.solver == "random_features" and self.task_map == "rff":
             self.joint_frequencies_ = rng.standard_normal((half, 2 * half + tasks.dim))
 
-        emb_tasks = subsample_bags(tasks, self.embedding_points, self.seed_)
+        emb_tasks = subsample_bags(tasks, self.embedding_points, self.seed_, canonical=True)
         grid = self._grid(tasks)
         sizes = [len(v) for v in grid.values()]
         if max(sizes) > 1 or self._alpha_grid.size > 1:
@@ -390,7 +398,7 @@ class _MarginalTransfer(BaseEstimator):
         n = kp_new.shape[0]
         if tau == 1.0 or basis is None:
             return np.ones((n, 1))
-        psi = kp_new @ basis
+        psi = batch_invariant_matmul(kp_new, basis)
         return np.hstack([np.full((n, 1), np.sqrt(tau)), np.sqrt(1.0 - tau) * psi])
 
     # ----------------------------------------------------------------- statistics
@@ -593,7 +601,7 @@ class _MarginalTransfer(BaseEstimator):
         problems += _single_point_problems(tasks)
         if problems:
             raise BagValidationError(problems)
-        sub = subsample_bags(tasks, self.embedding_points, self.seed_)
+        sub = subsample_bags(tasks, self.embedding_points, self.seed_, canonical=True)
         emb = self.embedding_.embed(sub)
         return emb, emb.sq_distances(self.train_embedding_)
 
@@ -638,14 +646,18 @@ class _MarginalTransfer(BaseEstimator):
                         pts[c0 : c0 + _CHUNK_POINTS // 8], self.train_points_, self.point_bandwidth_
                     )
                     K *= mix
-                    parts.append(K @ self.dual_coef_)
+                    parts.append(batch_invariant_matmul(K, self.dual_coef_, _POINT_BLOCK))
                 scores.append(np.concatenate(parts))
         elif self.task_map == "nystroem":
             S = self._task_coords(kp, getattr(self, "task_basis_", None), self.tau_)
             V = np.einsum("ta,apk->tpk", S, self.coef_)
             for t, pts in enumerate(tasks):
                 parts = [
-                    self._point_features(pts[c0 : c0 + _CHUNK_POINTS], self.point_bandwidth_) @ V[t]
+                    batch_invariant_matmul(
+                        self._point_features(pts[c0 : c0 + _CHUNK_POINTS], self.point_bandwidth_),
+                        V[t],
+                        _POINT_BLOCK,
+                    )
                     for c0 in range(0, pts.shape[0], _CHUNK_POINTS)
                 ]
                 scores.append(np.concatenate(parts))
@@ -653,15 +665,18 @@ class _MarginalTransfer(BaseEstimator):
             assert isinstance(emb, FeatureEmbedding)
             for t, pts in enumerate(tasks):
                 parts = [
-                    self._paper_features(
-                        self._paper_inputs(
-                            pts[c0 : c0 + _CHUNK_POINTS],
-                            emb.features[t],
-                            self.task_gamma_,
-                            self.point_bandwidth_,
-                        )
+                    batch_invariant_matmul(
+                        self._paper_features(
+                            self._paper_inputs(
+                                pts[c0 : c0 + _CHUNK_POINTS],
+                                emb.features[t],
+                                self.task_gamma_,
+                                self.point_bandwidth_,
+                            )
+                        ),
+                        self.coef_[0],
+                        _POINT_BLOCK,
                     )
-                    @ self.coef_[0]
                     for c0 in range(0, pts.shape[0], _CHUNK_POINTS)
                 ]
                 scores.append(np.concatenate(parts))

@@ -26,7 +26,11 @@ from sklearn.base import BaseEstimator, TransformerMixin
 from sklearn.utils.validation import check_is_fitted
 
 from ..bags import Bags, BagValidationError, as_bags
-from ..kernels import cityblock_distances, squared_euclidean_distances
+from ..kernels import (
+    batch_invariant_matmul,
+    cityblock_distances,
+    squared_euclidean_distances,
+)
 
 __all__ = ["BagRepresentation", "Embedding", "FeatureEmbedding", "n_threads_for"]
 
@@ -94,16 +98,28 @@ class FeatureEmbedding(Embedding):
 
     def sq_distances(self, other: Embedding | None = None) -> NDArray[np.float64]:
         o = self._other(other)
-        B = None if o is None else o.features
-        if self.geometry == "euclidean":
-            return squared_euclidean_distances(self.features, B)
-        return cityblock_distances(self.features, B)
+        if o is None:
+            if self.geometry == "euclidean":
+                return squared_euclidean_distances(self.features)
+            return cityblock_distances(self.features)
+        if self.geometry == "l1":
+            return cityblock_distances(self.features, o.features)
+        # Row by row in effect (batch_invariant_matmul): new bags never change each other.
+        a2 = np.einsum("ij,ij->i", self.features, self.features)
+        b2 = np.einsum("ij,ij->i", o.features, o.features)
+        D = batch_invariant_matmul(self.features, o.features.T)
+        D *= -2.0
+        D += a2[:, None]
+        D += b2[None, :]
+        return np.maximum(D, 0.0, out=D)
 
     def inner(self, other: Embedding | None = None) -> NDArray[np.float64]:
         o = self._other(other)
         B = self.features if o is None else o.features
         if self.geometry == "euclidean":
-            return self.features @ B.T
+            if o is None:
+                return self.features @ B.T
+            return batch_invariant_matmul(self.features, B.T)
         na = np.abs(self.features).sum(axis=1)
         nb = np.abs(B).sum(axis=1)
         return 0.5 * (na[:, None] + nb[None, :] - self.sq_distances(other))

@@ -212,22 +212,14 @@ def set_kernel_gram(
 def _self_terms(
     bags: Bags, kernel: str, bandwidth: float, n_jobs: int | None = None
 ) -> NDArray[np.float64]:
-    """``⟨μ_t, μ_t⟩`` for every bag, from groups of consecutive bags."""
-    out = np.empty(len(bags))
-    group_points = int(np.sqrt(_BLOCK_ENTRIES))
-    sizes = bags.sizes
-    t = 0
-    while t < len(bags):
-        # Grow the group while it stays small; a large bag forms its own group and is
-        # chunked inside set_kernel_gram.
-        end = t + 1
-        total = int(sizes[t])
-        while end < len(bags) and total + sizes[end] <= group_points:
-            total += int(sizes[end])
-            end += 1
-        out[t:end] = np.diag(set_kernel_gram(bags[t:end], None, kernel, bandwidth, n_jobs=n_jobs))
-        t = end
-    return out
+    """``⟨μ_t, μ_t⟩`` for every bag, each computed from that bag alone (so it never
+    depends on which other bags came with it)."""
+    return np.array(
+        [
+            float(set_kernel_gram(bags[t : t + 1], None, kernel, bandwidth, n_jobs=n_jobs)[0, 0])
+            for t in range(len(bags))
+        ]
+    )
 
 
 class SetKernelEmbedding(Embedding):
@@ -266,16 +258,20 @@ class SetKernelEmbedding(Embedding):
 
     def inner(self, other: Embedding | None = None) -> NDArray[np.float64]:
         o = self._other(other)
-        G = set_kernel_gram(
-            self.bags,
-            None if o is None else o.bags,
-            self.kernel,
-            self.bandwidth,
-            n_jobs=self.n_jobs,
+        if o is None:
+            G = set_kernel_gram(self.bags, None, self.kernel, self.bandwidth, n_jobs=self.n_jobs)
+            if self._self is None:
+                self._self = np.diag(G).copy()
+            return G
+        # One new bag at a time: its values never depend on the other bags sent with it.
+        return np.vstack(
+            [
+                set_kernel_gram(
+                    self.bags[t : t + 1], o.bags, self.kernel, self.bandwidth, n_jobs=self.n_jobs
+                )
+                for t in range(len(self.bags))
+            ]
         )
-        if o is None and self._self is None:
-            self._self = np.diag(G).copy()
-        return G
 
     def sq_distances(self, other: Embedding | None = None) -> NDArray[np.float64]:
         o = self._other(other)
@@ -407,9 +403,12 @@ class MeanEmbedding(BagRepresentation):
             chunk = max(1, _BLOCK_ENTRIES // self.landmarks_.shape[0])
         out = np.zeros((len(bags), width))
         w = bags.point_weights()
-        for lo, hi in _chunk_bounds(bags.n_points, chunk):
-            b0, b1, starts = _segments_in(bags.offsets, lo, hi)
-            z = self._point_features(bags.points[lo:hi])
-            z *= w[lo:hi, None]
-            out[b0:b1] += np.add.reduceat(z, starts, axis=0)
+        # Bag by bag, in chunks counted from the bag's first point: a bag's features
+        # never depend on the bags around it.
+        for t in range(len(bags)):
+            lo, hi = int(bags.offsets[t]), int(bags.offsets[t + 1])
+            for c0 in range(lo, hi, chunk):
+                c1 = min(hi, c0 + chunk)
+                z = self._point_features(bags.points[c0:c1])
+                out[t] += w[c0:c1] @ z
         return out

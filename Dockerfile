@@ -1,0 +1,36 @@
+# bagserve prediction service.
+#   docker build -t bagserve .
+#   docker run -p 127.0.0.1:8000:8000 -v "$PWD/models:/models:ro" bagserve
+# Models are artifacts under /models/<name>/<version>/ (bagserve train / bagserve demo),
+# mounted read-only; settings are BAGSERVE_* variables (service/settings.py).
+
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md LICENSE ./
+COPY core ./core
+COPY service ./service
+RUN python -m pip install --no-cache-dir --upgrade pip \
+ && python -m pip wheel --no-cache-dir --wheel-dir /wheels .
+
+FROM python:3.11-slim
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    MPLCONFIGDIR=/tmp/matplotlib \
+    OMP_NUM_THREADS=1 \
+    OPENBLAS_NUM_THREADS=1 \
+    BAGSERVE_HOST=0.0.0.0 \
+    BAGSERVE_PORT=8000 \
+    BAGSERVE_MODELS_DIR=/models \
+    BAGSERVE_WORKERS=2 \
+    BAGSERVE_LOG_FORMAT=json
+COPY --from=build /wheels /wheels
+RUN python -m pip install --no-cache-dir /wheels/*.whl \
+ && rm -rf /wheels \
+ && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin bagserve
+USER 10001
+WORKDIR /tmp
+VOLUME ["/models"]
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=3s --start-period=90s --retries=3 \
+  CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=2).status == 200 else 1)"]
+CMD ["bagserve", "serve"]

@@ -1,0 +1,107 @@
+"""The FastAPI application: settings, lifespan (registry + worker pool), middleware, routes."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.responses import Response
+
+from core import __version__
+
+from .errors import install_handlers
+from .logs import configure_logging
+from .registry import Registry
+from .routes import health, v1
+from .security import ApiKeys
+from .settings import Settings
+from .workers import WorkerPool
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("bagserve.http")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app; models load and workers start in the lifespan."""
+    settings = settings or Settings()
+    configure_logging(settings.log_format, settings.log_level)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        registry = Registry(settings.models_dir)
+        for key, reason in registry.failures.items():
+            log.error("model not loaded", extra={"model": key, "reason": reason})
+        pool = WorkerPool(
+            {e.key: e.path for e in registry.all()}, settings.workers, settings.queue_size
+        )
+        app.state.registry = registry
+        app.state.pool = pool
+        await pool.start()
+        log.info(
+            "serving",
+            extra={"models": [e.key for e in registry.all()], "workers": settings.workers},
+        )
+        try:
+            yield
+        finally:
+            await pool.stop()
+
+    app = FastAPI(
+        title="bagserve",
+        version=__version__,
+        description=(
+            "Predictions on bags of points (flow-cytometry samples and the like) from "
+            "versioned models. Errors are RFC 9457 problem details."
+        ),
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.auth = ApiKeys(settings.api_keys)
+    install_handlers(app)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "X-API-Key", "Content-Type", "X-Request-ID"],
+            expose_headers=[
+                "X-Request-ID",
+                "X-Model-Name",
+                "X-Model-Version",
+                "X-Model-SHA256",
+                "X-Input-SHA256",
+            ],
+        )
+
+    @app.middleware("http")
+    async def request_context(request: Request, call_next) -> Response:  # type: ignore[no-untyped-def]
+        given = request.headers.get("x-request-id", "")
+        request.state.request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        request.state.key_id = None
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        response.headers["X-Request-ID"] = request.state.request_id
+        log.info(
+            "request",
+            extra={
+                "request_id": request.state.request_id,
+                "method": request.method,
+                "path": request.url.path,
+                "status": response.status_code,
+                "seconds": round(time.perf_counter() - t0, 6),
+                "api_key_id": request.state.key_id,
+            },
+        )
+        return response
+
+    app.include_router(health.router)
+    app.include_router(v1.router)
+    return app

@@ -1,0 +1,266 @@
+"""A small httpx client for lab pipelines: predict from arrays or files, with retries.
+
+::
+
+    from service.client import Client
+
+    with Client("http://127.0.0.1:8000", api_key="...") as c:
+        result = c.predict("demo-dose", [cells], markers=["FSC-A", "SSC-A", "GFP"])
+        result = c.predict_files("demo-dose", ["patient17.fcs"])
+
+A 503 or 429 answer is retried with exponential backoff (honouring ``Retry-After``),
+as are connection errors; every other error raises :class:`BagserveError` carrying the
+problem details the service sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+__all__ = ["AsyncClient", "BagserveError", "Client"]
+
+RETRY_STATUS = (429, 503)
+
+
+class BagserveError(Exception):
+    """An error answer from the service (or no answer after every retry).
+
+    Attributes
+    ----------
+    status : int or None
+    problem : dict
+        The RFC 9457 body (``detail``, ``errors``, ``request_id``, ...).
+    """
+
+    def __init__(
+        self, message: str, status: int | None = None, problem: dict[str, Any] | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.problem = problem or {}
+
+
+def _json_body(
+    bags: Sequence[np.ndarray], markers: Sequence[str] | None, ids: Sequence[str] | None
+) -> bytes:
+    import orjson
+
+    items = []
+    for i, b in enumerate(bags):
+        arr = np.asarray(b, dtype=np.float64)
+        item: dict[str, Any] = {"id": ids[i] if ids else f"bag-{i}", "points": arr}
+        if markers is not None:
+            item["markers"] = list(markers)
+        items.append(item)
+    return orjson.dumps({"bags": items}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _files(paths: Sequence[str | Path]) -> list[tuple[str, tuple[str, bytes, str]]]:
+    return [
+        ("files", (Path(p).name, Path(p).read_bytes(), "application/octet-stream")) for p in paths
+    ]
+
+
+def _path(model: str, version: str | None) -> str:
+    return (
+        f"/v1/models/{model}/predict"
+        if version is None
+        else f"/v1/models/{model}/versions/{version}/predict"
+    )
+
+
+def _raise_for(response: httpx.Response) -> dict[str, Any]:
+    if response.status_code < 400:
+        return response.json()
+    try:
+        problem = response.json()
+    except ValueError:
+        problem = {"detail": response.text}
+    detail = problem.get("detail") or response.reason_phrase
+    errors = problem.get("errors") or []
+    message = f"{response.status_code}: {detail}" + (f" ({'; '.join(errors)})" if errors else "")
+    raise BagserveError(message, response.status_code, problem)
+
+
+def _delay(response: httpx.Response | None, attempt: int, backoff: float) -> float:
+    if response is not None:
+        retry_after = response.headers.get("retry-after", "")
+        if retry_after.isdigit():
+            return float(retry_after)
+    return backoff * 2**attempt
+
+
+class Client:
+    """Synchronous client. ``retries`` extra attempts on 503/429 and connection errors."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        retries: int = 4,
+        backoff: float = 0.5,
+        transport: httpx.BaseTransport | None = None,
+    ):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(
+            base_url=base_url, headers=headers, timeout=timeout, transport=transport
+        )
+        self.retries = retries
+        self.backoff = backoff
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        response = None
+        for attempt in range(self.retries + 1):
+            try:
+                response = self._http.request(method, url, **kwargs)
+            except httpx.TransportError as exc:
+                if attempt == self.retries:
+                    raise BagserveError(f"no answer from the service: {exc}") from exc
+                time.sleep(_delay(None, attempt, self.backoff))
+                continue
+            if response.status_code not in RETRY_STATUS or attempt == self.retries:
+                return response
+            time.sleep(_delay(response, attempt, self.backoff))
+        assert response is not None
+        return response
+
+    def models(self) -> dict[str, Any]:
+        return _raise_for(self._send("GET", "/v1/models"))
+
+    def predict(
+        self,
+        model: str,
+        bags: Sequence[np.ndarray],
+        *,
+        markers: Sequence[str] | None = None,
+        ids: Sequence[str] | None = None,
+        version: str | None = None,
+    ) -> dict[str, Any]:
+        """Predict bags given as arrays (cells x markers), sent as JSON."""
+        return _raise_for(
+            self._send(
+                "POST",
+                _path(model, version),
+                content=_json_body(bags, markers, ids),
+                headers={"Content-Type": "application/json"},
+            )
+        )
+
+    def predict_npy(
+        self,
+        model: str,
+        cells: np.ndarray,
+        *,
+        markers: Sequence[str] | None = None,
+        version: str | None = None,
+    ) -> dict[str, Any]:
+        """Predict one bag sent as NPY (the fastest encoding)."""
+        buf = io.BytesIO()
+        np.save(buf, np.asarray(cells, dtype=np.float64), allow_pickle=False)
+        params = {"markers": ",".join(markers)} if markers else None
+        return _raise_for(
+            self._send(
+                "POST",
+                _path(model, version),
+                content=buf.getvalue(),
+                params=params,
+                headers={"Content-Type": "application/x-npy"},
+            )
+        )
+
+    def predict_files(
+        self, model: str, paths: Sequence[str | Path], *, version: str | None = None
+    ) -> dict[str, Any]:
+        """Predict sample files (FCS, CSV, TSV, NPY), one bag each, in one request."""
+        return _raise_for(self._send("POST", _path(model, version), files=_files(paths)))
+
+
+class AsyncClient:
+    """Asynchronous twin of :class:`Client`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        retries: int = 4,
+        backoff: float = 0.5,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=base_url, headers=headers, timeout=timeout, transport=transport
+        )
+        self.retries = retries
+        self.backoff = backoff
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        response = None
+        for attempt in range(self.retries + 1):
+            try:
+                response = await self._http.request(method, url, **kwargs)
+            except httpx.TransportError as exc:
+                if attempt == self.retries:
+                    raise BagserveError(f"no answer from the service: {exc}") from exc
+                await asyncio.sleep(_delay(None, attempt, self.backoff))
+                continue
+            if response.status_code not in RETRY_STATUS or attempt == self.retries:
+                return response
+            await asyncio.sleep(_delay(response, attempt, self.backoff))
+        assert response is not None
+        return response
+
+    async def models(self) -> dict[str, Any]:
+        return _raise_for(await self._send("GET", "/v1/models"))
+
+    async def predict(
+        self,
+        model: str,
+        bags: Sequence[np.ndarray],
+        *,
+        markers: Sequence[str] | None = None,
+        ids: Sequence[str] | None = None,
+        version: str | None = None,
+    ) -> dict[str, Any]:
+        return _raise_for(
+            await self._send(
+                "POST",
+                _path(model, version),
+                content=_json_body(bags, markers, ids),
+                headers={"Content-Type": "application/json"},
+            )
+        )
+
+    async def predict_files(
+        self, model: str, paths: Sequence[str | Path], *, version: str | None = None
+    ) -> dict[str, Any]:
+        return _raise_for(await self._send("POST", _path(model, version), files=_files(paths)))

@@ -1,0 +1,151 @@
+"""Request bodies to bags, and predictions to response bodies.
+
+Accepted bodies (``Content-Type``):
+
+* ``application/json``: ``{"bags": [{"id", "points", "markers"?, "weights"?}]}``, parsed
+  with orjson and converted to numpy in one step (no per-number validation objects);
+* ``application/x-npy``: one bag, a 2-D array; marker names in the ``markers`` query
+  parameter (comma-separated), or columns in the model's panel order;
+* ``text/csv`` / ``text/tab-separated-values``: one bag with a header row of markers;
+* ``application/vnd.isac.fcs`` (or ``application/octet-stream`` holding FCS): one bag;
+* ``multipart/form-data``: several files of the above kinds, one bag each (the file
+  name is the bag id and tells the format).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+
+from core.io import DataError, read_sample
+
+from .errors import Problem
+
+__all__ = ["IncomingBag", "decode_body", "decode_file", "media_type"]
+
+JSON = "application/json"
+NPY = "application/x-npy"
+CSV = "text/csv"
+TSV = "text/tab-separated-values"
+FCS = "application/vnd.isac.fcs"
+OCTET = "application/octet-stream"
+MULTIPART = "multipart/form-data"
+ACCEPTED = (JSON, NPY, CSV, TSV, FCS, OCTET, MULTIPART)
+
+
+@dataclass
+class IncomingBag:
+    """One bag as received: raw columns, their names if the format carries them."""
+
+    id: str
+    points: np.ndarray
+    names: list[str] | None
+    alt_names: list[str] | None = None
+    weights: np.ndarray | None = None
+
+
+def media_type(header: str | None) -> str:
+    return (header or "").split(";")[0].strip().lower()
+
+
+def _json_bags(body: bytes) -> tuple[list[IncomingBag], list[str]]:
+    """Bags and the problems found while decoding them (reported with the others)."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise Problem(400, f"the body is not valid JSON ({exc})", slug="invalid-json") from exc
+    if isinstance(doc, dict) and "points" in doc and "bags" not in doc:
+        doc = {"bags": [doc]}
+    if not isinstance(doc, dict) or not isinstance(doc.get("bags"), list):
+        raise Problem(
+            422, 'expected an object {"bags": [{"id", "points", ...}]}', slug="invalid-request"
+        )
+    if not doc["bags"]:
+        raise Problem(422, "no bags in the request", slug="invalid-request")
+    bags, errors = [], []
+    for i, item in enumerate(doc["bags"]):
+        if not isinstance(item, dict):
+            errors.append(f"bags[{i}]: expected an object with 'points'")
+            continue
+        bag_id = str(item.get("id", f"bag-{i}"))
+        where = f"bag {bag_id!r}"
+        try:
+            pts = np.asarray(item.get("points"), dtype=np.float64)
+        except (TypeError, ValueError):
+            errors.append(f"{where}: points must be a rectangular list of lists of numbers")
+            continue
+        if pts.ndim == 1 and pts.size == 0:
+            pts = pts.reshape(0, 0)
+        if pts.ndim != 2:
+            errors.append(f"{where}: points must be 2-D (cells x markers), got shape {pts.shape}")
+            continue
+        markers = item.get("markers")
+        if markers is not None and (
+            not isinstance(markers, list) or not all(isinstance(m, str) for m in markers)
+        ):
+            errors.append(f"{where}: markers must be a list of strings")
+            continue
+        if markers is not None and pts.shape[0] and len(markers) != pts.shape[1]:
+            errors.append(f"{where}: {len(markers)} marker name(s) for {pts.shape[1]} column(s)")
+            continue
+        weights = None
+        if item.get("weights") is not None:
+            try:
+                weights = np.asarray(item["weights"], dtype=np.float64)
+            except (TypeError, ValueError):
+                errors.append(f"{where}: weights must be a list of numbers")
+                continue
+        bags.append(IncomingBag(bag_id, pts, markers, markers, weights))
+    return bags, errors
+
+
+def decode_file(data: bytes, name: str, kind: str | None, markers: list[str] | None) -> IncomingBag:
+    """One bag from a file's bytes (``kind``: fcs, csv, tsv, npy, or None to infer)."""
+    try:
+        sample = read_sample(data, format=kind, name=name, markers=markers)
+    except DataError as exc:
+        raise Problem(422, str(exc), errors=[str(exc)], slug="invalid-file") from exc
+    has_names = kind != "npy" or markers is not None
+    return IncomingBag(
+        name,
+        sample.points,
+        sample.names if has_names else None,
+        sample.alt_names if has_names else None,
+    )
+
+
+def decode_body(
+    content_type: str, body: bytes, markers: list[str] | None, name: str
+) -> tuple[list[IncomingBag], list[str]]:
+    """Bags from a non-multipart body, and the problems already found in them."""
+    if content_type == JSON:
+        return _json_bags(body)
+    if content_type == NPY:
+        return [decode_file(body, name, "npy", markers)], []
+    if content_type == CSV:
+        return [decode_file(body, name, "csv", None)], []
+    if content_type == TSV:
+        return [decode_file(body, name, "tsv", None)], []
+    if content_type in (FCS, OCTET):
+        kind = "fcs" if body[:3] == b"FCS" else ("npy" if body[:6] == b"\x93NUMPY" else None)
+        if kind is None:
+            raise Problem(
+                415,
+                "application/octet-stream bodies must be FCS or NPY files",
+                slug="unsupported-media-type",
+            )
+        return [decode_file(body, name, kind, markers)], []
+    raise Problem(
+        415,
+        f"unsupported content type {content_type or '(none)'!r}; expected one of {list(ACCEPTED)}",
+        slug="unsupported-media-type",
+    )
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()

@@ -1,0 +1,341 @@
+"""From a request to a response: read, decode, validate, dispatch to a worker, encode.
+
+Routes stay thin; this module owns the steps and their errors:
+
+* the body is read incrementally and refused with 413 as soon as it passes the limit
+  (before it is all read), and at once when ``Content-Length`` already says so;
+* every validation problem (panel, NaN/Inf, empty bags, sizes, weights) is collected
+  and answered together with 422;
+* compute happens in a worker; a full queue is 503 with ``Retry-After``, a lost worker
+  503, a timeout 504;
+* the answer carries provenance in body and headers: model name, version and sha256,
+  request id, sha256 of the input.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import time
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import Request
+from starlette.responses import Response
+
+from core.io import DataError
+
+from .codecs import (
+    ACCEPTED,
+    JSON,
+    MULTIPART,
+    NPY,
+    IncomingBag,
+    decode_body,
+    decode_file,
+    media_type,
+    npy_bytes,
+)
+from .errors import Problem
+from .registry import ModelEntry
+from .workers import ComputeError, QueueFull, WorkerLost, WorkerTimeout
+
+__all__ = ["predict"]
+
+CSV_OUT = "text/csv"
+VALIDATION_ERRORS = ("BagValidationError", "DataError", "ValueError")
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    """The body, or 413 as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise Problem(413, f"the body ({int(declared)} bytes) exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise Problem(413, f"the body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    # Later readers (multipart parsing) see the body already read.
+    request._body = body
+    return body
+
+
+async def _incoming(request: Request, body: bytes) -> tuple[list[IncomingBag], list[str]]:
+    ctype = media_type(request.headers.get("content-type"))
+    q = request.query_params.get("markers")
+    markers = [m.strip() for m in q.split(",")] if q else None
+    if ctype != MULTIPART:
+        return decode_body(ctype, body, markers, request.query_params.get("id", "bag-0"))
+    form = await request.form()
+    bags, errors = [], []
+    for i, (field, value) in enumerate(form.multi_items()):
+        if not hasattr(value, "read"):
+            continue
+        name = value.filename or f"{field}-{i}"
+        suffix = name.lower().removesuffix(".gz").rsplit(".", 1)[-1]
+        kind = suffix if suffix in ("fcs", "csv", "tsv", "npy") else None
+        try:
+            bags.append(decode_file(await value.read(), name, kind, markers))
+        except Problem as exc:
+            errors += exc.errors or [exc.detail]
+    if not bags and not errors:
+        raise Problem(422, "the multipart body holds no files", slug="invalid-request")
+    return bags, errors
+
+
+def _validate(
+    bags: list[IncomingBag], entry: ModelEntry, limits: dict[str, int], errors: list[str]
+):
+    """Align every bag to the model's panel; collect every problem before answering."""
+    errors = list(errors)
+    warnings: list[str] = []
+    panel = entry.panel
+    if len(bags) > limits["max_bags"]:
+        errors.append(f"{len(bags)} bags, more than the limit of {limits['max_bags']}")
+    ids = [b.id for b in bags]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        errors.append(f"bag ids must be unique, repeated: {dup}")
+    arrays, weights = [], []
+    total = 0
+    for b in bags:
+        where = f"bag {b.id!r}"
+        n = b.points.shape[0]
+        total += n
+        if n == 0:
+            errors.append(f"{where} is empty (0 points)")
+            continue
+        if n > limits["max_points_per_bag"]:
+            errors.append(
+                f"{where} has {n} points, more than the limit of {limits['max_points_per_bag']}"
+            )
+        if entry.kind == "cell" and n < 2:
+            errors.append(f"{where} has a single cell: its distribution cannot be estimated")
+        pts = b.points
+        if b.names is not None and panel is not None:
+            try:
+                cols = panel.columns(b.names, b.alt_names, source=where)
+            except DataError as exc:
+                errors.append(str(exc))
+                continue
+            extra = [b.names[j] for j in range(len(b.names)) if j not in set(cols.tolist())]
+            if extra:
+                warnings.append(f"{where}: ignored marker(s) {extra}")
+            pts = pts[:, cols]
+        elif pts.shape[1] != entry.n_features:
+            expected = f" {list(panel.markers)}" if panel is not None else ""
+            errors.append(
+                f"{where} has {pts.shape[1]} column(s), the model takes "
+                f"{entry.n_features}{expected}"
+            )
+            continue
+        bad = ~np.isfinite(pts)
+        if bad.any():
+            row, col = np.argwhere(bad)[0]
+            errors.append(
+                f"{where}: {int(bad.sum())} non-finite value(s) (NaN/Inf), first at row {row}, "
+                f"column {col}"
+            )
+            continue
+        w = b.weights
+        if w is not None:
+            if w.shape != (n,):
+                errors.append(f"{where}: {w.size} weight(s) for {n} point(s)")
+                continue
+            if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+                errors.append(f"{where}: weights must be finite, non-negative, with a positive sum")
+                continue
+        arrays.append(np.ascontiguousarray(pts, dtype=np.float64))
+        weights.append(w)
+    if total > limits["max_total_points"]:
+        errors.append(f"{total} points in all, more than the limit of {limits['max_total_points']}")
+    if errors:
+        raise Problem(
+            422, f"{len(errors)} problem(s) in the request", errors=errors, slug="invalid-bags"
+        )
+    return arrays, weights, warnings
+
+
+def _accept(request: Request) -> str:
+    accept = request.headers.get("accept", "") or "*/*"
+    for part in accept.split(","):
+        t = media_type(part)
+        if t in (JSON, "*/*", "application/*", ""):
+            return JSON
+        if t in (CSV_OUT, "text/*"):
+            return CSV_OUT
+        if t == NPY:
+            return NPY
+    raise Problem(406, f"cannot answer {accept!r}; available: {JSON}, {CSV_OUT}, {NPY}")
+
+
+def _encode(
+    kind: str,
+    ids: list[str],
+    sizes: list[int],
+    header: dict[str, Any],
+    arrays: list[np.ndarray],
+    fmt: str,
+    meta: dict[str, Any],
+) -> tuple[bytes, str]:
+    if kind == "cell":
+        labels, oor, dist, nearest, sims = arrays
+        if fmt == NPY:
+            return npy_bytes(np.asarray(labels)), NPY
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        if fmt == CSV_OUT:
+            buf = io.StringIO()
+            w = csv.writer(buf, lineterminator="\n")
+            w.writerow(["id", "cell", "label"])
+            for i, bag_id in enumerate(ids):
+                for j, lab in enumerate(labels[starts[i] : starts[i + 1]].tolist()):
+                    w.writerow([bag_id, j, lab])
+            return buf.getvalue().encode(), CSV_OUT
+        preds = [
+            {
+                "id": bag_id,
+                "n_points": sizes[i],
+                "labels": labels[starts[i] : starts[i + 1]].tolist(),
+                "report": {
+                    "out_of_range": bool(oor[i]),
+                    "distance_to_nearest": float(dist[i]),
+                    "nearest_training_tasks": [int(t) for t in nearest[i] if t >= 0],
+                    "similarities": [
+                        float(s) for s, t in zip(sims[i], nearest[i], strict=True) if t >= 0
+                    ],
+                },
+            }
+            for i, bag_id in enumerate(ids)
+        ]
+        return orjson.dumps({**meta, "predictions": preds}), JSON
+    values = arrays[0]
+    if fmt == NPY:
+        return npy_bytes(np.asarray(values)), NPY
+    if kind == "classification":
+        scores, classes = arrays[1], arrays[2].tolist()
+        if scores.shape[1] == 1:  # binary: one margin for classes[1]
+            scores = np.hstack([-scores, scores])
+        if fmt == CSV_OUT:
+            buf = io.StringIO()
+            w = csv.writer(buf, lineterminator="\n")
+            w.writerow(["id", "prediction", *[f"score_{c}" for c in classes]])
+            for i, bag_id in enumerate(ids):
+                w.writerow([bag_id, values[i], *scores[i].tolist()])
+            return buf.getvalue().encode(), CSV_OUT
+        preds = [
+            {
+                "id": bag_id,
+                "prediction": values[i].item(),
+                "scores": dict(zip(map(str, classes), scores[i].tolist(), strict=True)),
+            }
+            for i, bag_id in enumerate(ids)
+        ]
+        return orjson.dumps({**meta, "predictions": preds}), JSON
+    if fmt == CSV_OUT:
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        multi = values.ndim == 2
+        w.writerow(
+            [
+                "id",
+                *([f"prediction_{j}" for j in range(values.shape[1])] if multi else ["prediction"]),
+            ]
+        )
+        for i, bag_id in enumerate(ids):
+            w.writerow([bag_id, *(values[i].tolist() if multi else [values[i].item()])])
+        return buf.getvalue().encode(), CSV_OUT
+    preds = [{"id": bag_id, "prediction": values[i].tolist()} for i, bag_id in enumerate(ids)]
+    return orjson.dumps({**meta, "predictions": preds}), JSON
+
+
+async def predict(request: Request, entry: ModelEntry) -> Response:
+    """The whole predict exchange for one model version."""
+    settings = request.app.state.settings
+    pool = request.app.state.pool
+    fmt = _accept(request)
+    ctype = media_type(request.headers.get("content-type"))
+    if ctype not in ACCEPTED:
+        raise Problem(
+            415,
+            f"unsupported content type {ctype or '(none)'!r}; expected one of {list(ACCEPTED)}",
+            slug="unsupported-media-type",
+        )
+    t0 = time.perf_counter()
+    body = await read_limited(request, settings.max_body_bytes)
+    input_sha = hashlib.sha256(body).hexdigest()
+    bags, decode_errors = await _incoming(request, body)
+    limits = {
+        "max_bags": settings.max_bags,
+        "max_points_per_bag": settings.max_points_per_bag,
+        "max_total_points": settings.max_total_points,
+    }
+    arrays, weights, warnings = _validate(bags, entry, limits, decode_errors)
+    sizes = [a.shape[0] for a in arrays]
+    points = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    weighted = any(w is not None for w in weights)
+    payload = [points, offsets]
+    if weighted:
+        payload.append(
+            np.concatenate(
+                [np.ones(s) if w is None else w for w, s in zip(weights, sizes, strict=True)]
+            )
+        )
+    header = {"model": entry.key, "weighted": weighted}
+    request.state.timings = {"parse_validate": time.perf_counter() - t0}
+    retry = {"Retry-After": str(settings.retry_after)}
+    try:
+        t1 = time.perf_counter()
+        out_header, out_arrays, queued = await pool.submit(
+            header, payload, settings.request_timeout
+        )
+        request.state.timings.update(queue=queued, compute=time.perf_counter() - t1 - queued)
+    except QueueFull:
+        raise Problem(
+            503,
+            "all workers are busy and the queue is full; retry later",
+            headers=retry,
+            slug="queue-full",
+        ) from None
+    except WorkerLost as exc:
+        raise Problem(
+            503,
+            f"the worker computing this request stopped ({exc}); it is being replaced, retry",
+            headers=retry,
+            slug="worker-lost",
+        ) from None
+    except WorkerTimeout as exc:
+        raise Problem(
+            504, f"the prediction did not finish in time ({exc})", slug="timeout"
+        ) from None
+    except ComputeError as exc:
+        message = str(exc)
+        if message.split(":", 1)[0] in VALIDATION_ERRORS:
+            raise Problem(
+                422,
+                message.split(": ", 1)[-1],
+                errors=[message.split(": ", 1)[-1]],
+                slug="invalid-bags",
+            ) from None
+        raise
+    meta = {
+        "model": {"name": entry.name, "version": entry.version, "sha256": entry.sha256},
+        "request_id": request.state.request_id,
+        "input_sha256": input_sha,
+        "warnings": warnings,
+    }
+    content, media = _encode(
+        entry.kind, [b.id for b in bags], sizes, out_header, out_arrays, fmt, meta
+    )
+    headers = {
+        "X-Model-Name": entry.name,
+        "X-Model-Version": entry.version,
+        "X-Model-SHA256": entry.sha256,
+        "X-Input-SHA256": input_sha,
+    }
+    return Response(content, media_type=media, headers=headers)

@@ -1,0 +1,1 @@
+"""HTTP routes: thin functions from a request to the module that does the work."""

@@ -1,0 +1,51 @@
+"""Service settings, from ``BAGSERVE_*`` environment variables (pydantic-settings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+
+class Settings(BaseSettings):
+    """Everything the service can be told, each with a ``BAGSERVE_`` variable.
+
+    Lists (``api_keys``, ``cors_origins``) are JSON arrays or comma-separated strings.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="BAGSERVE_", extra="ignore")
+
+    models_dir: Path = Field(Path("models"), description="MODELS_DIR/<name>/<version>/ artifacts")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(2, ge=1, le=64, description="compute worker processes")
+    queue_size: int = Field(16, ge=0, description="requests waiting for a worker before 503")
+    request_timeout: float = Field(60.0, gt=0, description="seconds for one prediction")
+    retry_after: int = Field(1, ge=1, description="Retry-After seconds on 503")
+    max_body_bytes: int = Field(256 * 2**20, gt=0)
+    max_bags: int = Field(1000, ge=1)
+    max_points_per_bag: int = Field(2_000_000, ge=1)
+    max_total_points: int = Field(10_000_000, ge=1)
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="empty: no authentication"
+    )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="empty: CORS off"
+    )
+    log_format: Literal["json", "text"] = "json"
+    log_level: str = "info"
+
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                import json
+
+                return json.loads(value)
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value

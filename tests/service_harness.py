@@ -1,0 +1,126 @@
+"""Start the real service under uvicorn on 127.0.0.1 (a subprocess) for the HTTP tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from core import Bags, DistributionRidge, MeanEmbedding, SlicedWasserstein, save
+from core.demo import build_demo_models
+from core.io import Panel, Preprocessing, read_sample
+
+from .conftest import SHARED_DATA
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_models(directory: Path) -> Path:
+    """Demo models, a deliberately slow model, and one broken artifact."""
+    build_demo_models(directory)
+    rng = np.random.default_rng(0)
+    # Exact MMD against 40,000 training points: a 20,000-cell bag takes seconds.
+    train = [rng.normal(loc=i / 10, size=(2000, 3)) for i in range(20)]
+    slow = DistributionRidge(MeanEmbedding(bandwidth=1.0), gamma=1.0, alpha=1e-3)
+    slow.fit(train, np.arange(20.0))
+    save(
+        slow,
+        directory / "slow" / "1",
+        name="slow",
+        version="1",
+        panel=Panel(("a", "b", "c")).to_json(),
+        preprocessing=Preprocessing().to_json(),
+    )
+    yeast_files = sorted((SHARED_DATA / "cytoflow_yeast" / "dose_response").glob("Yeast_B*.fcs"))
+    panel = Panel(("FSC-A", "SSC-A", "FITC-A"), {"FITC-A": ("GFP",)})
+    bags = [panel.select(read_sample(f)) for f in yeast_files]
+    pre = Preprocessing(transform="arcsinh", cofactor=150.0)
+    yeast = DistributionRidge(SlicedWasserstein(n_directions=20, n_levels=20, random_state=0))
+    yeast.fit(
+        pre.apply(Bags.from_arrays(bags), list(panel.markers)), np.arange(len(bags), dtype=float)
+    )
+    save(
+        yeast,
+        directory / "yeast" / "1",
+        name="yeast",
+        version="1",
+        panel=panel.to_json(),
+        preprocessing=pre.to_json(),
+    )
+    save(
+        yeast,
+        directory / "yeast" / "2",
+        name="yeast",
+        version="2",
+        panel=panel.to_json(),
+        preprocessing=pre.to_json(),
+    )
+    broken = save(slow, directory / "broken" / "1", name="broken", version="1")
+    victim = sorted((broken / "arrays").glob("*.npy"))[0]
+    victim.write_bytes(victim.read_bytes()[:-8])
+    return directory
+
+
+@contextmanager
+def running_service(models: Path, **env: str) -> Iterator[str]:
+    """``bagserve serve`` with BAGSERVE_* settings; yields its base URL."""
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("BAGSERVE_")}
+    environ.update(
+        {
+            "BAGSERVE_MODELS_DIR": str(models),
+            "BAGSERVE_HOST": "127.0.0.1",
+            "BAGSERVE_PORT": str(port),
+            "BAGSERVE_WORKERS": "2",
+            "BAGSERVE_LOG_FORMAT": "json",
+            **env,
+        }
+    )
+    exe = Path(sys.executable).parent / "bagserve"
+    log = open(models.parent / f"serve-{port}.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([str(exe), "serve"], env=environ, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def wait_ready(
+    url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 120.0
+) -> dict:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the service exited with code {proc.returncode}")
+        try:
+            r = httpx.get(f"{url}/readyz", timeout=2)
+            last = r
+            if r.status_code == 200:
+                return r.json()
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"service not ready: {None if last is None else last.text}")

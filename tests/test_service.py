@@ -1,0 +1,510 @@
+"""The service, live: uvicorn on 127.0.0.1 in a subprocess, spoken to with httpx."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from core import load
+from core.demo import demo_samples
+from service.client import AsyncClient, BagserveError, Client
+
+from .conftest import SHARED_DATA
+from .service_harness import build_models, running_service, wait_ready
+
+YEAST = SHARED_DATA / "cytoflow_yeast" / "dose_response"
+DOSE_MARKERS = ["FSC-A", "SSC-A", "GFP"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_models(tmp_path_factory.mktemp("svc") / "models")
+
+
+@pytest.fixture(scope="module")
+def service(models):
+    with running_service(models) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def http(service):
+    with httpx.Client(base_url=service, timeout=120) as client:
+        yield client
+
+
+def npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def dose_bags(n: int = 3, seed: int = 9):
+    bags, dose, markers = demo_samples("dose", n, seed)
+    return [np.asarray(b) for b in bags], dose, markers
+
+
+# ----------------------------------------------------------------- discovery
+def test_health_readiness_and_model_listing(http):
+    assert http.get("/healthz").json() == {"status": "ok"}
+    ready = http.get("/readyz").json()
+    assert ready["status"] == "ready" and ready["workers"]["alive"] == 2
+    assert set(ready["models"]) == {"demo-dose/1", "demo-gating/1", "slow/1", "yeast/1", "yeast/2"}
+    # The broken artifact is reported and skipped; the others still serve.
+    assert "broken/1" in ready["model_failures"]
+    listing = http.get("/v1/models").json()
+    names = [m["name"] for m in listing["models"]]
+    assert names == ["demo-dose", "demo-gating", "slow", "yeast"]
+    one = http.get("/v1/models/yeast").json()
+    assert one["latest"] == "2" and [v["version"] for v in one["versions"]] == ["1", "2"]
+    v = one["versions"][0]
+    assert v["panel"]["markers"] == ["FSC-A", "SSC-A", "FITC-A"] and len(v["sha256"]) == 64
+    r = http.get("/v1/models/nope")
+    assert r.status_code == 404 and r.headers["content-type"] == "application/problem+json"
+
+
+# ----------------------------------------------------------------- formats
+def test_json_many_bags_with_provenance_and_bit_for_bit(http, models):
+    bags, dose, markers = dose_bags()
+    body = {
+        "bags": [
+            {"id": f"s{i}", "markers": markers, "points": b.tolist()} for i, b in enumerate(bags)
+        ]
+    }
+    content = json.dumps(body).encode()
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        content=content,
+        headers={"content-type": "application/json", "x-request-id": "trace-42"},
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()
+    model = load(models / "demo-dose" / "1")
+    expected = model.predict(bags)
+    assert [p["prediction"] for p in out["predictions"]] == expected.tolist()
+    assert out["request_id"] == "trace-42" == r.headers["x-request-id"]
+    sha = hashlib.sha256(content).hexdigest()
+    assert out["input_sha256"] == sha == r.headers["x-input-sha256"]
+    assert r.headers["x-model-name"] == "demo-dose" and r.headers["x-model-version"] == "1"
+    assert out["model"]["sha256"] == r.headers["x-model-sha256"]
+    assert np.max(np.abs(expected - dose)) < 0.3
+
+
+def test_markers_are_matched_by_name_reordered_and_extras_reported(http):
+    bags, _, _ = dose_bags(1)
+    ref = http.post(
+        "/v1/models/demo-dose/predict", json={"bags": [{"points": bags[0].tolist()}]}
+    ).json()
+    shuffled = bags[0][:, [2, 0, 1]]
+    extra = np.hstack([shuffled, np.ones((shuffled.shape[0], 1))])
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        json={"bags": [{"markers": ["gfp", "FSC_A", "ssc-a", "Time"], "points": extra.tolist()}]},
+    )
+    assert r.status_code == 200
+    assert r.json()["predictions"][0]["prediction"] == ref["predictions"][0]["prediction"]
+    assert "ignored marker(s) ['Time']" in r.json()["warnings"][0]
+
+
+def test_npy_csv_tsv_fcs_and_multipart_bodies(http):
+    bags, _, markers = dose_bags(2)
+    ref = [p["prediction"] for p in http.post(
+        "/v1/models/demo-dose/predict", json={"bags": [{"points": b.tolist()} for b in bags]}
+    ).json()["predictions"]]  # fmt: skip
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        params={"markers": ",".join(markers)},
+        content=npy(bags[0]),
+        headers={"content-type": "application/x-npy"},
+    )
+    assert r.json()["predictions"][0]["prediction"] == ref[0]
+    # No marker names: the columns are taken in panel order.
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        content=npy(bags[1]),
+        headers={"content-type": "application/x-npy"},
+    )
+    assert r.json()["predictions"][0]["prediction"] == ref[1]
+    csv_text = (
+        ",".join(markers)
+        + "\n"
+        + "\n".join(",".join(repr(float(v)) for v in row) for row in bags[0])
+    )
+    r = http.post(
+        "/v1/models/demo-dose/predict", content=csv_text, headers={"content-type": "text/csv"}
+    )
+    assert r.json()["predictions"][0]["prediction"] == pytest.approx(ref[0], rel=1e-12)
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        content=csv_text.replace(",", "\t"),
+        headers={"content-type": "text/tab-separated-values"},
+    )
+    assert r.status_code == 200
+    fcs = (YEAST / "Yeast_B1_B01.fcs").read_bytes()
+    r = http.post(
+        "/v1/models/yeast/predict",
+        content=fcs,
+        headers={"content-type": "application/vnd.isac.fcs"},
+    )
+    assert r.status_code == 200 and r.json()["model"]["version"] == "2"
+    r1 = http.post(
+        "/v1/models/yeast/versions/1/predict",
+        content=fcs,
+        headers={"content-type": "application/octet-stream"},
+    )
+    assert r1.json()["predictions"][0]["prediction"] == r.json()["predictions"][0]["prediction"]
+    files = [
+        ("files", ("B1.fcs", fcs, "application/octet-stream")),
+        (
+            "files",
+            ("C9.fcs", (YEAST / "Yeast_C9_C09.fcs").read_bytes(), "application/octet-stream"),
+        ),
+    ]
+    r = http.post("/v1/models/yeast/predict", files=files)
+    assert r.status_code == 200
+    assert [p["id"] for p in r.json()["predictions"]] == ["B1.fcs", "C9.fcs"]
+
+
+def test_accept_csv_and_npy_answers(http):
+    bags, _, markers = dose_bags(2)
+    body = {
+        "bags": [
+            {"id": f"b{i}", "markers": markers, "points": b.tolist()} for i, b in enumerate(bags)
+        ]
+    }
+    r = http.post("/v1/models/demo-dose/predict", json=body, headers={"accept": "text/csv"})
+    assert r.headers["content-type"].startswith("text/csv")
+    assert r.text.splitlines()[0] == "id,prediction" and len(r.text.splitlines()) == 3
+    r = http.post(
+        "/v1/models/demo-dose/predict", json=body, headers={"accept": "application/x-npy"}
+    )
+    assert np.load(io.BytesIO(r.content)).shape == (2,)
+    r = http.post("/v1/models/demo-dose/predict", json=body, headers={"accept": "image/png"})
+    assert r.status_code == 406
+
+
+def test_marginal_transfer_model_labels_every_cell(http, models):
+    tasks, y, markers = demo_samples("gating", 2, 6)
+    body = {
+        "bags": [
+            {"id": f"p{i}", "markers": markers, "points": np.asarray(t).tolist()}
+            for i, t in enumerate(tasks)
+        ]
+    }
+    r = http.post("/v1/models/demo-gating/predict", json=body)
+    assert r.status_code == 200
+    preds = r.json()["predictions"]
+    labels = np.concatenate([p["labels"] for p in preds])
+    np.testing.assert_array_equal(labels, load(models / "demo-gating" / "1").predict(tasks))
+    assert np.mean(labels == y) > 0.8
+    assert (
+        preds[0]["report"]["out_of_range"] is False and len(preds[0]["report"]["similarities"]) == 3
+    )
+    r = http.post("/v1/models/demo-gating/predict", json=body, headers={"accept": "text/csv"})
+    assert (
+        r.text.splitlines()[0] == "id,cell,label" and len(r.text.splitlines()) == 1 + tasks.n_points
+    )
+
+
+# ----------------------------------------------------------------- errors
+def test_every_validation_problem_is_listed_at_once(http):
+    nan_bag = np.ones((5, 3))
+    nan_bag[2, 1] = np.nan
+    body = {
+        "bags": [
+            {"id": "two-columns", "points": [[1.0, 2.0]]},
+            {"id": "wrong-markers", "markers": ["x", "GFP", "FSC-A"], "points": [[1.0, 2.0, 3.0]]},
+            {"id": "empty", "points": []},
+            {"id": "ragged", "points": [[1.0, 2.0, 3.0], [1.0]]},
+        ]
+    }
+    r = http.post("/v1/models/demo-dose/predict", json=body)
+    assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json"
+    problem = r.json()
+    text = " | ".join(problem["errors"])
+    assert len(problem["errors"]) == 4, text
+    assert "'two-columns' has 2 column(s), the model takes 3" in text
+    assert "missing marker(s) ['SSC-A']" in text
+    assert "'empty' is empty" in text
+    assert "'ragged': points must be a rectangular" in text
+    assert problem["status"] == 422 and problem["request_id"] and problem["error"]
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        content=npy(nan_bag),
+        headers={"content-type": "application/x-npy"},
+    )
+    assert r.status_code == 422 and "non-finite" in r.json()["detail"] + " ".join(
+        r.json()["errors"]
+    )
+    r = http.post("/v1/models/demo-gating/predict", json={"bags": [{"points": [[1.0] * 6]}]})
+    assert r.status_code == 422 and "single cell" in r.json()["errors"][0]
+
+
+def test_unknown_model_version_and_media_type(http):
+    r = http.post("/v1/models/nope/predict", json={"bags": [{"points": [[1, 2, 3]]}]})
+    assert r.status_code == 404 and "unknown model 'nope'" in r.json()["detail"]
+    r = http.post("/v1/models/yeast/versions/9/predict", json={"bags": [{"points": [[1, 2, 3]]}]})
+    assert r.status_code == 404 and "versions: ['1', '2']" in r.json()["detail"]
+    r = http.post(
+        "/v1/models/demo-dose/predict", content=b"hello", headers={"content-type": "text/plain"}
+    )
+    assert r.status_code == 415
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400
+    r = http.post(
+        "/v1/models/yeast/predict",
+        content=b"FCS3.0 broken",
+        headers={"content-type": "application/vnd.isac.fcs"},
+    )
+    assert r.status_code == 422 and "FCS" in r.json()["detail"]
+
+
+def test_cors_is_off_by_default(http):
+    r = http.options(
+        "/v1/models",
+        headers={"origin": "https://lab.example", "access-control-request-method": "GET"},
+    )
+    assert "access-control-allow-origin" not in r.headers
+
+
+# ----------------------------------------------------------------- clients
+def test_client_sync_async_and_cli(service, capsys):
+    bags, _, markers = dose_bags(2)
+    with Client(service) as c:
+        a = c.predict("demo-dose", bags, markers=markers, ids=["x", "y"])
+        b = c.predict_npy("demo-dose", bags[0], markers=markers)
+        f = c.predict_files("yeast", [YEAST / "Yeast_B1_B01.fcs"], version="1")
+        with pytest.raises(BagserveError, match="404") as info:
+            c.predict("nope", bags)
+        assert info.value.problem["status"] == 404
+    assert a["predictions"][0]["prediction"] == b["predictions"][0]["prediction"]
+    assert f["model"]["version"] == "1"
+
+    import asyncio
+
+    async def go():
+        async with AsyncClient(service) as ac:
+            return await ac.predict("demo-dose", bags, markers=markers)
+
+    assert asyncio.run(go())["predictions"][1] == a["predictions"][1] | {"id": "bag-1"}
+    from core.cli import main
+
+    assert main(["predict", "yeast/1", str(YEAST / "Yeast_B1_B01.fcs"), "--url", service]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["results"][0]["prediction"] == f["predictions"][0]["prediction"]
+
+
+def test_client_retries_on_503_and_429_with_backoff():
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            return httpx.Response(503, headers={"retry-after": "1"}, json={"detail": "busy"})
+        if len(calls) == 2:
+            return httpx.Response(429, json={"detail": "slow down"})
+        return httpx.Response(200, json={"predictions": [], "model": {}})
+
+    with Client("http://127.0.0.1:9", transport=httpx.MockTransport(handler), backoff=0.05) as c:
+        assert c.predict("m", [np.zeros((2, 3))]) == {"predictions": [], "model": {}}
+    assert len(calls) == 3
+    assert calls[1] - calls[0] >= 0.9  # honoured Retry-After
+    always_busy = httpx.MockTransport(lambda r: httpx.Response(503, json={"detail": "x"}))
+    with (
+        Client("http://127.0.0.1:9", transport=always_busy, retries=2, backoff=0.01) as c,
+        pytest.raises(BagserveError, match="503"),
+    ):
+        c.predict("m", [np.zeros((2, 3))])
+
+
+# ----------------------------------------------------------------- failures
+def test_worker_killed_mid_request_fails_fast_and_is_replaced(http, service):
+    import os
+    import signal
+
+    big = np.random.default_rng(1).normal(size=(40_000, 3))
+    result = {}
+
+    def slow_request():
+        t0 = time.monotonic()
+        r = http.post(
+            "/v1/models/slow/predict",
+            content=npy(big),
+            headers={"content-type": "application/x-npy"},
+        )
+        result.update(
+            status=r.status_code,
+            body=r.json(),
+            seconds=time.monotonic() - t0,
+            retry=r.headers.get("retry-after"),
+        )
+
+    th = threading.Thread(target=slow_request)
+    th.start()
+    deadline = time.monotonic() + 30
+    while http.get("/readyz").json()["workers"]["busy"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = http.get("/readyz").json()["workers"]["pids"]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    th.join(60)
+    assert result["status"] == 503 and result["retry"] == "1"
+    assert "stopped" in result["body"]["detail"]
+    # Readiness tells the truth while workers come back, then recovers.
+    states = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 60:
+        r = http.get("/readyz")
+        states.append(r.status_code)
+        if r.status_code == 200 and 503 in states:
+            break
+        time.sleep(0.05)
+    assert 503 in states and states[-1] == 200
+    ready = wait_ready(service)
+    assert set(ready["workers"]["pids"]).isdisjoint(pids)
+    bags, _, _ = dose_bags(1)
+    assert (
+        http.post(
+            "/v1/models/demo-dose/predict", json={"bags": [{"points": bags[0].tolist()}]}
+        ).status_code
+        == 200
+    )
+
+
+@pytest.fixture(scope="module")
+def strict_service(models):
+    env = {
+        "BAGSERVE_WORKERS": "1",
+        "BAGSERVE_QUEUE_SIZE": "0",
+        "BAGSERVE_API_KEYS": "first-key,second-key",
+        "BAGSERVE_CORS_ORIGINS": "https://lab.example",
+        "BAGSERVE_MAX_BODY_BYTES": "1000000",
+        "BAGSERVE_MAX_BAGS": "3",
+        "BAGSERVE_MAX_POINTS_PER_BAG": "30000",
+        "BAGSERVE_RETRY_AFTER": "2",
+    }
+    with running_service(models, **env) as url:
+        yield url
+
+
+def test_api_keys_bearer_and_header_constant_time_and_health_open(strict_service, models):
+    body = {"bags": [{"points": [[1.0, 2.0, 3.0]] * 3}]}
+    with httpx.Client(base_url=strict_service, timeout=60) as h:
+        assert h.get("/healthz").status_code == 200 and h.get("/readyz").status_code == 200
+        r = h.post("/v1/models/demo-dose/predict", json=body)
+        assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+        r = h.post(
+            "/v1/models/demo-dose/predict", json=body, headers={"authorization": "Bearer nope"}
+        )
+        assert r.status_code == 401 and r.json()["type"].endswith("invalid-api-key")
+        assert h.get("/v1/models").status_code == 401
+        for headers in ({"authorization": "Bearer first-key"}, {"x-api-key": "second-key"}):
+            assert (
+                h.post("/v1/models/demo-dose/predict", json=body, headers=headers).status_code
+                == 200
+            )
+    log = (models.parent / f"serve-{strict_service.rsplit(':', 1)[1]}.log").read_text()
+    assert "first-key" not in log and "second-key" not in log
+    assert "api_key_id" in log
+
+
+def test_cors_when_configured(strict_service):
+    r = httpx.options(
+        f"{strict_service}/v1/models",
+        headers={"origin": "https://lab.example", "access-control-request-method": "GET"},
+    )
+    assert r.headers["access-control-allow-origin"] == "https://lab.example"
+
+
+def test_size_limits(strict_service):
+    auth = {"x-api-key": "first-key"}
+    with httpx.Client(base_url=strict_service, timeout=60, headers=auth) as h:
+        big = npy(np.zeros((70_000, 3)))  # 1.7 MB > 1 MB
+        r = h.post(
+            "/v1/models/demo-dose/predict",
+            content=big,
+            headers={"content-type": "application/x-npy"},
+        )
+        assert r.status_code == 413
+
+        def chunks():
+            for _ in range(200):
+                yield b"0" * 10_000  # 2 MB, no Content-Length
+
+        r = h.post(
+            "/v1/models/demo-dose/predict",
+            content=chunks(),
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 413
+        bags = {"bags": [{"id": str(i), "points": [[1.0, 2.0, 3.0]]} for i in range(4)]}
+        r = h.post("/v1/models/demo-dose/predict", json=bags)
+        assert r.status_code == 422 and "4 bags, more than the limit of 3" in r.json()["errors"][0]
+        many = npy(np.zeros((40_000, 3)))  # 960 kB, under the body limit
+        r = h.post(
+            "/v1/models/demo-dose/predict",
+            content=many,
+            headers={"content-type": "application/x-npy"},
+        )
+        assert r.status_code == 422 and "more than the limit of 30000" in r.json()["errors"][0]
+
+
+def test_full_queue_answers_503_with_retry_after(strict_service):
+    auth = {"x-api-key": "first-key"}
+    slow_bag = npy(np.random.default_rng(2).normal(size=(25_000, 3)))
+    statuses = []
+
+    def call():
+        with httpx.Client(base_url=strict_service, timeout=120, headers=auth) as h:
+            r = h.post(
+                "/v1/models/slow/predict",
+                content=slow_bag,
+                headers={"content-type": "application/x-npy"},
+            )
+            statuses.append((r.status_code, r.headers.get("retry-after")))
+
+    first = threading.Thread(target=call)
+    first.start()
+    deadline = time.monotonic() + 30
+    while (
+        httpx.get(f"{strict_service}/readyz").json()["workers"]["busy"] < 1
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.02)
+    second = threading.Thread(target=call)
+    second.start()
+    second.join(30)
+    first.join(120)
+    assert sorted(s for s, _ in statuses) == [200, 503]
+    assert ("503", "2") in [(str(s), r) for s, r in statuses]
+
+
+def test_request_timeout_answers_504_and_replaces_the_worker(models):
+    with running_service(models, BAGSERVE_WORKERS="1", BAGSERVE_REQUEST_TIMEOUT="0.5") as url:
+        big = npy(np.random.default_rng(3).normal(size=(40_000, 3)))
+        r = httpx.post(
+            f"{url}/v1/models/slow/predict",
+            content=big,
+            headers={"content-type": "application/x-npy"},
+            timeout=60,
+        )
+        assert r.status_code == 504 and r.json()["type"].endswith("timeout")
+        wait_ready(url)
+        bags, _, _ = dose_bags(1)
+        ok = httpx.post(
+            f"{url}/v1/models/demo-dose/predict",
+            json={"bags": [{"points": bags[0].tolist()}]},
+            timeout=60,
+        )
+        assert ok.status_code == 200
