@@ -14,6 +14,7 @@ Routes stay thin; this module owns the steps and their errors:
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import hashlib
 import io
@@ -267,7 +268,9 @@ async def predict(request: Request, entry: ModelEntry) -> Response:
         )
     t0 = time.perf_counter()
     body = await read_limited(request, settings.max_body_bytes)
-    input_sha = hashlib.sha256(body).hexdigest()
+    loop = asyncio.get_running_loop()
+    # hashlib releases the GIL: the input's sha256 is computed while the rest proceeds.
+    input_hash = loop.run_in_executor(None, lambda: hashlib.sha256(body).hexdigest())
     bags, decode_errors = await _incoming(request, body)
     limits = {
         "max_bags": settings.max_bags,
@@ -323,6 +326,7 @@ async def predict(request: Request, entry: ModelEntry) -> Response:
                 slug="invalid-bags",
             ) from None
         raise
+    input_sha = await input_hash
     meta = {
         "model": {"name": entry.name, "version": entry.version, "sha256": entry.sha256},
         "request_id": request.state.request_id,

@@ -1,0 +1,33 @@
+"""The baseline of bench_service.py: the FastAPI endpoint one writes first.
+
+A pydantic ``list[list[float]]`` body, the model called in the event loop. Run by the
+benchmark with ``BAGSERVE_NAIVE_MODEL=<artifact> uvicorn bench.naive_app:app``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from core import load
+
+app = FastAPI()
+model = load(os.environ["BAGSERVE_NAIVE_MODEL"])
+
+
+class Bag(BaseModel):
+    id: str = "bag"
+    points: list[list[float]]
+
+
+class Request(BaseModel):
+    bags: list[Bag]
+
+
+@app.post("/predict")
+async def predict(request: Request) -> dict[str, list[float]]:
+    bags = [np.asarray(b.points, dtype=np.float64) for b in request.bags]
+    return {"predictions": model.predict(bags).tolist()}
