@@ -2,7 +2,8 @@
 #   docker build -t bagserve .
 #   docker run -p 127.0.0.1:8000:8000 -v "$PWD/models:/models:ro" bagserve
 # Models are artifacts under /models/<name>/<version>/ (bagserve train / bagserve demo),
-# mounted read-only; settings are BAGSERVE_* variables (service/settings.py).
+# mounted read-only; /data keeps jobs, idempotency records and the audit trail;
+# settings are BAGSERVE_* variables (service/settings.py).
 
 FROM python:3.11-slim AS build
 WORKDIR /src
@@ -21,15 +22,18 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     BAGSERVE_HOST=0.0.0.0 \
     BAGSERVE_PORT=8000 \
     BAGSERVE_MODELS_DIR=/models \
+    BAGSERVE_DATA_DIR=/data \
     BAGSERVE_WORKERS=2 \
     BAGSERVE_LOG_FORMAT=json
 COPY --from=build /wheels /wheels
 RUN python -m pip install --no-cache-dir /wheels/*.whl \
  && rm -rf /wheels \
- && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin bagserve
+ && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin bagserve \
+ && mkdir /data && chown 10001 /data
 USER 10001
 WORKDIR /tmp
-VOLUME ["/models"]
+# Models are read-only; /data (jobs, idempotency records, audit trail) must be writable.
+VOLUME ["/models", "/data"]
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=3s --start-period=90s --retries=3 \
   CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/readyz', timeout=2).status == 200 else 1)"]

@@ -190,6 +190,17 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
+def _cmd_audit_verify(args: argparse.Namespace) -> int:
+    from service.audit import verify
+
+    result = verify(args.file)
+    if not result.ok:
+        print(f"error: {args.file}: {result.problem}", file=sys.stderr)
+        return 1
+    print(f"ok: {result.lines} line(s), chain intact, last hash {result.last_hash}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import build_demo_models
 
@@ -283,6 +294,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, help="compute processes; default: BAGSERVE_WORKERS or 2")
     s.add_argument("--models", help="models directory; default: BAGSERVE_MODELS_DIR or ./models")
     s.set_defaults(func=_cmd_serve)
+
+    a = sub.add_parser("audit", help="the service's audit trail")
+    asub = a.add_subparsers(dest="audit_command", required=True)
+    av = asub.add_parser("verify", help="check the hash chain: exit 1 on an edited or deleted line")
+    av.add_argument("file")
+    av.set_defaults(func=_cmd_audit_verify)
 
     o = sub.add_parser("openapi", help="print (or write) the service's OpenAPI document")
     o.add_argument("--output", help="e.g. openapi/openapi.json")

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -15,10 +16,15 @@ from starlette.responses import Response
 
 from core import __version__
 
+from .audit import AuditLog
 from .errors import install_handlers
+from .idempotency import IdempotencyStore
+from .jobs import JobStore
 from .logs import configure_logging
+from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .registry import Registry
-from .routes import health, v1
+from .routes import health, jobs, v1, v2
+from .routes.jobs import job_runner
 from .security import ApiKeys
 from .settings import Settings
 from .workers import WorkerPool
@@ -44,14 +50,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         app.state.registry = registry
         app.state.pool = pool
+        data = Path(settings.data_dir)
+        app.state.audit = AuditLog(settings.audit_log or data / "audit.jsonl")
+        app.state.idempotency = IdempotencyStore(data / "idempotency", settings.idempotency_ttl)
+        app.state.jobs = JobStore(data / "jobs", settings.jobs_ttl)
         await pool.start()
+        recovered = app.state.jobs.recover()
+        app.state.jobs.start(job_runner(app), concurrency=settings.workers)
         log.info(
             "serving",
-            extra={"models": [e.key for e in registry.all()], "workers": settings.workers},
+            extra={
+                "models": [e.key for e in registry.all()],
+                "workers": settings.workers,
+                "jobs_recovered": recovered,
+            },
         )
         try:
             yield
         finally:
+            await app.state.jobs.stop()
             await pool.stop()
 
     app = FastAPI(
@@ -89,6 +106,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         t0 = time.perf_counter()
         response = await call_next(request)
         response.headers["X-Request-ID"] = request.state.request_id
+        route = request.scope.get("route")
+        model = request.path_params.get("name") or request.query_params.get("model") or ""
+        app.state.metrics.requests.labels(
+            getattr(route, "path", "unmatched"),
+            model if route is not None else "",
+            str(response.status_code),
+        ).inc()
         log.info(
             "request",
             extra={
@@ -102,6 +126,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         return response
 
+    app.state.metrics = Metrics()
+
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)
+    async def metrics(request: Request) -> Response:
+        body = app.state.metrics.render(app.state.pool.status(), len(app.state.registry.failures))
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
     app.include_router(health.router)
     app.include_router(v1.router)
+    app.include_router(jobs.router)
+    app.include_router(v2.router)
     return app

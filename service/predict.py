@@ -19,6 +19,7 @@ import csv
 import hashlib
 import io
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -74,10 +75,10 @@ async def _incoming(request: Request, body: bytes) -> tuple[list[IncomingBag], l
         return decode_body(ctype, body, markers, request.query_params.get("id", "bag-0"))
     form = await request.form()
     bags, errors = [], []
-    for i, (field, value) in enumerate(form.multi_items()):
+    for i, (part, value) in enumerate(form.multi_items()):
         if not hasattr(value, "read"):
             continue
-        name = value.filename or f"{field}-{i}"
+        name = value.filename or f"{part}-{i}"
         suffix = name.lower().removesuffix(".gz").rsplit(".", 1)[-1]
         kind = suffix if suffix in ("fcs", "csv", "tsv", "npy") else None
         try:
@@ -254,30 +255,58 @@ def _encode(
     return orjson.dumps({**meta, "predictions": preds}), JSON
 
 
-async def predict(request: Request, entry: ModelEntry) -> Response:
-    """The whole predict exchange for one model version."""
-    settings = request.app.state.settings
-    pool = request.app.state.pool
-    fmt = _accept(request)
-    ctype = media_type(request.headers.get("content-type"))
-    if ctype not in ACCEPTED:
-        raise Problem(
-            415,
-            f"unsupported content type {ctype or '(none)'!r}; expected one of {list(ACCEPTED)}",
-            slug="unsupported-media-type",
-        )
-    t0 = time.perf_counter()
-    body = await read_limited(request, settings.max_body_bytes)
-    loop = asyncio.get_running_loop()
-    # hashlib releases the GIL: the input's sha256 is computed while the rest proceeds.
-    input_hash = loop.run_in_executor(None, lambda: hashlib.sha256(body).hexdigest())
-    bags, decode_errors = await _incoming(request, body)
-    limits = {
+@dataclass
+class Outcome:
+    """A finished prediction: what went in (ids, sizes) and what the worker sent back."""
+
+    entry: ModelEntry
+    ids: list[str]
+    sizes: list[int]
+    header: dict[str, Any]
+    arrays: list[np.ndarray]
+    warnings: list[str]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """What the audit trail keeps of the output: no values per cell."""
+        values = self.arrays[0]
+        if self.entry.kind == "regression":
+            v = np.asarray(values, dtype=np.float64)
+            return {
+                "n_bags": len(self.ids),
+                "mean": float(v.mean()),
+                "min": float(v.min()),
+                "max": float(v.max()),
+            }
+        labels, counts = np.unique(np.asarray(values).astype(str), return_counts=True)
+        out: dict[str, Any] = {
+            "n_bags": len(self.ids),
+            "label_counts": dict(zip(labels.tolist(), counts.tolist(), strict=True)),
+        }
+        if self.entry.kind == "cell":
+            out["out_of_range_bags"] = int(np.sum(self.arrays[1]))
+        return out
+
+
+def limits_of(settings: Any) -> dict[str, int]:
+    return {
         "max_bags": settings.max_bags,
         "max_points_per_bag": settings.max_points_per_bag,
         "max_total_points": settings.max_total_points,
     }
-    arrays, weights, warnings = _validate(bags, entry, limits, decode_errors)
+
+
+async def compute(
+    app: Any,
+    entry: ModelEntry,
+    bags: list[IncomingBag],
+    decode_errors: list[str],
+    timings: dict[str, float],
+) -> Outcome:
+    """Validate against the model, run on a worker, map pool failures to problems."""
+    settings = app.state.settings
+    t0 = time.perf_counter()
+    arrays, weights, warnings = _validate(bags, entry, limits_of(settings), decode_errors)
     sizes = [a.shape[0] for a in arrays]
     points = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -289,15 +318,18 @@ async def predict(request: Request, entry: ModelEntry) -> Response:
                 [np.ones(s) if w is None else w for w, s in zip(weights, sizes, strict=True)]
             )
         )
-    header = {"model": entry.key, "weighted": weighted}
-    request.state.timings = {"parse_validate": time.perf_counter() - t0}
+    timings["validate"] = time.perf_counter() - t0
+    metrics = getattr(app.state, "metrics", None)
+    if metrics is not None:
+        for n in sizes:
+            metrics.points.observe(n)
     retry = {"Retry-After": str(settings.retry_after)}
     try:
         t1 = time.perf_counter()
-        out_header, out_arrays, queued = await pool.submit(
-            header, payload, settings.request_timeout
+        out_header, out_arrays, queued = await app.state.pool.submit(
+            {"model": entry.key, "weighted": weighted}, payload, settings.request_timeout
         )
-        request.state.timings.update(queue=queued, compute=time.perf_counter() - t1 - queued)
+        timings.update(queue=queued, compute=time.perf_counter() - t1 - queued)
     except QueueFull:
         raise Problem(
             503,
@@ -319,27 +351,136 @@ async def predict(request: Request, entry: ModelEntry) -> Response:
     except ComputeError as exc:
         message = str(exc)
         if message.split(":", 1)[0] in VALIDATION_ERRORS:
-            raise Problem(
-                422,
-                message.split(": ", 1)[-1],
-                errors=[message.split(": ", 1)[-1]],
-                slug="invalid-bags",
-            ) from None
+            detail = message.split(": ", 1)[-1]
+            raise Problem(422, detail, errors=[detail], slug="invalid-bags") from None
         raise
-    input_sha = await input_hash
+    return Outcome(entry, [b.id for b in bags], sizes, out_header, out_arrays, warnings, timings)
+
+
+def encode_json(outcome: Outcome, request_id: str, input_sha: str) -> dict[str, Any]:
+    """The JSON answer of predict, as a document (stored for jobs)."""
+    e = outcome.entry
     meta = {
-        "model": {"name": entry.name, "version": entry.version, "sha256": entry.sha256},
-        "request_id": request.state.request_id,
+        "model": {"name": e.name, "version": e.version, "sha256": e.sha256},
+        "request_id": request_id,
         "input_sha256": input_sha,
-        "warnings": warnings,
+        "warnings": outcome.warnings,
     }
-    content, media = _encode(
-        entry.kind, [b.id for b in bags], sizes, out_header, out_arrays, fmt, meta
+    content, _ = _encode(
+        e.kind, outcome.ids, outcome.sizes, outcome.header, outcome.arrays, JSON, meta
     )
-    headers = {
+    return orjson.loads(content)
+
+
+async def decode_job_body(
+    content_type: str, body: bytes, markers: str | None
+) -> tuple[list[IncomingBag], list[str]]:
+    """Bags of a stored job's body (multipart included) without an HTTP request."""
+    from starlette.requests import Request as StarletteRequest
+
+    query = b"" if not markers else b"markers=" + markers.encode()
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/jobs",
+        "query_string": query,
+        "headers": [(b"content-type", content_type.encode())],
+    }
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    request = StarletteRequest(scope, receive)
+    request._body = body
+    return await _incoming(request, body)
+
+
+def provenance_headers(entry: ModelEntry, input_sha: str) -> dict[str, str]:
+    return {
         "X-Model-Name": entry.name,
         "X-Model-Version": entry.version,
         "X-Model-SHA256": entry.sha256,
         "X-Input-SHA256": input_sha,
     }
-    return Response(content, media_type=media, headers=headers)
+
+
+def audit(
+    request: Request,
+    entry: ModelEntry,
+    input_sha: str | None,
+    status: int,
+    outcome: Outcome | None,
+    sources: list[str] | None = None,
+) -> None:
+    """One audit line for a prediction attempt on a known model (success or failure)."""
+    log = getattr(request.app.state, "audit", None)
+    if log is None:
+        return
+    fields: dict[str, Any] = {
+        "request_id": request.state.request_id,
+        "api_key_id": getattr(request.state, "key_id", None),
+        "route": request.url.path,
+        "model": {"name": entry.name, "version": entry.version, "sha256": entry.sha256},
+        "input_sha256": input_sha,
+        "status": status,
+    }
+    if outcome is not None:
+        fields["bag_sizes"] = outcome.sizes
+        fields["output"] = outcome.summary()
+    if sources and request.app.state.settings.audit_file_names:
+        fields["files"] = sources
+    log.append(**fields)
+
+
+async def predict_body(request: Request, entry: ModelEntry, body: bytes) -> Response:
+    """The predict exchange once the body is read (shared by the route and replays)."""
+    fmt = _accept(request)
+    timings = dict(getattr(request.state, "timings", {}))
+    loop = asyncio.get_running_loop()
+    # hashlib releases the GIL: the input's sha256 is computed while the rest proceeds.
+    input_hash = loop.run_in_executor(None, lambda: hashlib.sha256(body).hexdigest())
+    status, outcome = 500, None
+    try:
+        t0 = time.perf_counter()
+        bags, decode_errors = await _incoming(request, body)
+        timings["parse"] = time.perf_counter() - t0
+        outcome = await compute(request.app, entry, bags, decode_errors, timings)
+        input_sha = await input_hash
+        meta = {
+            "model": {"name": entry.name, "version": entry.version, "sha256": entry.sha256},
+            "request_id": request.state.request_id,
+            "input_sha256": input_sha,
+            "warnings": outcome.warnings,
+        }
+        t1 = time.perf_counter()
+        content, media = _encode(
+            entry.kind, outcome.ids, outcome.sizes, outcome.header, outcome.arrays, fmt, meta
+        )
+        timings["encode"] = time.perf_counter() - t1
+        status = 200
+        return Response(content, media_type=media, headers=provenance_headers(entry, input_sha))
+    except Problem as exc:
+        status = exc.status
+        raise
+    finally:
+        request.state.timings = timings
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            metrics.observe_stages(timings)
+        audit(request, entry, await input_hash, status, outcome if status == 200 else None)
+
+
+async def predict(request: Request, entry: ModelEntry) -> Response:
+    """The whole predict exchange for one model version."""
+    _accept(request)
+    ctype = media_type(request.headers.get("content-type"))
+    if ctype not in ACCEPTED:
+        raise Problem(
+            415,
+            f"unsupported content type {ctype or '(none)'!r}; expected one of {list(ACCEPTED)}",
+            slug="unsupported-media-type",
+        )
+    t0 = time.perf_counter()
+    body = await read_limited(request, request.app.state.settings.max_body_bytes)
+    request.state.timings = {"read": time.perf_counter() - t0}
+    return await predict_body(request, entry, body)

@@ -36,6 +36,13 @@ class Settings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="empty: CORS off"
     )
+    data_dir: Path = Field(
+        Path("bagserve-data"), description="writable: jobs, idempotency records, audit trail"
+    )
+    audit_log: Path | None = Field(None, description="default: DATA_DIR/audit.jsonl")
+    audit_file_names: bool = Field(False, description="keep uploaded file names in the audit trail")
+    jobs_ttl: float = Field(86400.0, gt=0, description="seconds a finished job's result is kept")
+    idempotency_ttl: float = Field(86400.0, gt=0, description="seconds a stored answer is replayed")
     log_format: Literal["json", "text"] = "json"
     log_level: str = "info"
 

@@ -78,8 +78,13 @@ def build_models(directory: Path) -> Path:
 
 @contextmanager
 def running_service(models: Path, **env: str) -> Iterator[str]:
-    """``bagserve serve`` with BAGSERVE_* settings; yields its base URL."""
+    """``bagserve serve`` with BAGSERVE_* settings; yields its base URL.
+
+    The data directory (jobs, idempotency, audit) defaults to a fresh one beside the
+    models; pass BAGSERVE_DATA_DIR to share one across restarts.
+    """
     port = free_port()
+    env.setdefault("BAGSERVE_DATA_DIR", str(models.parent / f"data-{port}"))
     environ = {k: v for k, v in os.environ.items() if not k.startswith("BAGSERVE_")}
     environ.update(
         {

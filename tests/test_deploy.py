@@ -56,7 +56,7 @@ def test_dockerfile_properties():
     health = next(a for w, a in runtime if w == "HEALTHCHECK")
     assert "/readyz" in health
     assert json.loads(next(a for w, a in runtime if w == "CMD")) == ["bagserve", "serve"]
-    assert next(a for w, a in runtime if w == "VOLUME") == '["/models"]'
+    assert json.loads(next(a for w, a in runtime if w == "VOLUME")) == ["/models", "/data"]
     env = env_of_image()
     assert env["BAGSERVE_MODELS_DIR"] == "/models" and env["BAGSERVE_PORT"] == "8000"
 
@@ -85,7 +85,12 @@ def test_image_command_serves_from_a_clean_environment(tmp_path):
         "PATH": str(Path(sys.executable).parent) + os.pathsep + "/usr/bin:/bin",
         **env_of_image(),
     }
-    env.update(BAGSERVE_MODELS_DIR=str(models), BAGSERVE_PORT=str(port), HOME=str(tmp_path))
+    env.update(
+        BAGSERVE_MODELS_DIR=str(models),
+        BAGSERVE_DATA_DIR=str(tmp_path / "data"),
+        BAGSERVE_PORT=str(port),
+        HOME=str(tmp_path),
+    )
     env["MPLCONFIGDIR"] = str(tmp_path / "mpl")
     cmd = json.loads(next(a for w, a in dockerfile()[::-1] if w == "CMD"))
     workdir = tmp_path / "empty"

@@ -8,7 +8,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..errors import Problem
-from ..predict import predict
+from ..idempotency import fingerprint
+from ..predict import predict, predict_body, read_limited
 from ..registry import ModelEntry
 
 router = APIRouter(prefix="/v1", tags=["v1"])
@@ -83,6 +84,14 @@ _PREDICT_DOC: dict[str, Any] = {
         }
     ],
 }
+_IDEMPOTENCY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string", "maxLength": 255},
+    "description": "A retried request with the same key and body gets the stored answer.",
+}
+_PREDICT_DOC["parameters"].append(_IDEMPOTENCY)
 _PREDICT_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": (
@@ -154,6 +163,18 @@ async def get_model(request: Request, name: str) -> dict[str, Any]:
     }
 
 
+async def _predict(request: Request, name: str, version: str | None) -> Response:
+    request.state.key_id = request.app.state.auth.check(request)
+    entry = _entry(request, name, version)
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return await predict(request, entry)
+    body = await read_limited(request, request.app.state.settings.max_body_bytes)
+    return await request.app.state.idempotency.run(
+        key, fingerprint(request, body), lambda: predict_body(request, entry, body)
+    )
+
+
 @router.post(
     "/models/{name}/predict",
     summary="Predict with the latest version",
@@ -161,8 +182,7 @@ async def get_model(request: Request, name: str) -> dict[str, Any]:
     responses=_PREDICT_RESPONSES,
 )
 async def predict_latest(request: Request, name: str) -> Response:
-    request.state.key_id = request.app.state.auth.check(request)
-    return await predict(request, _entry(request, name, None))
+    return await _predict(request, name, None)
 
 
 @router.post(
@@ -172,5 +192,4 @@ async def predict_latest(request: Request, name: str) -> Response:
     responses=_PREDICT_RESPONSES,
 )
 async def predict_version(request: Request, name: str, version: str) -> Response:
-    request.state.key_id = request.app.state.auth.check(request)
-    return await predict(request, _entry(request, name, version))
+    return await _predict(request, name, version)

@@ -1,0 +1,108 @@
+"""Append-only audit trail: one JSON line per prediction, each chained to the previous.
+
+A line holds the UTC time, request id, API key *id* (never the key), model name,
+version and sha256, the input's sha256, the bag sizes, a summary of the output, and the
+status — no point values, and file names only when configured. Each line carries
+``prev`` (the previous line's hash) and ``hash`` = sha256 of its canonical JSON
+without ``hash``; a sidecar ``<file>.head`` holds the number of lines and the last
+hash, so editing, reordering or deleting any line (the last one included) is detected
+by :func:`verify` (``bagserve audit verify FILE``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = ["GENESIS", "AuditLog", "VerifyResult", "verify"]
+
+GENESIS = "0" * 64
+
+
+def _digest(record: dict[str, Any]) -> str:
+    body = {k: v for k, v in record.items() if k != "hash"}
+    return hashlib.sha256(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
+class AuditLog:
+    """Thread-safe appender; continues the chain of an existing file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        result = verify(self.path) if self.path.exists() else VerifyResult(True, 0, GENESIS, None)
+        if not result.ok:
+            raise RuntimeError(f"audit log {self.path} does not verify: {result.problem}")
+        self._count = result.lines
+        self._last = result.last_hash
+
+    def append(self, **fields: Any) -> dict[str, Any]:
+        with self._lock:
+            record = {
+                "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
+                **fields,
+                "prev": self._last,
+            }
+            record["hash"] = _digest(record)
+            line = json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n"
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(line)
+                fh.flush()
+                os.fsync(fh.fileno())
+            self._count += 1
+            self._last = record["hash"]
+            head = self.path.with_name(self.path.name + ".head")
+            tmp = head.with_name(head.name + ".tmp")
+            tmp.write_text(json.dumps({"lines": self._count, "last_hash": self._last}))
+            os.replace(tmp, head)
+            return record
+
+
+@dataclass
+class VerifyResult:
+    ok: bool
+    lines: int
+    last_hash: str
+    problem: str | None
+
+
+def verify(path: str | Path) -> VerifyResult:
+    """Walk the chain; the first edited, inserted or deleted line is named."""
+    path = Path(path)
+    prev = GENESIS
+    n = 0
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, start=1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                return VerifyResult(False, n - 1, prev, f"line {n} is not JSON")
+            if record.get("prev") != prev:
+                return VerifyResult(
+                    False,
+                    n - 1,
+                    prev,
+                    f"line {n} does not follow line {n - 1} (a line was deleted or reordered)",
+                )
+            if record.get("hash") != _digest(record):
+                return VerifyResult(
+                    False, n - 1, prev, f"line {n} was edited (its hash does not match)"
+                )
+            prev = record["hash"]
+    head = path.with_name(path.name + ".head")
+    if head.exists():
+        expected = json.loads(head.read_text())
+        if expected.get("lines") != n or expected.get("last_hash") != prev:
+            written = expected.get("lines")
+            problem = f"the file ends at line {n} but {written} line(s) were written"
+            return VerifyResult(False, n, prev, problem + " (lines removed from the end)")
+    return VerifyResult(True, n, prev, None)

@@ -1,0 +1,80 @@
+"""Prometheus metrics (prometheus-client), one registry per app.
+
+* ``bagserve_requests_total{route, model, status}``
+* ``bagserve_stage_seconds{stage}``: read, parse, validate, queue, compute, encode
+* ``bagserve_queue_depth``, ``bagserve_busy_workers``, ``bagserve_alive_workers``
+* ``bagserve_points_per_bag``: histogram of the size of predicted bags
+* ``bagserve_model_load_failures``: artifacts that failed verification at start-up
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
+
+STAGES = ("read", "parse", "validate", "queue", "compute", "encode")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "bagserve_requests",
+            "HTTP requests",
+            ["route", "model", "status"],
+            registry=self.registry,
+        )
+        self.stage = Histogram(
+            "bagserve_stage_seconds",
+            "time per stage of a prediction",
+            ["stage"],
+            buckets=(
+                0.0005,
+                0.001,
+                0.0025,
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.25,
+                0.5,
+                1,
+                2.5,
+                5,
+                10,
+                30,
+                60,
+            ),
+            registry=self.registry,
+        )
+        self.points = Histogram(
+            "bagserve_points_per_bag",
+            "points in each predicted bag",
+            buckets=(10, 100, 1_000, 10_000, 100_000, 1_000_000, 10_000_000),
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "bagserve_queue_depth", "requests waiting for a worker", registry=self.registry
+        )
+        self.busy = Gauge("bagserve_busy_workers", "workers computing", registry=self.registry)
+        self.alive = Gauge("bagserve_alive_workers", "workers running", registry=self.registry)
+        self.load_failures = Gauge(
+            "bagserve_model_load_failures", "artifacts refused at start-up", registry=self.registry
+        )
+
+    def observe_stages(self, timings: dict[str, float]) -> None:
+        for stage, seconds in timings.items():
+            if stage in STAGES:
+                self.stage.labels(stage).observe(seconds)
+
+    def render(self, pool_status: dict[str, Any], failures: int) -> bytes:
+        self.queue_depth.set(pool_status["waiting"])
+        self.busy.set(pool_status["busy"])
+        self.alive.set(pool_status["alive"])
+        self.load_failures.set(failures)
+        return generate_latest(self.registry)

@@ -1,0 +1,337 @@
+"""Lab integration, live: Open Inference Protocol, jobs, idempotency, audit trail, metrics."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from core.demo import demo_samples
+from service.audit import verify
+
+from .service_harness import build_models, running_service
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_models(tmp_path_factory.mktemp("lab") / "models")
+
+
+@pytest.fixture(scope="module")
+def data_dir(models):
+    return models.parent / "data"
+
+
+@pytest.fixture(scope="module")
+def url(models, data_dir):
+    with running_service(models, BAGSERVE_DATA_DIR=str(data_dir)) as u:
+        yield u
+
+
+def dose_bags(n: int = 2, seed: int = 3):
+    bags, _, markers = demo_samples("dose", n, seed)
+    return [np.asarray(b) for b in bags], markers
+
+
+def v1(url: str, bags: list[np.ndarray], markers: list[str]) -> list[float]:
+    body = {"bags": [{"markers": markers, "points": b.tolist()} for b in bags]}
+    return [
+        p["prediction"]
+        for p in httpx.post(f"{url}/v1/models/demo-dose/predict", json=body, timeout=60).json()[
+            "predictions"
+        ]
+    ]
+
+
+# ----------------------------------------------------------------- Open Inference Protocol
+# A client written from the protocol's documentation only (kserve.github.io, "Open
+# Inference Protocol (V2 Inference Protocol)"): JSON tensors, and the binary tensor data
+# extension with the Inference-Header-Content-Length header.
+def oip_infer(url, model, inputs, outputs=None, parameters=None, binary=False):
+    request = {"id": "req-1", "inputs": [], "parameters": parameters or {}}
+    blobs = []
+    for name, array, params in inputs:
+        array = np.asarray(array)
+        datatype = {"f": "FP64", "i": "INT64"}[array.dtype.kind]
+        spec = {
+            "name": name,
+            "shape": list(array.shape),
+            "datatype": datatype,
+            "parameters": dict(params),
+        }
+        if binary:
+            raw = array.astype("<f8" if datatype == "FP64" else "<i8").tobytes()
+            spec["parameters"]["binary_data_size"] = len(raw)
+            blobs.append(raw)
+        else:
+            spec["data"] = array.reshape(-1).tolist()
+        request["inputs"].append(spec)
+    if outputs:
+        request["outputs"] = [{"name": o, "parameters": {"binary_data": binary}} for o in outputs]
+    head = json.dumps(request).encode()
+    headers = {"Content-Type": "application/octet-stream" if binary else "application/json"}
+    if binary:
+        headers["Inference-Header-Content-Length"] = str(len(head))
+    r = httpx.post(
+        f"{url}/v2/models/{model}/infer",
+        content=head + b"".join(blobs),
+        headers=headers,
+        timeout=60,
+    )
+    return r
+
+
+def oip_outputs(r: httpx.Response) -> dict:
+    n = r.headers.get("inference-header-content-length")
+    if n is None:
+        doc = r.json()
+        rest = b""
+    else:
+        doc = json.loads(r.content[: int(n)])
+        rest = r.content[int(n) :]
+    out = {}
+    for o in doc["outputs"]:
+        size = (o.get("parameters") or {}).get("binary_data_size")
+        if size is None:
+            out[o["name"]] = np.asarray(o["data"]).reshape(o["shape"])
+            continue
+        raw, rest = rest[:size], rest[size:]
+        if o["datatype"] == "BYTES":
+            values, i = [], 0
+            while i < len(raw):
+                (length,) = struct.unpack("<I", raw[i : i + 4])
+                values.append(raw[i + 4 : i + 4 + length].decode())
+                i += 4 + length
+            out[o["name"]] = np.asarray(values).reshape(o["shape"])
+        else:
+            dtype = {"FP64": "<f8", "INT64": "<i8", "BOOL": "?"}[o["datatype"]]
+            out[o["name"]] = np.frombuffer(raw, dtype=dtype).reshape(o["shape"])
+    return {"doc": doc, "outputs": out}
+
+
+def test_oip_metadata_and_health(url):
+    server = httpx.get(f"{url}/v2").json()
+    assert server["name"] == "bagserve" and "binary_tensor_data" in server["extensions"]
+    assert httpx.get(f"{url}/v2/health/live").json() == {"live": True}
+    assert httpx.get(f"{url}/v2/health/ready").status_code == 200
+    meta = httpx.get(f"{url}/v2/models/demo-dose").json()
+    assert meta["name"] == "demo-dose" and meta["versions"] == ["1"]
+    assert {i["name"] for i in meta["inputs"]} == {"points", "bag_sizes"}
+    assert meta["inputs"][0]["shape"] == [-1, 3]
+    assert httpx.get(f"{url}/v2/models/demo-dose/versions/1").status_code == 200
+    assert httpx.get(f"{url}/v2/models/demo-dose/ready").json()["ready"] is True
+    r = httpx.get(f"{url}/v2/models/unknown")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_oip_infer_json_and_binary_equal_the_native_api(url, binary):
+    bags, markers = dose_bags(3)
+    points = np.concatenate(bags)
+    sizes = np.array([b.shape[0] for b in bags], dtype=np.int64)
+    r = oip_infer(
+        url,
+        "demo-dose",
+        [("points", points, {"markers": markers}), ("bag_sizes", sizes, {})],
+        outputs=["prediction"],
+        binary=binary,
+    )
+    assert r.status_code == 200, r.text
+    parsed = oip_outputs(r)
+    assert parsed["doc"]["model_name"] == "demo-dose" and parsed["doc"]["id"] == "req-1"
+    assert parsed["doc"]["parameters"]["bag_sizes"] == sizes.tolist()
+    np.testing.assert_array_equal(parsed["outputs"]["prediction"], v1(url, bags, markers))
+    assert ("inference-header-content-length" in r.headers) is binary
+
+
+def test_oip_per_cell_model_and_errors(url):
+    tasks, y, markers = demo_samples("gating", 1, 8)
+    r = oip_infer(
+        url,
+        "demo-gating",
+        [("points", np.asarray(tasks[0]), {})],
+        parameters={"markers": markers},
+        binary=True,
+    )
+    out = oip_outputs(r)["outputs"]
+    assert out["labels"].shape == (tasks.n_points,) and np.mean(out["labels"] == y) > 0.8
+    assert out["out_of_range"].tolist() == [False]
+    bad = oip_infer(url, "demo-dose", [("points", np.zeros((4, 2)), {})])
+    assert bad.status_code == 422 and "error" in bad.json()
+    sizes = oip_infer(
+        url, "demo-dose", [("points", np.zeros((4, 3)), {}), ("bag_sizes", np.array([1, 2]), {})]
+    )
+    assert sizes.status_code == 400 and "bag_sizes" in sizes.json()["error"]
+    wrong = httpx.post(f"{url}/v2/models/demo-dose/infer", json={"inputs": []})
+    assert wrong.status_code == 400 and wrong.json()["error"]
+
+
+# ----------------------------------------------------------------- jobs
+def poll(url: str, location: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{url}{location}").json()
+        if job["status"] in ("succeeded", "failed", "cancelled"):
+            return job
+        time.sleep(0.1)
+    raise TimeoutError(location)
+
+
+def test_job_lifecycle_and_cancel(url):
+    bags, markers = dose_bags(2)
+    body = {
+        "bags": [
+            {"id": f"j{i}", "markers": markers, "points": b.tolist()} for i, b in enumerate(bags)
+        ]
+    }
+    r = httpx.post(f"{url}/v1/jobs", params={"model": "demo-dose"}, json=body)
+    assert r.status_code == 202 and r.headers["location"].startswith("/v1/jobs/")
+    job = poll(url, r.headers["location"])
+    assert job["status"] == "succeeded"
+    assert [p["prediction"] for p in job["result"]["predictions"]] == v1(url, bags, markers)
+    # Two slow jobs on two workers, a third waits: cancel it while queued.
+    slow = np.random.default_rng(0).normal(size=(30_000, 3)).tolist()
+    slow_body = {"bags": [{"points": slow}]}
+    locations = [
+        httpx.post(f"{url}/v1/jobs", params={"model": "slow"}, json=slow_body).headers["location"]
+        for _ in range(3)
+    ]
+    cancelled = httpx.delete(f"{url}{locations[2]}").json()
+    assert cancelled["status"] == "cancelled"
+    assert poll(url, locations[2])["status"] == "cancelled"
+    for loc in locations[:2]:
+        assert poll(url, loc, timeout=300)["status"] == "succeeded"
+    assert httpx.get(f"{url}/v1/jobs/{'0' * 32}").status_code == 404
+    assert httpx.post(f"{url}/v1/jobs", params={"model": "nope"}, json=body).status_code == 404
+
+
+def test_accepted_jobs_survive_a_restart(models, tmp_path):
+    data = tmp_path / "data"
+    body = {"bags": [{"points": np.random.default_rng(1).normal(size=(30_000, 3)).tolist()}]}
+    with running_service(models, BAGSERVE_DATA_DIR=str(data), BAGSERVE_WORKERS="1") as u:
+        locations = [
+            httpx.post(f"{u}/v1/jobs", params={"model": "slow"}, json=body).headers["location"]
+            for _ in range(2)
+        ]
+        deadline = time.monotonic() + 30
+        while (
+            httpx.get(f"{u}{locations[0]}").json()["status"] != "running"
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        # Leaving the block stops the service while the first job runs.
+    with running_service(models, BAGSERVE_DATA_DIR=str(data), BAGSERVE_WORKERS="1") as u:
+        for loc in locations:
+            job = poll(u, loc, timeout=300)
+            assert job["status"] == "succeeded", job
+
+
+# ----------------------------------------------------------------- idempotency
+def test_idempotent_predict_and_jobs(url, data_dir):
+    bags, markers = dose_bags(1, seed=11)
+    body = {"bags": [{"markers": markers, "points": bags[0].tolist()}]}
+    audit = data_dir / "audit.jsonl"
+    before = len(audit.read_text().splitlines())
+    key = {"Idempotency-Key": "order-7f3a"}
+    results = []
+
+    def call():
+        results.append(
+            httpx.post(f"{url}/v1/models/demo-dose/predict", json=body, headers=key, timeout=60)
+        )
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {r.status_code for r in results} == {200}
+    assert len({r.content for r in results}) == 1
+    assert sum(r.headers.get("idempotent-replayed") == "true" for r in results) == 3
+    # Computed (and audited) once.
+    assert len(audit.read_text().splitlines()) == before + 1
+    other = {"bags": [{"markers": markers, "points": (bags[0] + 1).tolist()}]}
+    r = httpx.post(f"{url}/v1/models/demo-dose/predict", json=other, headers=key)
+    assert r.status_code == 422 and r.json()["type"].endswith("idempotency-key-reused")
+    j1 = httpx.post(
+        f"{url}/v1/jobs",
+        params={"model": "demo-dose"},
+        json=body,
+        headers={"Idempotency-Key": "job-1"},
+    )
+    j2 = httpx.post(
+        f"{url}/v1/jobs",
+        params={"model": "demo-dose"},
+        json=body,
+        headers={"Idempotency-Key": "job-1"},
+    )
+    assert (
+        j1.status_code == j2.status_code == 202 and j1.headers["location"] == j2.headers["location"]
+    )
+
+
+# ----------------------------------------------------------------- audit, metrics
+def test_audit_trail_lines_and_verification(url, data_dir, tmp_path):
+    bags, markers = dose_bags(2, seed=5)
+    v1(url, bags, markers)
+    httpx.post(f"{url}/v1/models/demo-dose/predict", json={"bags": [{"points": [[1.0, 2.0]]}]})
+    lines = [json.loads(x) for x in (data_dir / "audit.jsonl").read_text().splitlines()]
+    ok, bad = lines[-2], lines[-1]
+    assert ok["status"] == 200 and ok["bag_sizes"] == [b.shape[0] for b in bags]
+    assert ok["model"]["name"] == "demo-dose" and len(ok["model"]["sha256"]) == 64
+    assert len(ok["input_sha256"]) == 64 and ok["request_id"] and "mean" in ok["output"]
+    assert bad["status"] == 422 and "output" not in bad
+    text = (data_dir / "audit.jsonl").read_text()
+    assert str(bags[0][0, 0]) not in text  # no point values
+    exe = str(Path(sys.executable).parent / "bagserve")
+    assert subprocess.run([exe, "audit", "verify", str(data_dir / "audit.jsonl")]).returncode == 0
+    copy = tmp_path / "audit.jsonl"
+    head = (data_dir / "audit.jsonl.head").read_text()
+    cases = {
+        "edited": lambda ls: [ls[0].replace('"status":200', '"status":201'), *ls[1:]],
+        "deleted": lambda ls: [ls[0], *ls[2:]],
+        "truncated": lambda ls: ls[:-1],
+    }
+    for name, mutate in cases.items():
+        copy.write_text("\n".join(mutate(text.splitlines())) + "\n")
+        (tmp_path / "audit.jsonl.head").write_text(head)
+        result = verify(copy)
+        assert not result.ok, name
+        out = subprocess.run([exe, "audit", "verify", str(copy)], capture_output=True, text=True)
+        assert out.returncode == 1 and out.stderr.startswith("error:"), name
+
+
+def test_prometheus_metrics(url):
+    bags, markers = dose_bags(1)
+    v1(url, bags, markers)
+    text = httpx.get(f"{url}/metrics").text
+    assert (
+        'bagserve_requests_total{model="demo-dose",route="/v1/models/{name}/predict",status="200"}'
+        in text
+    )
+    for stage in ("read", "parse", "validate", "queue", "compute", "encode"):
+        assert f'bagserve_stage_seconds_count{{stage="{stage}"}}' in text
+    assert "bagserve_points_per_bag_bucket" in text
+    assert "bagserve_queue_depth 0.0" in text and "bagserve_busy_workers" in text
+    assert "bagserve_model_load_failures 1.0" in text  # the broken artifact
+
+
+def test_logs_are_json_with_request_ids(url, models):
+    r = httpx.get(f"{url}/v1/models", headers={"x-request-id": "trace-abc"})
+    assert r.headers["x-request-id"] == "trace-abc"
+    time.sleep(0.2)
+    logs = [p for p in models.parent.glob("serve-*.log") if p.read_text()]
+    records = [json.loads(x) for p in logs for x in p.read_text().splitlines() if x.startswith("{")]
+    assert any(
+        r.get("request_id") == "trace-abc" and r.get("path") == "/v1/models" for r in records
+    )
