@@ -41,9 +41,12 @@ test: lint
 # Timings first (they want a quiet machine), then the long paper reproductions.
 bench: $(BIN)/.dev-installed
 	$(BIN)/python bench/bench_gram.py
+	$(BIN)/python bench/bench_service.py
+	$(BENCH_ENV) $(BIN)/python bench/bench_density.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg.py
-	$(BIN)/python bench/reproduce_sw_gmm.py
+	$(BENCH_ENV) $(BIN)/python bench/reproduce_density.py
 	$(BENCH_ENV) $(BIN)/python bench/reproduce_dg.py
+	$(BENCH_ENV) $(BIN)/python bench/reproduce_sw_gmm.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import numpy as np
 import orjson
+from threadpoolctl import threadpool_limits
 
 from core import DistributionRidge, SlicedWasserstein, load, save
 from core.io import Panel, Preprocessing
@@ -109,7 +110,7 @@ def build_model(directory: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--seconds", type=float, default=8.0, help="per throughput run")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bagserve-bench-"))
@@ -133,14 +134,21 @@ def main() -> None:
     pre = Preprocessing()
     from core import Bags
 
-    compute = median_time(
-        lambda: model.predict(pre.apply(Bags.from_arrays([bag]), MARKERS)), args.repeat
-    )
-    results["in_process_compute_ms"] = 1000 * compute
+    def in_process() -> None:
+        # The workers run with one BLAS thread each: so does the baseline.
+        with threadpool_limits(1):
+            model.predict(pre.apply(Bags.from_arrays([bag]), MARKERS))
 
     url, ctx = service(models, 1)
     with ctx, httpx.Client(base_url=url, timeout=120) as c:
         path = "/v1/models/bench/predict"
+
+        stages: dict[str, list[dict[str, float]]] = {"npy": [], "json": []}
+
+        def server_timing(r: httpx.Response, kind: str) -> None:
+            assert r.status_code == 200, r.text
+            parts = (p.split(";dur=") for p in r.headers["server-timing"].split(", "))
+            stages[kind].append({k: float(v) for k, v in parts})
 
         def post_npy() -> None:
             r = c.post(
@@ -149,21 +157,41 @@ def main() -> None:
                 params={"markers": ",".join(MARKERS)},
                 headers={"content-type": "application/x-npy"},
             )
-            assert r.status_code == 200, r.text
+            server_timing(r, "npy")
 
         def post_json() -> None:
             r = c.post(path, content=json_body, headers={"content-type": "application/json"})
-            assert r.status_code == 200, r.text
+            server_timing(r, "json")
 
-        post_npy(), post_json()  # warm up
-        e2e_npy = median_time(post_npy, args.repeat)
-        e2e_json = median_time(post_json, args.repeat)
+        post_npy(), post_json(), in_process()  # warm up
+        # Interleaved, so that the machine's drift hits baseline and requests alike.
+        times: dict[str, list[float]] = {"compute": [], "npy": [], "json": []}
+        for _ in range(args.repeat):
+            for key, fn in (("compute", in_process), ("npy", post_npy), ("json", post_json)):
+                t0 = time.perf_counter()
+                fn()
+                times[key].append(time.perf_counter() - t0)
+        compute, e2e_npy, e2e_json = (
+            float(np.median(times[k])) for k in ("compute", "npy", "json")
+        )
         results.update(
+            in_process_compute_ms=1000 * compute,
             e2e_npy_ms=1000 * e2e_npy,
             e2e_json_ms=1000 * e2e_json,
             overhead_npy_ms=1000 * (e2e_npy - compute),
             overhead_json_ms=1000 * (e2e_json - compute),
         )
+        # The server's own account of the same requests (Server-Timing, medians), and the
+        # overhead against the worker's own compute time, which is free of the noise
+        # between two processes' compute.
+        for kind, runs in stages.items():
+            for stage in runs[0]:
+                results[f"server_{kind}_{stage}_ms"] = float(np.median([r[stage] for r in runs]))
+        for kind, e2e in (("npy", times["npy"]), ("json", times["json"])):
+            worker = [r["compute"] / 1000 for r in stages[kind][-args.repeat :]]
+            results[f"overhead_vs_worker_compute_{kind}_ms"] = 1000 * float(
+                np.median(np.subtract(e2e, worker))
+            )
         small = {
             "bags": [{"id": "s", "markers": MARKERS, "points": rng.normal(size=(100, 10)).tolist()}]
         }
@@ -204,8 +232,21 @@ def main() -> None:
             )
             assert r.status_code == 200, r.text
 
-        post_naive()
+        def post_sink() -> None:
+            r = c.post(
+                f"http://127.0.0.1:{port}/sink",
+                content=npy_body,
+                headers={"content-type": "application/x-npy"},
+            )
+            assert r.status_code == 200, r.text
+
+        post_naive(), post_sink()
         e2e_naive = median_time(post_naive, max(3, args.repeat // 2))
+        floor = median_time(post_sink, args.repeat)
+        results.update(
+            transport_floor_npy_ms=1000 * floor,
+            overhead_npy_above_floor_ms=1000 * (e2e_npy - compute - floor),
+        )
         results.update(
             naive_json_ms=1000 * e2e_naive,
             speedup_json_vs_naive=e2e_naive / e2e_json,

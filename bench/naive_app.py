@@ -2,6 +2,9 @@
 
 A pydantic ``list[list[float]]`` body, the model called in the event loop. Run by the
 benchmark with ``BAGSERVE_NAIVE_MODEL=<artifact> uvicorn bench.naive_app:app``.
+
+``/sink`` is the transport floor: it reads the raw body and answers its length, so the
+benchmark can tell how much of bagserve's overhead is uvicorn receiving the bytes.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import os
 
 import numpy as np
 from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from pydantic import BaseModel
 
 from core import load
@@ -31,3 +35,8 @@ class Request(BaseModel):
 async def predict(request: Request) -> dict[str, list[float]]:
     bags = [np.asarray(b.points, dtype=np.float64) for b in request.bags]
     return {"predictions": model.predict(bags).tolist()}
+
+
+@app.post("/sink")
+async def sink(request: HTTPRequest) -> dict[str, int]:
+    return {"bytes": len(await request.body())}

@@ -11,6 +11,7 @@ Public API (DESIGN.md section 4)::
 from .artifacts import ArtifactError, load, read_manifest, save
 from .bags import Bags, BagValidationError, as_bags
 from .estimators import (
+    ConditionalMeanEmbedding,
     DistributionRidge,
     DistributionRidgeClassifier,
     MarginalTransferClassifier,
@@ -20,6 +21,8 @@ from .estimators import (
 )
 from .kernels import DistanceKernel, get_kernel
 from .representations import (
+    DensityFeatures,
+    HistogramEmbedding,
     MeanEmbedding,
     SlicedWasserstein,
     sliced_wasserstein_distance,
@@ -30,9 +33,12 @@ __all__ = [
     "ArtifactError",
     "BagValidationError",
     "Bags",
+    "ConditionalMeanEmbedding",
+    "DensityFeatures",
     "DistanceKernel",
     "DistributionRidge",
     "DistributionRidgeClassifier",
+    "HistogramEmbedding",
     "MarginalTransferClassifier",
     "MarginalTransferRegressor",
     "MeanEmbedding",

@@ -64,6 +64,9 @@ def _registry() -> dict[str, type]:
     classes = [
         representations.SlicedWasserstein,
         representations.MeanEmbedding,
+        representations.DensityFeatures,
+        representations.HistogramEmbedding,
+        estimators.ConditionalMeanEmbedding,
         estimators.DistributionRidge,
         estimators.DistributionRidgeClassifier,
         estimators.MarginalTransferClassifier,

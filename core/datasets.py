@@ -11,6 +11,8 @@
   paper 004 (Algorithm 1);
 * :func:`make_cytometry_tasks` — synthetic flow-cytometry-like samples: shared cell
   populations, sample-specific proportions and instrument/batch shifts;
+* :func:`make_pendulum_transitions` — transitions of the under-actuated pendulum of
+  paper 002's experiment (Deisenroth et al. 2009);
 * :func:`load_flowcap_gvhd` — the FlowCAP-I GvHD samples with per-cell gates, read from
   a directory of the shared test data (never bundled: tests and benchmarks only).
 """
@@ -36,6 +38,7 @@ __all__ = [
     "make_ellipse_tasks",
     "make_entropy_bags",
     "make_gmm_modes",
+    "make_pendulum_transitions",
 ]
 
 
@@ -375,3 +378,49 @@ def load_flowcap_gvhd(
         arrays.append(x)
         ys.append(lab)
     return Bags.from_arrays(arrays), np.concatenate(ys), samples
+
+
+def make_pendulum_transitions(
+    n: int,
+    *,
+    dt: float = 0.1,
+    noise: float = 0.05,
+    random_state: Any = None,
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Transitions of the under-actuated pendulum (paper 002 §5.1).
+
+    States ``(θ, ω)`` uniform on ``[-π, π] × [-7, 7]`` and torques ``u`` uniform on
+    ``[-5, 5]`` Nm (too weak to swing up directly). The dynamics (Deisenroth et al.
+    2009: mass 1 kg, length 1 m, friction 0.05 N m s) ``θ'' = (u - b ω - m g l sin θ) /
+    (m l²)`` are integrated over ``dt`` by four RK4 steps; Gaussian noise of standard
+    deviation ``noise`` is added to the next angular velocity.
+
+    Returns
+    -------
+    X : ndarray of shape (n, 4)
+        ``(sin θ, cos θ, ω, u)``.
+    Y : ndarray of shape (n, 3)
+        The next state ``(sin θ', cos θ', ω')``.
+    """
+    rng = check_generator(random_state)
+    theta = rng.uniform(-np.pi, np.pi, n)
+    omega = rng.uniform(-7.0, 7.0, n)
+    u = rng.uniform(-5.0, 5.0, n)
+    m, length, g, b = 1.0, 1.0, 9.81, 0.05
+
+    def deriv(th: NDArray[np.float64], om: NDArray[np.float64]):
+        return om, (u - b * om - m * g * length * np.sin(th)) / (m * length**2)
+
+    th, om = theta.copy(), omega.copy()
+    h = dt / 4
+    for _ in range(4):
+        k1 = deriv(th, om)
+        k2 = deriv(th + h / 2 * k1[0], om + h / 2 * k1[1])
+        k3 = deriv(th + h / 2 * k2[0], om + h / 2 * k2[1])
+        k4 = deriv(th + h * k3[0], om + h * k3[1])
+        th = th + h / 6 * (k1[0] + 2 * k2[0] + 2 * k3[0] + k4[0])
+        om = om + h / 6 * (k1[1] + 2 * k2[1] + 2 * k3[1] + k4[1])
+    om = om + noise * rng.standard_normal(n)
+    X = np.column_stack([np.sin(theta), np.cos(theta), omega, u])
+    Y = np.column_stack([np.sin(th), np.cos(th), om])
+    return X, Y

@@ -162,8 +162,28 @@ def _is_number(text: str) -> bool:
 
 
 def _read_npy(data: bytes, source: str, names: Sequence[str] | None) -> Sample:
+    """A 2-D numeric NPY array; little-endian float64 C-order data is not copied.
+
+    The array then views ``data`` (read-only), which saves a copy of every upload.
+    """
     try:
-        arr = np.load(io.BytesIO(data), allow_pickle=False)
+        head = io.BytesIO(data)
+        version = np.lib.format.read_magic(head)
+        read_header = {
+            (1, 0): np.lib.format.read_array_header_1_0,
+            (2, 0): np.lib.format.read_array_header_2_0,
+        }.get(version)
+        shape, fortran, dtype = read_header(head) if read_header else ((), True, None)
+        start = head.tell()
+        if (
+            read_header is not None
+            and dtype == np.dtype("<f8")
+            and not fortran
+            and len(data) - start == int(np.prod(shape, dtype=np.int64)) * 8
+        ):
+            arr = np.frombuffer(data, dtype=dtype, offset=start).reshape(shape)
+        else:
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
     except ValueError as exc:
         raise DataError(f"{source}: not a readable NPY array ({exc})") from exc
     if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.number):
@@ -175,7 +195,7 @@ def _read_npy(data: bytes, source: str, names: Sequence[str] | None) -> Sample:
         names = [str(i) for i in range(arr.shape[1])]
     if len(names) != arr.shape[1]:
         raise DataError(f"{source}: {len(names)} marker name(s) for {arr.shape[1]} column(s)")
-    return Sample(arr.astype(np.float64), list(names), list(names), source)
+    return Sample(arr.astype(np.float64, copy=False), list(names), list(names), source)
 
 
 def read_sample(
@@ -233,8 +253,8 @@ def read_sample(
         )
     if sample.points.shape[0] == 0:
         raise DataError(f"{label}: no cells")
-    bad = ~np.isfinite(sample.points)
-    if bad.any():
+    if not np.isfinite(sample.points).all():
+        bad = ~np.isfinite(sample.points)
         row, col = np.argwhere(bad)[0]
         raise DataError(
             f"{label}: {int(bad.sum())} non-finite value(s), first at cell {row + 1}, "

@@ -44,7 +44,7 @@ from .estimators import (
     MarginalTransferRegressor,
 )
 from .io import Dataset, Panel, Preprocessing, load_dataset
-from .representations import MeanEmbedding, SlicedWasserstein
+from .representations import DensityFeatures, HistogramEmbedding, MeanEmbedding, SlicedWasserstein
 from .selection import leave_tasks_out_folds
 
 __all__ = ["ConfigError", "TrainingResult", "build_estimator", "evaluate", "load_config", "train"]
@@ -58,6 +58,8 @@ ESTIMATORS: dict[str, type[BaseEstimator]] = {
         MarginalTransferRegressor,
         SlicedWasserstein,
         MeanEmbedding,
+        DensityFeatures,
+        HistogramEmbedding,
     )
 }
 CELL_LEVEL = (MarginalTransferClassifier, MarginalTransferRegressor)

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.datastructures import Headers, MutableHeaders, QueryParams
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core import __version__
 
@@ -33,6 +35,66 @@ __all__ = ["create_app"]
 
 log = logging.getLogger("bagserve.http")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+class RequestContext:
+    """Request id, per-request metrics and the access log, as plain ASGI middleware.
+
+    Plain ASGI rather than ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware``
+    relays the request body through extra tasks and streams, which cost a large upload
+    about as much time again as uvicorn takes to receive it.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("x-request-id", "")
+        request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        # request.state reads and writes scope["state"].
+        state = scope.setdefault("state", {})
+        state.update(request_id=request_id, key_id=None)
+        status = 500
+        t0 = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                headers = MutableHeaders(scope=message)
+                headers["X-Request-ID"] = request_id
+                # The app's own time for the request, beside the predict stages if any.
+                total = f"app;dur={1000 * (time.perf_counter() - t0):.1f}"
+                stages = headers.get("server-timing")
+                headers["Server-Timing"] = f"{stages}, {total}" if stages else total
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            model = (scope.get("path_params") or {}).get("name") or (
+                QueryParams(scope.get("query_string", b"")).get("model") or ""
+            )
+            scope["app"].state.metrics.requests.labels(
+                getattr(route, "path", "unmatched"),
+                model if route is not None else "",
+                str(status),
+            ).inc()
+            log.info(
+                "request",
+                extra={
+                    "request_id": request_id,
+                    "method": scope["method"],
+                    "path": scope["path"],
+                    "status": status,
+                    "seconds": round(time.perf_counter() - t0, 6),
+                    "api_key_id": state.get("key_id"),
+                },
+            )
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -98,34 +160,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ],
         )
 
-    @app.middleware("http")
-    async def request_context(request: Request, call_next) -> Response:  # type: ignore[no-untyped-def]
-        given = request.headers.get("x-request-id", "")
-        request.state.request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
-        request.state.key_id = None
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        response.headers["X-Request-ID"] = request.state.request_id
-        route = request.scope.get("route")
-        model = request.path_params.get("name") or request.query_params.get("model") or ""
-        app.state.metrics.requests.labels(
-            getattr(route, "path", "unmatched"),
-            model if route is not None else "",
-            str(response.status_code),
-        ).inc()
-        log.info(
-            "request",
-            extra={
-                "request_id": request.state.request_id,
-                "method": request.method,
-                "path": request.url.path,
-                "status": response.status_code,
-                "seconds": round(time.perf_counter() - t0, 6),
-                "api_key_id": request.state.key_id,
-            },
-        )
-        return response
-
+    app.add_middleware(RequestContext)
     app.state.metrics = Metrics()
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)

@@ -1,7 +1,7 @@
 """Prometheus metrics (prometheus-client), one registry per app.
 
 * ``bagserve_requests_total{route, model, status}``
-* ``bagserve_stage_seconds{stage}``: read, parse, validate, queue, compute, encode
+* ``bagserve_stage_seconds{stage}``: read, parse, validate, queue, transfer, compute, encode
 * ``bagserve_queue_depth``, ``bagserve_busy_workers``, ``bagserve_alive_workers``
 * ``bagserve_points_per_bag``: histogram of the size of predicted bags
 * ``bagserve_model_load_failures``: artifacts that failed verification at start-up
@@ -16,7 +16,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
-STAGES = ("read", "parse", "validate", "queue", "compute", "encode")
+STAGES = ("read", "parse", "validate", "queue", "transfer", "compute", "encode")
 
 
 class Metrics:

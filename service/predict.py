@@ -128,7 +128,8 @@ def _validate(
             extra = [b.names[j] for j in range(len(b.names)) if j not in set(cols.tolist())]
             if extra:
                 warnings.append(f"{where}: ignored marker(s) {extra}")
-            pts = pts[:, cols]
+            if not np.array_equal(cols, np.arange(pts.shape[1])):
+                pts = pts[:, cols]
         elif pts.shape[1] != entry.n_features:
             expected = f" {list(panel.markers)}" if panel is not None else ""
             errors.append(
@@ -136,8 +137,8 @@ def _validate(
                 f"{entry.n_features}{expected}"
             )
             continue
-        bad = ~np.isfinite(pts)
-        if bad.any():
+        if not np.isfinite(pts).all():
+            bad = ~np.isfinite(pts)
             row, col = np.argwhere(bad)[0]
             errors.append(
                 f"{where}: {int(bad.sum())} non-finite value(s) (NaN/Inf), first at row {row}, "
@@ -216,6 +217,8 @@ def _encode(
         ]
         return orjson.dumps({**meta, "predictions": preds}), JSON
     values = arrays[0]
+    if kind == "conditional":
+        return _encode_conditional(ids, header, arrays, fmt, meta)
     if fmt == NPY:
         return npy_bytes(np.asarray(values)), NPY
     if kind == "classification":
@@ -252,6 +255,48 @@ def _encode(
             w.writerow([bag_id, *(values[i].tolist() if multi else [values[i].item()])])
         return buf.getvalue().encode(), CSV_OUT
     preds = [{"id": bag_id, "prediction": values[i].tolist()} for i, bag_id in enumerate(ids)]
+    return orjson.dumps({**meta, "predictions": preds}), JSON
+
+
+def _encode_conditional(
+    ids: list[str],
+    header: dict[str, Any],
+    arrays: list[np.ndarray],
+    fmt: str,
+    meta: dict[str, Any],
+) -> tuple[bytes, str]:
+    """Mean, then the requested quantiles and exceedance probabilities, per bag."""
+    values, extra = arrays
+    levels, thresholds = header.get("quantiles", []), header.get("exceed", [])
+    q, e = extra[:, : len(levels)], extra[:, len(levels) :]
+    if fmt == NPY:
+        # Columns: mean, then the quantiles, then the exceedance probabilities.
+        table = np.column_stack([values, extra]) if extra.shape[1] else values
+        return npy_bytes(np.asarray(table)), NPY
+    if fmt == CSV_OUT:
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(
+            [
+                "id",
+                "prediction",
+                *[f"q_{v:g}" for v in levels],
+                *[f"p_gt_{t:g}" for t in thresholds],
+            ]
+        )
+        for i, bag_id in enumerate(ids):
+            w.writerow([bag_id, values[i].item(), *q[i].tolist(), *e[i].tolist()])
+        return buf.getvalue().encode(), CSV_OUT
+    preds = []
+    for i, bag_id in enumerate(ids):
+        pred: dict[str, Any] = {"id": bag_id, "prediction": values[i].tolist()}
+        if levels:
+            pred["quantiles"] = {f"{v:g}": x for v, x in zip(levels, q[i].tolist(), strict=True)}
+        if thresholds:
+            pred["exceedance"] = {
+                f"{t:g}": x for t, x in zip(thresholds, e[i].tolist(), strict=True)
+            }
+        preds.append(pred)
     return orjson.dumps({**meta, "predictions": preds}), JSON
 
 
@@ -296,12 +341,57 @@ def limits_of(settings: Any) -> dict[str, int]:
     }
 
 
+#: At most this many quantile levels or exceedance thresholds per request.
+MAX_DISTRIBUTION_QUERIES = 99
+
+
+def distribution_options(
+    entry: ModelEntry, quantiles: str | None, exceed: str | None
+) -> dict[str, list[float]]:
+    """The ``quantiles`` / ``exceed`` query parameters, checked against the model.
+
+    Comma-separated levels in ``[0, 1]`` and finite thresholds; only conditional models
+    (:class:`~core.ConditionalMeanEmbedding`) with a scalar output answer them.
+    """
+    options: dict[str, list[float]] = {}
+    problems = []
+    for name, text in (("quantiles", quantiles), ("exceed", exceed)):
+        if text is None or not text.strip():
+            continue
+        try:
+            values = [float(v) for v in text.split(",")]
+        except ValueError:
+            problems.append(f"{name} must be comma-separated numbers, got {text!r}")
+            continue
+        if len(values) > MAX_DISTRIBUTION_QUERIES:
+            problems.append(f"{name}: at most {MAX_DISTRIBUTION_QUERIES} values")
+        elif not all(np.isfinite(values)):
+            problems.append(f"{name} must be finite numbers, got {text!r}")
+        elif name == "quantiles" and not all(0.0 <= v <= 1.0 for v in values):
+            problems.append(f"quantile levels must lie in [0, 1], got {text!r}")
+        else:
+            options[name] = values
+    if (quantiles or exceed) and entry.kind != "conditional":
+        problems.append(
+            f"quantiles and exceed need a conditional model (ConditionalMeanEmbedding); "
+            f"{entry.key} is a {entry.estimator}"
+        )
+    elif options and entry.n_outputs != 1:
+        problems.append(
+            f"quantiles and exceed need a scalar output; {entry.key} has {entry.n_outputs}"
+        )
+    if problems:
+        raise Problem(422, problems[0], errors=problems, slug="invalid-request")
+    return options
+
+
 async def compute(
     app: Any,
     entry: ModelEntry,
     bags: list[IncomingBag],
     decode_errors: list[str],
     timings: dict[str, float],
+    options: dict[str, list[float]] | None = None,
 ) -> Outcome:
     """Validate against the model, run on a worker, map pool failures to problems."""
     settings = app.state.settings
@@ -327,9 +417,15 @@ async def compute(
     try:
         t1 = time.perf_counter()
         out_header, out_arrays, queued = await app.state.pool.submit(
-            {"model": entry.key, "weighted": weighted}, payload, settings.request_timeout
+            {"model": entry.key, "weighted": weighted, **(options or {})},
+            payload,
+            settings.request_timeout,
         )
-        timings.update(queue=queued, compute=time.perf_counter() - t1 - queued)
+        out_header.update(options or {})
+        # "transfer": moving the points to the worker and the answer back.
+        exchange = time.perf_counter() - t1 - queued
+        worker_seconds = float(out_header.pop("seconds", exchange))
+        timings.update(queue=queued, compute=worker_seconds, transfer=exchange - worker_seconds)
     except QueueFull:
         raise Problem(
             503,
@@ -354,6 +450,12 @@ async def compute(
             detail = message.split(": ", 1)[-1]
             raise Problem(422, detail, errors=[detail], slug="invalid-bags") from None
         raise
+    for bag, n in zip(bags, out_header.pop("clipped", []), strict=False):
+        if n:
+            warnings.append(
+                f"bag {bag.id!r}: {n} of {bag.points.shape[0]} cell(s) lie outside the model's "
+                "training range and were clipped into it"
+            )
     return Outcome(entry, [b.id for b in bags], sizes, out_header, out_arrays, warnings, timings)
 
 
@@ -437,14 +539,18 @@ async def predict_body(request: Request, entry: ModelEntry, body: bytes) -> Resp
     fmt = _accept(request)
     timings = dict(getattr(request.state, "timings", {}))
     loop = asyncio.get_running_loop()
-    # hashlib releases the GIL: the input's sha256 is computed while the rest proceeds.
-    input_hash = loop.run_in_executor(None, lambda: hashlib.sha256(body).hexdigest())
     status, outcome = 500, None
+    input_hash: asyncio.Future[str] | None = None
     try:
         t0 = time.perf_counter()
         bags, decode_errors = await _incoming(request, body)
         timings["parse"] = time.perf_counter() - t0
-        outcome = await compute(request.app, entry, bags, decode_errors, timings)
+        # hashlib releases the GIL: the input's sha256 is computed while a worker
+        # computes (started after parsing, so that the two do not compete for memory
+        # bandwidth while the body is decoded).
+        input_hash = loop.run_in_executor(None, lambda: hashlib.sha256(body).hexdigest())
+        options = _options(request, entry)
+        outcome = await compute(request.app, entry, bags, decode_errors, timings, options)
         input_sha = await input_hash
         meta = {
             "model": {"name": entry.name, "version": entry.version, "sha256": entry.sha256},
@@ -458,7 +564,14 @@ async def predict_body(request: Request, entry: ModelEntry, body: bytes) -> Resp
         )
         timings["encode"] = time.perf_counter() - t1
         status = 200
-        return Response(content, media_type=media, headers=provenance_headers(entry, input_sha))
+        headers = provenance_headers(entry, input_sha)
+        # Where the time went, for the caller's own dashboards (W3C Server Timing).
+        headers["Server-Timing"] = ", ".join(
+            f"{stage};dur={1000 * timings[stage]:.1f}"
+            for stage in ("read", "parse", "validate", "queue", "transfer", "compute", "encode")
+            if stage in timings
+        )
+        return Response(content, media_type=media, headers=headers)
     except Problem as exc:
         status = exc.status
         raise
@@ -467,6 +580,8 @@ async def predict_body(request: Request, entry: ModelEntry, body: bytes) -> Resp
         metrics = getattr(request.app.state, "metrics", None)
         if metrics is not None:
             metrics.observe_stages(timings)
+        if input_hash is None:  # the body did not parse: still audited, with its hash
+            input_hash = loop.run_in_executor(None, lambda: hashlib.sha256(body).hexdigest())
         audit(request, entry, await input_hash, status, outcome if status == 200 else None)
 
 
@@ -480,7 +595,13 @@ async def predict(request: Request, entry: ModelEntry) -> Response:
             f"unsupported content type {ctype or '(none)'!r}; expected one of {list(ACCEPTED)}",
             slug="unsupported-media-type",
         )
+    _options(request, entry)  # refuse bad query parameters before reading the body
     t0 = time.perf_counter()
     body = await read_limited(request, request.app.state.settings.max_body_bytes)
     request.state.timings = {"read": time.perf_counter() - t0}
     return await predict_body(request, entry, body)
+
+
+def _options(request: Request, entry: ModelEntry) -> dict[str, list[float]]:
+    qp = request.query_params
+    return distribution_options(entry, qp.get("quantiles"), qp.get("exceed"))

@@ -15,7 +15,7 @@ from typing import Any
 from core.artifacts import ArtifactError, read_manifest
 from core.io import Panel, Preprocessing
 
-__all__ = ["ModelEntry", "Registry"]
+__all__ = ["ModelEntry", "Registry", "kind_of"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -23,6 +23,19 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 def _version_key(version: str) -> tuple[Any, ...]:
     """Numeric-aware ordering: "10" after "9", "1.10" after "1.9"."""
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"[._-]", version))
+
+
+def kind_of(estimator: str) -> str:
+    """What a model answers, from its estimator class name.
+
+    ``"cell"`` (a label per cell), ``"classification"``, ``"conditional"`` (a conditional
+    distribution: mean, quantiles, exceedance) or ``"regression"``.
+    """
+    if estimator.startswith("MarginalTransfer"):
+        return "cell"
+    if estimator == "ConditionalMeanEmbedding":
+        return "conditional"
+    return "classification" if estimator.endswith("Classifier") else "regression"
 
 
 @dataclass(frozen=True)
@@ -63,10 +76,12 @@ class ModelEntry:
 
     @property
     def kind(self) -> str:
-        """``"regression"``, ``"classification"``, or ``"cell"`` (a label per cell)."""
-        if self.estimator.startswith("MarginalTransfer"):
-            return "cell"
-        return "classification" if self.estimator.endswith("Classifier") else "regression"
+        """See :func:`kind_of`."""
+        return kind_of(self.estimator)
+
+    @property
+    def n_outputs(self) -> int:
+        return int(self.manifest["model"]["state"].get("n_outputs_", 1))
 
     def describe(self) -> dict[str, Any]:
         meta = self.manifest["metadata"]
@@ -111,6 +126,14 @@ class Registry:
                     manifest = read_manifest(vdir)
                     if manifest["estimator"].get("format") != "arrays":
                         raise ArtifactError("pickle artifacts are not served")
+                    if (
+                        kind_of(manifest["estimator"]["class"]) == "conditional"
+                        and manifest["model"]["params"].get("representation") is None
+                    ):
+                        raise ArtifactError(
+                            "a ConditionalMeanEmbedding on points (no representation) cannot "
+                            "be served: the service predicts on bags"
+                        )
                 except ArtifactError as exc:
                     self.failures[key] = str(exc)
                     continue

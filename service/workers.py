@@ -2,13 +2,18 @@
 
 Each worker process loads every served model once (arrays memory-mapped read-only, so
 the pages are shared between workers) and answers requests on its own pipe. Arrays
-cross the pipe as raw bytes (``send_bytes`` of the buffer, ``frombuffer`` on the other
-side): no pickling of cell data. The asyncio side hands a request to an idle worker;
-when all are busy, at most ``queue_size`` requests wait, and the next one is refused
-at once (:class:`QueueFull`, answered 503 with ``Retry-After``). A worker that dies is
-noticed through its process sentinel while a request is in flight: the request fails
-fast (:class:`WorkerLost`), the worker is respawned, and readiness says so meanwhile.
-A request that outlives ``request_timeout`` gets its worker killed and replaced.
+never get pickled: small ones cross the pipe as raw bytes (``send_bytes`` of the
+buffer, ``frombuffer`` on the other side); from 1 MiB on, on Linux, they are written
+once into an anonymous memory file (``memfd``) whose descriptor is passed over the
+socket, and the receiver maps it (one kernel copy instead of a stream of socket
+chunks, and no ``/dev/shm`` size limit to hit in a container).
+
+The asyncio side hands a request to an idle worker; when all are busy, at most
+``queue_size`` requests wait, and the next one is refused at once (:class:`QueueFull`,
+answered 503 with ``Retry-After``). A worker that dies is noticed through its process
+sentinel while a request is in flight: the request fails fast (:class:`WorkerLost`),
+the worker is respawned, and readiness says so meanwhile. A request that outlives
+``request_timeout`` gets its worker killed and replaced.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 import multiprocessing as mp
+import os
 import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -52,21 +60,62 @@ class ComputeError(Exception):
 
 
 # ----------------------------------------------------------------------- wire format
+#: Messages with at least this many bytes of arrays go through a memory file.
+MEMFD_MIN_BYTES = 1 << 20
+
+
+def _raw(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1)).cast("B")
+
+
 def send_message(conn: Connection, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
-    """A small header, then each array's raw buffer (no pickling of the data)."""
+    """A small header, then the arrays' raw buffers (no pickling of the data)."""
     arrays = [np.ascontiguousarray(a) for a in arrays]
     meta = [(a.dtype.str, a.shape) for a in arrays]
-    conn.send_bytes(pickle.dumps((header, meta), protocol=pickle.HIGHEST_PROTOCOL))
-    for a in arrays:
-        conn.send_bytes(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
+    total = sum(a.nbytes for a in arrays)
+    via_fd = total >= MEMFD_MIN_BYTES and hasattr(os, "memfd_create")
+    conn.send_bytes(pickle.dumps((header, meta, via_fd), protocol=pickle.HIGHEST_PROTOCOL))
+    if not via_fd:
+        for a in arrays:
+            conn.send_bytes(_raw(a) if a.size else b"")
+        return
+    fd = os.memfd_create("bagserve-arrays", os.MFD_CLOEXEC)
+    try:
+        for a in arrays:
+            view = _raw(a)
+            while view:
+                view = view[os.write(fd, view) :]
+        reduction.send_handle(conn, fd, 0)  # the pid is only used on Windows
+    finally:
+        os.close(fd)
 
 
 def recv_message(conn: Connection) -> tuple[dict[str, Any], list[np.ndarray]]:
     # Only ever exchanged between this process and its own workers.
-    header, meta = pickle.loads(conn.recv_bytes())
-    arrays = [
-        np.frombuffer(conn.recv_bytes(), dtype=np.dtype(dt)).reshape(shape) for dt, shape in meta
-    ]
+    header, meta, via_fd = pickle.loads(conn.recv_bytes())
+    if not via_fd:
+        arrays = [
+            np.frombuffer(conn.recv_bytes(), dtype=np.dtype(dt)).reshape(shape)
+            for dt, shape in meta
+        ]
+        return header, arrays
+    fd = reduction.recv_handle(conn)
+    try:
+        # Read-only and populated up front; the arrays keep the mapping alive.
+        mapped = mmap.mmap(
+            fd,
+            os.fstat(fd).st_size,
+            flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+            prot=mmap.PROT_READ,
+        )
+    finally:
+        os.close(fd)
+    arrays, offset = [], 0
+    for dt, shape in meta:
+        dtype = np.dtype(dt)
+        count = int(np.prod(shape, dtype=np.int64))
+        arrays.append(np.frombuffer(mapped, dtype, count, offset).reshape(shape))
+        offset += count * dtype.itemsize
     return header, arrays
 
 
@@ -98,7 +147,9 @@ def _predict(entry: dict[str, Any], header: dict[str, Any], arrays: list[np.ndar
             ),
             np.array([np.pad(r.similarities, (0, 3 - r.similarities.size)) for r in reports]),
         ]
-    outs, scores = [], []
+    outs, scores, extra = [], [], []
+    levels = np.asarray(header.get("quantiles") or [], dtype=np.float64)
+    thresholds = np.asarray(header.get("exceed") or [], dtype=np.float64)
     start = 0
     sizes = bags.sizes
     while start < len(bags):
@@ -112,11 +163,31 @@ def _predict(entry: dict[str, Any], header: dict[str, Any], arrays: list[np.ndar
         if kind == "classification":
             s = np.asarray(model.decision_function(chunk))
             scores.append(s[:, None] if s.ndim == 1 else s)
+        if kind == "conditional":
+            n = len(chunk)
+            extra.append(
+                np.hstack(
+                    [
+                        model.quantiles(chunk, levels) if levels.size else np.empty((n, 0)),
+                        model.exceedance(chunk, thresholds)
+                        if thresholds.size
+                        else np.empty((n, 0)),
+                    ]
+                )
+            )
         start = stop
     values = np.concatenate(outs)
+    header = {"kind": kind}
+    # Representations with a bounded domain (density features) clip new points into the
+    # training range: the caller is told how many, per bag.
+    rep = getattr(model, "representation_", None)
+    if hasattr(rep, "clipped_counts"):
+        header["clipped"] = rep.clipped_counts(bags).tolist()
     if kind == "classification":
-        return {"kind": kind}, [values, np.concatenate(scores), np.asarray(model.classes_)]
-    return {"kind": kind}, [values]
+        return header, [values, np.concatenate(scores), np.asarray(model.classes_)]
+    if kind == "conditional":
+        return header, [values, np.concatenate(extra)]
+    return header, [values]
 
 
 def worker_main(conn: Connection, models: dict[str, str]) -> None:
@@ -130,18 +201,15 @@ def worker_main(conn: Connection, models: dict[str, str]) -> None:
     from core.artifacts import load, read_manifest
     from core.io import Panel, Preprocessing
 
+    from .registry import kind_of
+
     threadpool_limits(1)
     loaded: dict[str, dict[str, Any]] = {}
     for key, path in models.items():
         manifest = read_manifest(path, verify=False)  # verified by the registry at start-up
         meta = manifest["metadata"]
         panel = Panel.from_json(meta["panel"]) if meta.get("panel") else None
-        est = manifest["estimator"]["class"]
-        kind = (
-            "cell"
-            if est.startswith("MarginalTransfer")
-            else ("classification" if est.endswith("Classifier") else "regression")
-        )
+        kind = kind_of(manifest["estimator"]["class"])
         loaded[key] = {
             "model": load(path, mmap=True),
             "preprocessing": Preprocessing.from_json(meta["preprocessing"])
@@ -157,7 +225,9 @@ def worker_main(conn: Connection, models: dict[str, str]) -> None:
         except (EOFError, OSError):
             return
         try:
+            t0 = time.perf_counter()
             out_header, out_arrays = _predict(loaded[header["model"]], header, arrays)
+            out_header["seconds"] = time.perf_counter() - t0
             send_message(conn, {"ok": True, **out_header}, out_arrays)
         except Exception as exc:  # report, keep serving
             send_message(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, [])

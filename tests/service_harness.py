@@ -15,7 +15,15 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from core import Bags, DistributionRidge, MeanEmbedding, SlicedWasserstein, save
+from core import (
+    Bags,
+    ConditionalMeanEmbedding,
+    DensityFeatures,
+    DistributionRidge,
+    MeanEmbedding,
+    SlicedWasserstein,
+    save,
+)
 from core.demo import build_demo_models
 from core.io import Panel, Preprocessing, read_sample
 
@@ -69,6 +77,43 @@ def build_models(directory: Path) -> Path:
         version="2",
         panel=panel.to_json(),
         preprocessing=pre.to_json(),
+    )
+    # Paper 001's density features with the random-feature (primal) path of the ridge.
+    density = DistributionRidge(
+        DensityFeatures(divergence="hellinger", n_basis=6, n_integration=500, random_state=0),
+        n_components=300,
+        random_state=0,
+    )
+    density.fit(
+        pre.apply(Bags.from_arrays(bags), list(panel.markers)), np.arange(len(bags), dtype=float)
+    )
+    save(
+        density,
+        directory / "density" / "1",
+        name="density",
+        version="1",
+        panel=panel.to_json(),
+        preprocessing=pre.to_json(),
+    )
+    # Paper 002: the conditional distribution of the dose index given a sample.
+    cme = ConditionalMeanEmbedding(
+        SlicedWasserstein(n_directions=20, n_levels=20), gamma=1.0, alpha=1e-3, random_state=0
+    )
+    cme.fit(
+        pre.apply(Bags.from_arrays(bags), list(panel.markers)), np.arange(len(bags), dtype=float)
+    )
+    save(
+        cme,
+        directory / "cme" / "1",
+        name="cme",
+        version="1",
+        panel=panel.to_json(),
+        preprocessing=pre.to_json(),
+    )
+    # On points, not bags: refused by the registry with its reason.
+    save(
+        ConditionalMeanEmbedding(gamma=1.0, alpha=0.1).fit(np.eye(3), np.arange(3.0)),
+        directory / "points-cme" / "1",
     )
     broken = save(slow, directory / "broken" / "1", name="broken", version="1")
     victim = sorted((broken / "arrays").glob("*.npy"))[0]

@@ -10,8 +10,10 @@ import pytest
 
 from core import (
     ArtifactError,
+    DensityFeatures,
     DistributionRidge,
     DistributionRidgeClassifier,
+    HistogramEmbedding,
     MarginalTransferClassifier,
     MarginalTransferRegressor,
     MeanEmbedding,
@@ -41,6 +43,7 @@ def _fitted_models(rng: np.random.Generator) -> dict[str, tuple[object, object]]
     rff8 = MeanEmbedding(method="rff", n_components=8, random_state=0)
     nys = MeanEmbedding(method="nystroem", n_components=20, random_state=0)
     paper = {"point_bandwidth": 0.3, "task_gamma": 2.0, "alpha": 1e-4}
+    dens = DensityFeatures(divergence="js", n_basis=4, n_integration=300, random_state=0)
     return {
         "ridge-sw2": (DistributionRidge(sw).fit(train, y), test),
         "ridge-sw1-multi": (
@@ -54,6 +57,16 @@ def _fitted_models(rng: np.random.Generator) -> dict[str, tuple[object, object]]
             test,
         ),
         "classifier": (DistributionRidgeClassifier(sw).fit(train, labels), test),
+        "ridge-density-js": (DistributionRidge(dens).fit(train, y), test),
+        "ridge-density-rff": (
+            DistributionRidge(dens, n_components=64, random_state=0).fit(train, y),
+            test,
+        ),
+        "ridge-sw1-rff": (
+            DistributionRidge(sw1, n_components=32, random_state=0).fit(train, y),
+            test,
+        ),
+        "histogram-tv": (HistogramEmbedding("tv", bins=3).fit(train), test),
         "sw": (SlicedWasserstein(n_directions=5, n_levels=7, random_state=0).fit(train), test),
         "mean-rff": (
             MeanEmbedding(method="rff", n_components=16, random_state=0).fit(train),
@@ -78,7 +91,7 @@ def _fitted_models(rng: np.random.Generator) -> dict[str, tuple[object, object]]
 
 
 def _outputs(model: object, X: object) -> list[np.ndarray]:
-    if isinstance(model, SlicedWasserstein | MeanEmbedding):
+    if isinstance(model, SlicedWasserstein | MeanEmbedding | HistogramEmbedding):
         return [model.transform(X)]
     out = [np.asarray(model.predict(X))]
     if hasattr(model, "decision_function"):
@@ -94,7 +107,8 @@ def models():
 @pytest.mark.parametrize(
     "name",
     ["ridge-sw2", "ridge-sw1-multi", "ridge-mmd-exact", "ridge-rff-primal", "ridge-nystroem",
-     "classifier", "sw", "mean-rff", "dg-rf", "dg-rf-paper", "dg-exact-svm", "dg-regressor"],
+     "classifier", "sw", "mean-rff", "dg-rf", "dg-rf-paper", "dg-exact-svm", "dg-regressor",
+     "ridge-density-js", "ridge-density-rff", "ridge-sw1-rff", "histogram-tv"],
 )  # fmt: skip
 @pytest.mark.parametrize("mmap", [False, True])
 def test_round_trip_reproduces_predictions_bit_for_bit(tmp_path, models, name, mmap):

@@ -115,6 +115,26 @@ def test_bad_npy_and_unknown_types(tmp_path):
         read_sample(tmp_path / "nope.csv")
 
 
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(12.0).reshape(4, 3),  # the zero-copy path
+        np.asfortranarray(np.arange(12.0).reshape(4, 3)),
+        np.arange(12.0).reshape(4, 3).astype(">f8"),
+        np.arange(12, dtype=np.int32).reshape(4, 3),
+    ],
+)
+def test_npy_bytes_in_any_layout_read_the_same(array):
+    buf = io.BytesIO()
+    np.save(buf, array)
+    data = buf.getvalue()
+    s = read_sample(data, format="npy", markers=["a", "b", "c"])
+    assert s.points.dtype == np.float64
+    np.testing.assert_array_equal(s.points, np.arange(12.0).reshape(4, 3))
+    with pytest.raises(DataError, match="not a readable NPY array"):
+        read_sample(data[:-5], format="npy", markers=["a", "b", "c"])
+
+
 def test_panel_matching_is_case_and_alias_tolerant_and_reorders():
     panel = Panel(("FSC-A", "FITC-A", "CD4"), {"FITC-A": ("GFP",)})
     names = ["cd4 ", "gfp", "SSC-A", "fsc_a"]

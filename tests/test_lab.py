@@ -323,7 +323,8 @@ def test_prometheus_metrics(url):
         assert f'bagserve_stage_seconds_count{{stage="{stage}"}}' in text
     assert "bagserve_points_per_bag_bucket" in text
     assert "bagserve_queue_depth 0.0" in text and "bagserve_busy_workers" in text
-    assert "bagserve_model_load_failures 1.0" in text  # the broken artifact
+    # The broken artifact and the CME on points.
+    assert "bagserve_model_load_failures 2.0" in text
 
 
 def test_logs_are_json_with_request_ids(url, models):

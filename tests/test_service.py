@@ -12,8 +12,9 @@ import httpx
 import numpy as np
 import pytest
 
-from core import load
+from core import Bags, load
 from core.demo import demo_samples
+from core.io import Panel, Preprocessing, read_sample
 from service.client import AsyncClient, BagserveError, Client
 
 from .conftest import SHARED_DATA
@@ -56,12 +57,20 @@ def test_health_readiness_and_model_listing(http):
     assert http.get("/healthz").json() == {"status": "ok"}
     ready = http.get("/readyz").json()
     assert ready["status"] == "ready" and ready["workers"]["alive"] == 2
-    assert set(ready["models"]) == {"demo-dose/1", "demo-gating/1", "slow/1", "yeast/1", "yeast/2"}
+    assert set(ready["models"]) == {
+        "cme/1",
+        "demo-dose/1",
+        "demo-gating/1",
+        "density/1",
+        "slow/1",
+        "yeast/1",
+        "yeast/2",
+    }
     # The broken artifact is reported and skipped; the others still serve.
     assert "broken/1" in ready["model_failures"]
     listing = http.get("/v1/models").json()
     names = [m["name"] for m in listing["models"]]
-    assert names == ["demo-dose", "demo-gating", "slow", "yeast"]
+    assert names == ["cme", "demo-dose", "demo-gating", "density", "slow", "yeast"]
     one = http.get("/v1/models/yeast").json()
     assert one["latest"] == "2" and [v["version"] for v in one["versions"]] == ["1", "2"]
     v = one["versions"][0]
@@ -94,6 +103,19 @@ def test_json_many_bags_with_provenance_and_bit_for_bit(http, models):
     assert out["input_sha256"] == sha == r.headers["x-input-sha256"]
     assert r.headers["x-model-name"] == "demo-dose" and r.headers["x-model-version"] == "1"
     assert out["model"]["sha256"] == r.headers["x-model-sha256"]
+    stages = dict(part.split(";dur=") for part in r.headers["server-timing"].split(", "))
+    assert set(stages) == {
+        "read",
+        "parse",
+        "validate",
+        "queue",
+        "transfer",
+        "compute",
+        "encode",
+        "app",
+    }
+    assert float(stages["app"]) >= sum(float(v) for k, v in stages.items() if k != "app")
+    assert all(float(v) >= 0 for v in stages.values())
     assert np.max(np.abs(expected - dose)) < 0.3
 
 
@@ -214,6 +236,75 @@ def test_marginal_transfer_model_labels_every_cell(http, models):
 
 
 # ----------------------------------------------------------------- errors
+def test_density_feature_model_serves_and_reports_clipped_cells(http, models):
+    """Paper 001 features: same answer as in process; clipped cells are reported."""
+    fcs = sorted((SHARED_DATA / "cytoflow_yeast" / "dose_response").glob("Yeast_B*.fcs"))[3]
+    model = load(models / "density" / "1")
+    pre = Preprocessing(transform="arcsinh", cofactor=150.0)
+    panel = Panel(("FSC-A", "SSC-A", "FITC-A"), {"FITC-A": ("GFP",)})
+    bag = panel.select(read_sample(fcs))
+    expected = model.predict(pre.apply(Bags.from_arrays([bag]), list(panel.markers)))
+    r = http.post(
+        "/v1/models/density/predict",
+        content=fcs.read_bytes(),
+        headers={"content-type": "application/vnd.isac.fcs"},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["predictions"][0]["prediction"] == float(expected[0])
+    # A training sample: only the FCS file's extra channels are mentioned, nothing clipped.
+    assert not [w for w in r.json()["warnings"] if "clipped" in w]
+    moved = bag.copy()
+    moved[:25, 2] = 1e9  # far beyond the training range of FITC-A
+    body = {"bags": [{"id": "m", "markers": list(panel.markers), "points": moved.tolist()}]}
+    r = http.post("/v1/models/density/predict", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["warnings"] == [
+        f"bag 'm': 25 of {len(bag)} cell(s) lie outside the model's training range and were "
+        "clipped into it"
+    ]
+
+
+def test_conditional_model_answers_quantiles_and_exceedance(http, models):
+    """Paper 002 served: mean, quantiles and P(Y > t) as query parameters, in process equal."""
+    files = sorted((SHARED_DATA / "cytoflow_yeast" / "dose_response").glob("Yeast_B*.fcs"))[:3]
+    model = load(models / "cme" / "1")
+    pre = Preprocessing(transform="arcsinh", cofactor=150.0)
+    panel = Panel(("FSC-A", "SSC-A", "FITC-A"), {"FITC-A": ("GFP",)})
+    bags = pre.apply(
+        Bags.from_arrays([panel.select(read_sample(f)) for f in files]), list(panel.markers)
+    )
+    files_body = [("files", (f.name, f.read_bytes(), "application/vnd.isac.fcs")) for f in files]
+    r = http.post(
+        "/v1/models/cme/predict",
+        params={"quantiles": "0.1,0.5,0.9", "exceed": "2"},
+        files=files_body,
+    )
+    assert r.status_code == 200, r.text
+    preds = r.json()["predictions"]
+    np.testing.assert_array_equal([p["prediction"] for p in preds], model.predict(bags))
+    q = model.quantiles(bags, [0.1, 0.5, 0.9])
+    assert [list(p["quantiles"].values()) for p in preds] == q.tolist()
+    assert list(preds[0]["quantiles"]) == ["0.1", "0.5", "0.9"]
+    assert [p["exceedance"]["2"] for p in preds] == model.exceedance(bags, [2.0])[:, 0].tolist()
+    r = http.post(
+        "/v1/models/cme/predict",
+        params={"quantiles": "0.5"},
+        files=files_body,
+        headers={"accept": "text/csv"},
+    )
+    assert r.text.splitlines()[0] == "id,prediction,q_0.5"
+    for params, needle in [
+        ({"quantiles": "1.5"}, "levels must lie in [0, 1]"),
+        ({"exceed": "abc"}, "comma-separated numbers"),
+    ]:
+        r = http.post("/v1/models/cme/predict", params=params, files=files_body)
+        assert r.status_code == 422 and needle in r.json()["detail"], r.text
+    r = http.post("/v1/models/demo-dose/predict", params={"quantiles": "0.5"}, json={"bags": []})
+    assert r.status_code == 422 and "need a conditional model" in r.json()["detail"]
+    failures = http.get("/v1/models").json()["failures"]
+    assert "cannot be served" in failures["points-cme/1"]
+
+
 def test_every_validation_problem_is_listed_at_once(http):
     nan_bag = np.ones((5, 3))
     nan_bag[2, 1] = np.nan

@@ -1,5 +1,6 @@
 """Estimators on bags (scikit-learn compatible)."""
 
+from .cme import ConditionalMeanEmbedding, incomplete_cholesky
 from .ridge import DistributionRidge, DistributionRidgeClassifier
 from .transfer import (
     MarginalTransferClassifier,
@@ -9,10 +10,12 @@ from .transfer import (
 )
 
 __all__ = [
+    "ConditionalMeanEmbedding",
     "DistributionRidge",
     "DistributionRidgeClassifier",
     "MarginalTransferClassifier",
     "MarginalTransferRegressor",
     "TaskPrediction",
     "TaskReport",
+    "incomplete_cholesky",
 ]

@@ -19,13 +19,17 @@ from numpy.typing import ArrayLike, NDArray
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
 from sklearn.utils.validation import check_is_fitted
 
+from .._random import check_generator
 from ..bags import BagValidationError, as_bags
-from ..kernels import batch_invariant_matmul, get_kernel
+from ..kernels import batch_invariant_matmul, get_kernel, random_fourier_features
 from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
 from ..representations.sliced import SlicedWasserstein
 from ..selection import DEFAULT_ALPHA_GRID, as_grid, gamma_grid, ridge_selection_scores
 
 __all__ = ["DistributionRidge", "DistributionRidgeClassifier"]
+
+# The median heuristic of the random-feature path looks at this many bags at most.
+_MEDIAN_BAGS = 1000
 
 
 class _DistributionKernelRidge(BaseEstimator):
@@ -44,6 +48,7 @@ class _DistributionKernelRidge(BaseEstimator):
         kernel_params: dict[str, Any] | None = None,
         fit_intercept: bool = True,
         selection: Literal["loo", "gcv"] = "loo",
+        n_components: int | None = None,
         random_state: Any = None,
     ):
         self.representation = representation
@@ -53,6 +58,7 @@ class _DistributionKernelRidge(BaseEstimator):
         self.kernel_params = kernel_params
         self.fit_intercept = fit_intercept
         self.selection = selection
+        self.n_components = n_components
         self.random_state = random_state
 
     # ------------------------------------------------------------------ helpers
@@ -86,35 +92,64 @@ class _DistributionKernelRidge(BaseEstimator):
         Yc = Y - self.intercept_
         alphas = as_grid(self.alpha, DEFAULT_ALPHA_GRID, "alpha")
 
-        self.primal_ = (
+        if self.n_components is not None:
+            # Random Fourier features of the embeddings (paper 001 eq. 7): a primal model
+            # whose cost is linear in the number of bags.
+            if kern.name != "gaussian" or not isinstance(emb, FeatureEmbedding):
+                raise ValueError(
+                    "n_components (random features of the embeddings) needs kernel='gaussian' "
+                    "and a representation with explicit features"
+                )
+            if int(self.n_components) != self.n_components or self.n_components < 2:
+                raise ValueError(f"n_components must be an integer >= 2, got {self.n_components!r}")
+            self.primal_ = True
+            rng = check_generator(self.random_state)
+            half = int(self.n_components) // 2
+            F = emb.features
+            if emb.geometry == "euclidean":
+                self.rff_base_ = rng.standard_normal((half, F.shape[1]))
+            else:
+                self.rff_base_ = rng.standard_cauchy((half, F.shape[1]))
+            self.rff_geometry_ = emb.geometry
+            sample = (
+                emb
+                if T <= _MEDIAN_BAGS
+                else FeatureEmbedding(F[rng.choice(T, _MEDIAN_BAGS, replace=False)], emb.geometry)
+            )
+            gammas = as_grid(self.gamma, gamma_grid(sample.sq_distances(), kern), "gamma")
+            scores = np.full((gammas.size, alphas.size), np.nan)
+            if gammas.size * alphas.size > 1:
+                for gi, g in enumerate(gammas):
+                    scores[gi] = _primal_scores(
+                        self._rff(F, g), Y, alphas, self.fit_intercept, self.selection
+                    )
+                gi, ai = _argmin_prefer_smooth(scores)
+            else:
+                gi, ai = 0, 0
+            self.gamma_ = float(gammas[gi])
+            self.alpha_ = float(alphas[ai])
+            self.coef_ = _primal_solve(self._rff(F, self.gamma_), Yc, self.alpha_ * T)
+            self.train_embedding_ = None
+        elif (
             kern.name == "linear"
             and isinstance(emb, FeatureEmbedding)
             and emb.geometry == "euclidean"
             and emb.features.shape[1] < T
-        )
-        if self.primal_:
+        ):
             # Explicit features narrower than the number of bags: solve in feature space.
+            self.primal_ = True
             F = emb.features
             gammas = np.array([np.nan])
             scores = np.full((1, alphas.size), np.nan)
             if alphas.size > 1:
-                U, sv, _ = np.linalg.svd(F, full_matrices=False)
-                scores[0] = ridge_selection_scores(
-                    sv**2,
-                    U,
-                    Y,
-                    alphas,
-                    fit_intercept=self.fit_intercept,
-                    criterion=self.selection,
-                )
+                scores[0] = _primal_scores(F, Y, alphas, self.fit_intercept, self.selection)
             best = int(np.argmin(scores[0])) if alphas.size > 1 else 0
             self.gamma_ = None
             self.alpha_ = float(alphas[best])
-            A = F.T @ F
-            A[np.diag_indices_from(A)] += self.alpha_ * T
-            self.coef_ = _spd_solve(A, F.T @ Yc)
+            self.coef_ = _primal_solve(F, Yc, self.alpha_ * T)
             self.train_embedding_ = None
         else:
+            self.primal_ = False
             base = emb.inner() if kern.uses_inner_product else emb.sq_distances()
             if kern.has_gamma:
                 gammas = as_grid(self.gamma, gamma_grid(base, kern), "gamma")
@@ -149,12 +184,28 @@ class _DistributionKernelRidge(BaseEstimator):
         }
         return self
 
+    def _rff(self, F: NDArray[np.float64], gamma: float) -> NDArray[np.float64]:
+        """``z(φ)`` with ``z(a)ᵀz(b) ≈ exp(-γ D²(a, b))``: Gaussian frequencies of variance
+        ``2γ`` for Euclidean embeddings, Cauchy of scale ``γ`` for ℓ1 ones (SW_1)."""
+        scale = np.sqrt(2.0 * gamma) if self.rff_geometry_ == "euclidean" else gamma
+        return random_fourier_features(F, self.rff_base_ * scale)
+
+    def feature_map(self, X: Any) -> NDArray[np.float64]:
+        """The explicit features the primal model uses for bags ``X``."""
+        check_is_fitted(self, "intercept_")
+        if not self.primal_:
+            raise TypeError("a kernel (dual) model has no explicit feature map")
+        emb = self.representation_.embed(X)
+        assert isinstance(emb, FeatureEmbedding)
+        if self.n_components is not None:
+            return self._rff(emb.features, self.gamma_)
+        return emb.features
+
     def _decision(self, X: Any) -> NDArray[np.float64]:
         check_is_fitted(self, "intercept_")
-        emb = self.representation_.embed(X)
         if self.primal_:
-            assert isinstance(emb, FeatureEmbedding)
-            return batch_invariant_matmul(emb.features, self.coef_) + self.intercept_
+            return batch_invariant_matmul(self.feature_map(X), self.coef_) + self.intercept_
+        emb = self.representation_.embed(X)
         return batch_invariant_matmul(self.kernel_matrix(emb), self.dual_coef_) + self.intercept_
 
     def kernel_matrix(self, X: Any | Embedding) -> NDArray[np.float64]:
@@ -178,6 +229,29 @@ def _argmin_prefer_smooth(scores: NDArray[np.float64]) -> tuple[int, int]:
     flipped = scores[:, ::-1]
     gi, ai = np.unravel_index(int(np.argmin(flipped)), flipped.shape)
     return int(gi), int(scores.shape[1] - 1 - ai)
+
+
+def _primal_scores(
+    F: NDArray[np.float64],
+    Y: NDArray[np.float64],
+    alphas: NDArray[np.float64],
+    fit_intercept: bool,
+    criterion: str,
+) -> NDArray[np.float64]:
+    """LOO/GCV of ridge on explicit features, from one thin SVD (``K = F Fᵀ``)."""
+    U, sv, _ = np.linalg.svd(F, full_matrices=False)
+    return ridge_selection_scores(
+        sv**2, U, Y, alphas, fit_intercept=fit_intercept, criterion=criterion
+    )
+
+
+def _primal_solve(
+    F: NDArray[np.float64], Yc: NDArray[np.float64], ridge: float
+) -> NDArray[np.float64]:
+    """``(FᵀF + ridge I)⁻¹ Fᵀ Y``: the primal twin of ``(FFᵀ + ridge I)⁻¹ Y``."""
+    A = F.T @ F
+    A[np.diag_indices_from(A)] += ridge
+    return _spd_solve(A, F.T @ Yc)
 
 
 def _spd_solve(A: NDArray[np.float64], B: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -221,9 +295,14 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
     selection : {"loo", "gcv"}, default="loo"
         Closed-form criterion for the search: exact leave-one-bag-out error or GCV,
         both from one eigendecomposition per ``γ`` and one distance matrix for all.
+    n_components : int or None, default=None
+        Random Fourier features of the embeddings (paper 001 eq. 7): the Gaussian
+        kernel ``exp(-γ D²)`` is replaced by ``z(φ(P))ᵀz(φ(Q))`` with ``n_components``
+        features and the model is fitted in the primal, in time linear in the number of
+        bags (representations with explicit features only).
     random_state : int, Generator or None
-        Seeds the default representation, or a given one whose own
-        ``random_state`` is ``None``.
+        Seeds the default representation (or a given one whose own ``random_state``
+        is ``None``) and the random features.
 
     Attributes
     ----------

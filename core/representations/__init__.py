@@ -1,6 +1,7 @@
 """Bag representations: bags → embeddings whose distance is a distribution distance."""
 
 from .base import BagRepresentation, Embedding, FeatureEmbedding
+from .density import DensityFeatures, HistogramEmbedding
 from .mean import MeanEmbedding, SetKernelEmbedding, set_kernel_gram
 from .sliced import (
     SlicedWasserstein,
@@ -11,8 +12,10 @@ from .sliced import (
 
 __all__ = [
     "BagRepresentation",
+    "DensityFeatures",
     "Embedding",
     "FeatureEmbedding",
+    "HistogramEmbedding",
     "MeanEmbedding",
     "SetKernelEmbedding",
     "SlicedWasserstein",

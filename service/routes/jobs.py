@@ -13,7 +13,14 @@ from starlette.responses import Response
 from ..codecs import ACCEPTED, media_type
 from ..errors import Problem
 from ..idempotency import fingerprint
-from ..predict import audit, compute, decode_job_body, encode_json, read_limited
+from ..predict import (
+    audit,
+    compute,
+    decode_job_body,
+    distribution_options,
+    encode_json,
+    read_limited,
+)
 from .v1 import _PREDICT_DOC, _entry
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -56,6 +63,9 @@ async def submit(request: Request) -> Response:
     if not name:
         raise Problem(422, "the 'model' query parameter is required", slug="invalid-request")
     entry = _entry(request, name, request.query_params.get("version"))
+    options = distribution_options(
+        entry, request.query_params.get("quantiles"), request.query_params.get("exceed")
+    )
     ctype = media_type(request.headers.get("content-type"))
     if ctype not in ACCEPTED:
         raise Problem(
@@ -72,6 +82,7 @@ async def submit(request: Request) -> Response:
             version=entry.version,
             content_type=request.headers.get("content-type", ""),
             markers=request.query_params.get("markers"),
+            options=options,
             request_id=request.state.request_id,
             api_key_id=request.state.key_id,
             input_sha256=hashlib.sha256(body).hexdigest(),
@@ -127,7 +138,7 @@ def job_runner(app: Any):
                 meta["content_type"], store.body(job_id), meta.get("markers")
             )
             timings["parse"] = time.perf_counter() - t0
-            outcome = await compute(app, entry, bags, errors, timings)
+            outcome = await compute(app, entry, bags, errors, timings, meta.get("options"))
         except Problem as exc:
             store.finish(
                 job_id, "failed", {"status": exc.status, "detail": exc.detail, "errors": exc.errors}

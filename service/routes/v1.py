@@ -81,7 +81,30 @@ _PREDICT_DOC: dict[str, Any] = {
             "required": False,
             "schema": {"type": "string"},
             "description": "Comma-separated marker names of an NPY body's columns.",
-        }
+        },
+        {
+            "name": "quantiles",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string", "pattern": r"^[0-9.eE+-]+(,[0-9.eE+-]+)*$"},
+            "example": "0.05,0.5,0.95",
+            "description": (
+                "Conditional models (ConditionalMeanEmbedding) only: comma-separated levels "
+                "in [0, 1]; each prediction gains `quantiles` {level: value} of the outcome's "
+                "predicted distribution (CSV: columns q_<level>; NPY: columns after the mean)."
+            ),
+        },
+        {
+            "name": "exceed",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string", "pattern": r"^[0-9.eE+-]+(,[0-9.eE+-]+)*$"},
+            "example": "2.5",
+            "description": (
+                "Conditional models only: comma-separated thresholds t; each prediction gains "
+                "`exceedance` {t: P(outcome > t)} (CSV: columns p_gt_<t>; NPY: last columns)."
+            ),
+        },
     ],
 }
 _IDEMPOTENCY = {
@@ -104,7 +127,14 @@ _PREDICT_RESPONSES: dict[int | str, dict[str, Any]] = {
                     "request_id": "9b2e…",
                     "input_sha256": "a41d…",
                     "warnings": [],
-                    "predictions": [{"id": "patient-17", "prediction": 1.27}],
+                    "predictions": [
+                        {
+                            "id": "patient-17",
+                            "prediction": 1.27,
+                            "quantiles": {"0.05": 0.81, "0.95": 1.74},
+                            "exceedance": {"1.5": 0.22},
+                        }
+                    ],
                 }
             },
             "text/csv": {},

@@ -1,0 +1,90 @@
+"""JSON bodies: the simdjson fast path gives exactly what the general orjson path gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.codecs import _general_json_bags, _json_bags, _plain_json_bags
+
+finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+number = st.one_of(finite, st.integers(-(2**63), 2**63 - 1))
+# No "[" in strings here, so that every document takes the fast path (asserted below).
+text = st.text(alphabet=st.characters(blacklist_characters="["), max_size=6)
+
+
+def same(a, b) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert (x.id, x.names, x.alt_names) == (y.id, y.names, y.alt_names)
+        assert x.points.shape == y.points.shape
+        # Bit for bit, signed zeros included.
+        assert x.points.tobytes() == y.points.tobytes()
+        if x.weights is None or y.weights is None:
+            assert x.weights is None and y.weights is None
+        else:
+            assert x.weights.tobytes() == y.weights.tobytes()
+
+
+@st.composite
+def plain_documents(draw):
+    bags = []
+    for _ in range(draw(st.integers(1, 3))):
+        width = draw(st.integers(1, 4))
+        rows = draw(st.lists(st.lists(number, min_size=width, max_size=width), min_size=1))
+        bag = {"points": rows}
+        if draw(st.booleans()):
+            bag["id"] = draw(st.one_of(text, st.integers(0, 10**6)))
+        if draw(st.booleans()):
+            bag["markers"] = draw(st.lists(text, min_size=width, max_size=width))
+        if draw(st.booleans()):
+            bag["weights"] = draw(st.lists(finite, min_size=len(rows), max_size=len(rows)))
+        bags.append(bag)
+    return {"bags": bags} if len(bags) > 1 or draw(st.booleans()) else bags[0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(plain_documents())
+def test_fast_path_equals_the_general_path(doc):
+    body = orjson.dumps(doc)
+    assert _plain_json_bags(body) is not None
+    fast = _json_bags(body)
+    general = _general_json_bags(body)
+    assert fast[1] == general[1] == []
+    same(fast[0], general[0])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"bags": [{"points": [[1, 2], [3, [4]]]}]}',  # nested single value: shape hidden
+        b'{"bags": [{"points": [[1, 2], [3]]}]}',  # ragged
+        b'{"bags": [{"points": [[1, 2], [3, "x"]]}]}',
+        b'{"bags": [{"points": [[1, 2], [3, null]]}]}',
+        b'{"bags": [{"points": [[1e400, 2]]}]}',
+        b'{"bags": [{"points": []}]}',
+        b'{"bags": [{"points": [[1, 2]], "weights": [[1]]}]}',
+        b'{"bags": [{"points": [[1, 2]], "markers": ["a"]}]}',
+        b'{"bags": [{"points": [[1, 2]], "extra": [1]}]}',
+        b'{"bags": []}',
+        b"[[1, 2]]",
+        b'{"bags": [{"id": "a[b", "points": [[1, 2]]}]}',  # valid, but sent to the general path
+    ],
+)
+def test_anything_unusual_takes_the_general_path(body):
+    assert _plain_json_bags(body) is None
+
+
+def test_large_bag_round_trips_exactly(rng):
+    points = rng.normal(size=(20_000, 7))
+    points[::5, 2] = np.round(points[::5, 2] * 1e3)
+    points[0, 0] = -0.0
+    body = orjson.dumps(
+        {"bags": [{"id": "p", "points": points}]}, option=orjson.OPT_SERIALIZE_NUMPY
+    )
+    bags = _plain_json_bags(body)
+    assert bags is not None and bags[0].points.tobytes() == points.tobytes()
+    assert bags[0].points.flags.writeable
