@@ -240,7 +240,8 @@ class ConditionalMeanEmbedding(RegressorMixin, BaseEstimator):
         self.dual_ = 0.5 * (self.dual_ + self.dual_.T)
         self.support_ = np.arange(n)
         self.train_embedding_ = emb
-        self._gram_cache = (K, L)
+        # K and L are recomputed if sparsify/restrict need them: not kept alive here.
+        self._gram_cache = None
         return self
 
     def _cv_losses(
