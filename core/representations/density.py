@@ -351,12 +351,13 @@ class DensityFeatures(BagRepresentation):
     def _likelihood_cv(
         self, bags: Bags, candidates: NDArray[np.float64], rng: np.random.Generator
     ) -> tuple[float, int]:
-        """The candidate bandwidth with the largest held-out log-likelihood, and the
-        median number of points of the KDEs it was chosen for.
+        """Likelihood cross-validation of the KDE bandwidth.
 
-        Up to 20 training bags and 5 groups (seeded draws), at most 1,000 points per bag
-        split in two random halves: the KDE of one half scores the other. The Gaussian
-        KDE leaks mass past the unit cube's faces alike for every candidate.
+        Returns the candidate with the largest held-out log-likelihood, and the median
+        number of points of the KDEs it was chosen for. Up to 20 training bags and 5
+        groups (seeded draws), at most 1,000 points per bag split in two random halves:
+        the KDE of one half scores the other. The Gaussian KDE leaks mass past the unit
+        cube's faces alike for every candidate.
         """
         n_bags = min(len(bags), 20)
         chosen = np.sort(rng.choice(len(bags), n_bags, replace=False))
