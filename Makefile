@@ -46,6 +46,7 @@ bench: $(BIN)/.dev-installed
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg.py
 	$(BENCH_ENV) $(BIN)/python bench/reproduce_density.py
 	$(BENCH_ENV) $(BIN)/python bench/reproduce_dg.py
+	$(BENCH_ENV) $(BIN)/python bench/reproduce_cme.py
 	$(BENCH_ENV) $(BIN)/python bench/reproduce_sw_gmm.py
 
 clean:
