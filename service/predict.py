@@ -585,9 +585,8 @@ async def predict_body(request: Request, entry: ModelEntry, body: bytes) -> Resp
         audit(request, entry, await input_hash, status, outcome if status == 200 else None)
 
 
-async def predict(request: Request, entry: ModelEntry) -> Response:
-    """The whole predict exchange for one model version."""
-    _accept(request)
+def accepted_content_type(request: Request) -> str:
+    """The request's media type, or 415 before the body is read."""
     ctype = media_type(request.headers.get("content-type"))
     if ctype not in ACCEPTED:
         raise Problem(
@@ -595,6 +594,13 @@ async def predict(request: Request, entry: ModelEntry) -> Response:
             f"unsupported content type {ctype or '(none)'!r}; expected one of {list(ACCEPTED)}",
             slug="unsupported-media-type",
         )
+    return ctype
+
+
+async def predict(request: Request, entry: ModelEntry) -> Response:
+    """The whole predict exchange for one model version."""
+    _accept(request)
+    accepted_content_type(request)
     _options(request, entry)  # refuse bad query parameters before reading the body
     t0 = time.perf_counter()
     body = await read_limited(request, request.app.state.settings.max_body_bytes)

@@ -159,22 +159,16 @@ def _predict(entry: dict[str, Any], header: dict[str, Any], arrays: list[np.ndar
             total += int(sizes[stop])
             stop += 1
         chunk = bags[start:stop]
-        outs.append(np.asarray(model.predict(chunk)))
+        if kind == "conditional":
+            # One embedding and one kernel evaluation for the mean and every quantity.
+            mean, q, e = model.summary(chunk, levels, thresholds)
+            outs.append(mean)
+            extra.append(np.hstack([q, e]))
+        else:
+            outs.append(np.asarray(model.predict(chunk)))
         if kind == "classification":
             s = np.asarray(model.decision_function(chunk))
             scores.append(s[:, None] if s.ndim == 1 else s)
-        if kind == "conditional":
-            n = len(chunk)
-            extra.append(
-                np.hstack(
-                    [
-                        model.quantiles(chunk, levels) if levels.size else np.empty((n, 0)),
-                        model.exceedance(chunk, thresholds)
-                        if thresholds.size
-                        else np.empty((n, 0)),
-                    ]
-                )
-            )
         start = stop
     values = np.concatenate(outs)
     header = {"kind": kind}

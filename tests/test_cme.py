@@ -142,6 +142,11 @@ def test_distributional_answers_and_coverage_on_heteroscedastic_data(rng):
     F = cme.cdf(Xt[:50], t)
     assert np.all(np.diff(F, axis=1) >= -1e-12) and F.min() >= 0 and F.max() <= 1 + 1e-12
     np.testing.assert_allclose(cme.exceedance(Xt[:50], t), 1 - F)
+    # summary() shares one weight computation and gives the same numbers.
+    mean, qs, ex = cme.summary(Xt[:50], [0.1, 0.5, 0.9], t)
+    np.testing.assert_array_equal(mean, cme.predict(Xt[:50]))
+    np.testing.assert_array_equal(qs, q[:50])
+    np.testing.assert_allclose(ex, 1 - F, rtol=0, atol=1e-15)
     assert np.all(cme.cdf(Xt[:50], q[:50, 1]).diagonal() >= 0.5 - 1e-9)
 
 

@@ -44,12 +44,21 @@ from .._random import check_generator
 from ..bags import as_bags
 from ..kernels import get_kernel
 from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
+from ..representations.sliced import _rowwise_searchsorted
 from ..selection import as_grid, median_heuristic_gamma
 
 __all__ = ["ConditionalMeanEmbedding", "incomplete_cholesky"]
 
 #: Default ``λ`` grid of the cross-validation (in the ``(K + λ n I)`` scaling).
 CME_ALPHA_GRID = np.logspace(-7, 1, 17)
+
+
+def _positive_part(B: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Rows of ``max(B, 0)`` renormalised to sum to one; uniform where nothing is positive."""
+    w = np.maximum(B, 0.0)
+    total = w.sum(axis=1, keepdims=True)
+    uniform = np.full_like(w, 1.0 / w.shape[1])
+    return np.where(total > 0, w / np.where(total > 0, total, 1.0), uniform)
 
 
 def _outputs(Y: ArrayLike) -> NDArray[np.float64]:
@@ -239,6 +248,7 @@ class ConditionalMeanEmbedding(RegressorMixin, BaseEstimator):
         self.dual_ = scipy.linalg.solve(A, np.eye(n), assume_a="pos")
         self.dual_ = 0.5 * (self.dual_ + self.dual_.T)
         self.support_ = np.arange(n)
+        self.is_dense_ = True
         self.train_embedding_ = emb
         # K and L are recomputed if sparsify/restrict need them: not kept alive here.
         self._gram_cache = None
@@ -311,10 +321,7 @@ class ConditionalMeanEmbedding(RegressorMixin, BaseEstimator):
         A query whose weights are all non-positive (far from every training input) gets
         the uniform distribution, the marginal of the training outputs.
         """
-        w = np.maximum(self.weights(X), 0.0)
-        total = w.sum(axis=1, keepdims=True)
-        uniform = np.full_like(w, 1.0 / w.shape[1])
-        return np.where(total > 0, w / np.where(total > 0, total, 1.0), uniform)
+        return _positive_part(self.weights(X))
 
     def _scalar_outputs(self) -> NDArray[np.float64]:
         if self.n_outputs_ != 1:
@@ -324,11 +331,27 @@ class ConditionalMeanEmbedding(RegressorMixin, BaseEstimator):
             )
         return self.y_train_[:, 0]
 
-    def cdf(self, X: Any, thresholds: ArrayLike) -> NDArray[np.float64]:
-        """``P(Y ≤ t | x)`` for every query and threshold, shape ``(q, n_thresholds)``."""
+    def _cdf(self, P: NDArray[np.float64], thresholds: ArrayLike) -> NDArray[np.float64]:
         y = self._scalar_outputs()
         t = np.atleast_1d(np.asarray(thresholds, dtype=np.float64))
-        return self.distribution_weights(X) @ (y[:, None] <= t[None, :]).astype(np.float64)
+        return P @ (y[:, None] <= t[None, :]).astype(np.float64)
+
+    def _quantiles(self, P: NDArray[np.float64], levels: ArrayLike) -> NDArray[np.float64]:
+        y = self._scalar_outputs()
+        q = np.atleast_1d(np.asarray(levels, dtype=np.float64))
+        if np.any((q < 0) | (q > 1)):
+            raise ValueError(f"quantile levels must lie in [0, 1], got {levels!r}")
+        order = np.argsort(y, kind="stable")
+        cum = np.cumsum(P[:, order], axis=1)
+        # Count of cumulative weights below each level (a level reached up to rounding
+        # counts as reached), row by row without a (queries, n, levels) array.
+        wanted = np.broadcast_to(q - 1e-12, (P.shape[0], q.size))
+        idx = _rowwise_searchsorted(cum, wanted, "left")
+        return y[order][np.minimum(idx, y.size - 1)]
+
+    def cdf(self, X: Any, thresholds: ArrayLike) -> NDArray[np.float64]:
+        """``P(Y ≤ t | x)`` for every query and threshold, shape ``(q, n_thresholds)``."""
+        return self._cdf(self.distribution_weights(X), thresholds)
 
     def exceedance(self, X: Any, thresholds: ArrayLike) -> NDArray[np.float64]:
         """``P(Y > t | x)``, shape ``(q, n_thresholds)``."""
@@ -339,15 +362,29 @@ class ConditionalMeanEmbedding(RegressorMixin, BaseEstimator):
 
         Quantiles of the weighted training outputs, so always training output values.
         """
-        y = self._scalar_outputs()
-        q = np.atleast_1d(np.asarray(levels, dtype=np.float64))
-        if np.any((q < 0) | (q > 1)):
-            raise ValueError(f"quantile levels must lie in [0, 1], got {levels!r}")
-        order = np.argsort(y, kind="stable")
-        cum = np.cumsum(self.distribution_weights(X)[:, order], axis=1)
-        # A level reached up to rounding counts as reached.
-        idx = (cum[:, :, None] < q[None, None, :] - 1e-12).sum(axis=1)
-        return y[order][np.minimum(idx, y.size - 1)]
+        return self._quantiles(self.distribution_weights(X), levels)
+
+    def summary(
+        self, X: Any, quantiles: ArrayLike = (), exceed: ArrayLike = ()
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+        """Mean, quantiles and exceedance probabilities from one computation of ``β(x)``.
+
+        Equal to ``predict``, ``quantiles`` and ``exceedance`` called one by one (which
+        embed the queries and evaluate the kernel each time); shapes ``(q,)`` or
+        ``(q, p)``, ``(q, n_levels)`` and ``(q, n_thresholds)``.
+        """
+        B = self.weights(X)
+        mean = B @ self.y_train_
+        mean = mean[:, 0] if self.n_outputs_ == 1 else mean
+        levels = np.atleast_1d(np.asarray(quantiles, dtype=np.float64))
+        thresholds = np.atleast_1d(np.asarray(exceed, dtype=np.float64))
+        if not levels.size and not thresholds.size:
+            empty = np.empty((B.shape[0], 0))
+            return mean, empty, empty
+        P = _positive_part(B)
+        Q = self._quantiles(P, levels) if levels.size else np.empty((B.shape[0], 0))
+        E = 1.0 - self._cdf(P, thresholds) if thresholds.size else np.empty((B.shape[0], 0))
+        return mean, Q, E
 
     def loss(self, X: Any, Y: ArrayLike) -> NDArray[np.float64]:
         """Per-query ``‖μ̂(x_t) - L(y_t, ·)‖²_L`` (the paper's surrogate loss, eq. 7)."""
@@ -384,6 +421,9 @@ class ConditionalMeanEmbedding(RegressorMixin, BaseEstimator):
         return cache
 
     def _dense_dual(self) -> NDArray[np.float64]:
+        """``W = (K + λ n I)⁻¹``: the fitted ``dual_`` itself unless it was sparsified."""
+        if getattr(self, "is_dense_", False):
+            return self.dual_
         K, _ = self._grams()
         A = K.copy()
         A[np.diag_indices_from(A)] += self._ridge(self.alpha_, K.shape[0])
@@ -418,7 +458,7 @@ class ConditionalMeanEmbedding(RegressorMixin, BaseEstimator):
         out.__dict__.update({k: v for k, v in self.__dict__.items() if k.endswith("_")})
         out._gram_cache = (K, L)
         if gamma == 0:
-            out.dual_, out.support_ = W, np.arange(W.shape[0])
+            out.dual_, out.support_, out.is_dense_ = W, np.arange(W.shape[0]), True
             out.sparse_info_ = {"gamma": 0.0, "iterations": 0, "kkt": 0.0, "objective": [0.0]}
             return out
         step = 1.0 / (np.linalg.norm(K, 2) * np.linalg.norm(L, 2))
@@ -469,7 +509,7 @@ class ConditionalMeanEmbedding(RegressorMixin, BaseEstimator):
                 ConvergenceWarning,
                 stacklevel=2,
             )
-        out.dual_ = M
+        out.dual_, out.is_dense_ = M, False
         out.support_ = np.flatnonzero(np.abs(M).sum(axis=1) > 0)
         out.sparse_info_ = {
             "gamma": float(gamma),
@@ -496,7 +536,7 @@ class ConditionalMeanEmbedding(RegressorMixin, BaseEstimator):
         out = clone(self)
         out.__dict__.update({k: v for k, v in self.__dict__.items() if k.endswith("_")})
         out._gram_cache = (K, L)
-        out.dual_, out.support_ = M, S
+        out.dual_, out.support_, out.is_dense_ = M, S, False
         return out
 
 

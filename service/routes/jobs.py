@@ -10,10 +10,10 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..codecs import ACCEPTED, media_type
 from ..errors import Problem
 from ..idempotency import fingerprint
 from ..predict import (
+    accepted_content_type,
     audit,
     compute,
     decode_job_body,
@@ -66,13 +66,7 @@ async def submit(request: Request) -> Response:
     options = distribution_options(
         entry, request.query_params.get("quantiles"), request.query_params.get("exceed")
     )
-    ctype = media_type(request.headers.get("content-type"))
-    if ctype not in ACCEPTED:
-        raise Problem(
-            415,
-            f"unsupported content type {ctype or '(none)'!r}; expected one of {list(ACCEPTED)}",
-            slug="unsupported-media-type",
-        )
+    accepted_content_type(request)
     body = await read_limited(request, request.app.state.settings.max_body_bytes)
 
     async def accept() -> Response:
