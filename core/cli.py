@@ -24,7 +24,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .training import train
 
     result = train(
-        args.config, output=args.output, progress=not args.quiet, overwrite=args.overwrite
+        args.config,
+        output=args.output,
+        progress=not args.quiet,
+        overwrite=args.overwrite,
+        scheduler=args.scheduler,
+        streaming=True if args.streaming else None,
     )
     cv = result.metrics["cv"]
     shown = {k: v for k, v in cv.items() if not isinstance(v, list)}
@@ -264,6 +269,18 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--output", help="models directory (default: [model] output)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing version")
     t.add_argument("--quiet", action="store_true", help="no progress bars")
+    t.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="train on a Dask cluster (e.g. tcp://host:8786): its workers read and "
+        "featurise the bags; default: [compute] scheduler",
+    )
+    t.add_argument(
+        "--streaming",
+        action="store_true",
+        help="read bags from their files a few at a time (memory-bounded); "
+        "default: [compute] streaming",
+    )
     t.set_defaults(func=_cmd_train)
 
     e = sub.add_parser("evaluate", help="metrics of a model on the data of a configuration")
@@ -325,7 +342,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    except (ConfigError, DataError, ArtifactError, BagValidationError, OSError, ValueError) as exc:
+    except MemoryError:
+        hint = (
+            "; `bagserve train --streaming` reads a few bags at a time, "
+            "`--scheduler ADDRESS` trains on a Dask cluster"
+            if args.command == "train"
+            else ""
+        )
+        print(f"error: out of memory{hint}", file=sys.stderr)
+        return 1
+    except (
+        ConfigError,
+        DataError,
+        ArtifactError,
+        BagValidationError,
+        OSError,
+        ValueError,
+        ImportError,
+    ) as exc:
         message = " ".join(str(exc).split())
         print(f"error: {message}", file=sys.stderr)
         return 1

@@ -33,14 +33,18 @@ from numpy.typing import NDArray
 from .bags import Bags, subsample_bags
 
 __all__ = [
+    "BagMoments",
     "DataError",
     "Dataset",
     "Panel",
     "Preprocessing",
     "Sample",
+    "dataset_fingerprint",
     "file_sha256",
+    "labelled_files",
     "load_dataset",
     "normalise_marker",
+    "read_file",
     "read_sample",
 ]
 
@@ -101,7 +105,7 @@ def _read_fcs(data: bytes, source: str) -> Sample:
     try:
         fd = flowio.FlowData(io.BytesIO(data))
         arr = np.asarray(fd.as_array(preprocess=True), dtype=np.float64)
-    except DataError:
+    except (DataError, MemoryError):
         raise
     except Exception as exc:  # flowio raises several exception types for broken files
         raise DataError(f"{source}: unreadable FCS file ({type(exc).__name__}: {exc})") from exc
@@ -263,6 +267,17 @@ def read_sample(
     return sample
 
 
+def read_file(path: str | os.PathLike[str]) -> tuple[Sample, str]:
+    """:func:`read_sample` of a file, and the sha256 of its bytes, in one read."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    fmt = _suffix(path.name).lstrip(".") or None
+    return read_sample(data, format=fmt, name=str(path)), hashlib.sha256(data).hexdigest()
+
+
 @dataclass(frozen=True)
 class Panel:
     """The markers a model takes, in input order, with accepted aliases.
@@ -345,6 +360,15 @@ class Panel:
 Transform = Literal["none", "arcsinh", "log"]
 
 
+@dataclass(frozen=True)
+class BagMoments:
+    """Sufficient statistics of one bag for standard scaling (see :meth:`Preprocessing.fit`)."""
+
+    count: int
+    total: NDArray[np.float64]
+    centred_squares: NDArray[np.float64]
+
+
 @dataclass
 class Preprocessing:
     """Per-cell preprocessing stored with a model (and re-applied at prediction).
@@ -396,24 +420,73 @@ class Preprocessing:
         return x
 
     def fit(self, bags: Bags, markers: Sequence[str]) -> Preprocessing:
-        """Learn the per-marker scaling from the (transformed) training cells."""
+        """Learn the per-marker scaling from the (transformed) training cells.
+
+        The moments are taken bag by bag and then combined (:meth:`fit_moments`), so
+        that training which streams bags from files, locally or on a cluster, learns
+        bit for bit the same scaling as training on bags held in memory.
+        """
         if self.scale == "standard":
-            t = self._transform(bags.points, markers)
-            std = t.std(axis=0)
-            self.mean_ = t.mean(axis=0).tolist()
-            self.std_ = np.where(std > 0, std, 1.0).tolist()
+            stats = [
+                self.bag_moments(bags.points[lo:hi], markers)
+                for lo, hi in zip(bags.offsets[:-1], bags.offsets[1:], strict=True)
+            ]
+            self.fit_moments(stats)
+        return self
+
+    def bag_moments(self, points: NDArray[np.float64], markers: Sequence[str]) -> BagMoments:
+        """Count, sum and centred sum of squares of one bag's transformed cells."""
+        t = self._transform(points, markers)
+        total = t.sum(axis=0)
+        centred = t - total / t.shape[0]
+        return BagMoments(int(t.shape[0]), total, np.einsum("ij,ij->j", centred, centred))
+
+    def fit_moments(self, moments: Sequence[BagMoments]) -> Preprocessing:
+        """Learn the scaling from per-bag moments (the pooled mean and standard deviation).
+
+        Pooled centred sums of squares, ``M2 = Σ_b M2_b + Σ_b n_b (m_b - m)²``, are
+        stable where the raw sums of squares would cancel (Chan, Golub, LeVeque 1983).
+        """
+        if self.scale != "standard":
+            return self
+        if not moments:
+            raise ValueError("standard scaling needs at least one training bag")
+        counts = np.array([m.count for m in moments], dtype=np.float64)
+        sums = np.stack([m.total for m in moments])
+        n = counts.sum()
+        mean = sums.sum(axis=0) / n
+        between = counts[:, None] * (sums / counts[:, None] - mean) ** 2
+        m2 = np.stack([m.centred_squares for m in moments]).sum(axis=0) + between.sum(axis=0)
+        std = np.sqrt(m2 / n)
+        self.mean_ = mean.tolist()
+        self.std_ = np.where(std > 0, std, 1.0).tolist()
         return self
 
     def apply(self, bags: Bags, markers: Sequence[str]) -> Bags:
         """Subsample, transform and scale bags whose columns follow ``markers``."""
-        if self.max_points is not None:
-            bags = subsample_bags(bags, self.max_points, self.seed)
-        x = self._transform(bags.points, markers)
-        if self.scale == "standard":
-            if self.mean_ is None or self.std_ is None:
-                raise ValueError("standard scaling is not fitted: call fit() on the training bags")
-            x = (x - np.asarray(self.mean_)) / np.asarray(self.std_)
+        bags = self.subsample(bags)
+        x = self.scale_points(self._transform(bags.points, markers))
         return Bags(x, bags.offsets, bags.weights, validate=False)
+
+    def subsample(self, bags: Bags) -> Bags:
+        """The first step of :meth:`apply`: at most ``max_points`` cells per bag."""
+        if self.max_points is None:
+            return bags
+        return subsample_bags(bags, self.max_points, self.seed)
+
+    def transform_points(
+        self, points: NDArray[np.float64], markers: Sequence[str]
+    ) -> NDArray[np.float64]:
+        """The second step of :meth:`apply`: the per-cell transform, without scaling."""
+        return self._transform(points, markers)
+
+    def scale_points(self, x: NDArray[np.float64]) -> NDArray[np.float64]:
+        """The last step of :meth:`apply`: the learned scaling of transformed cells."""
+        if self.scale != "standard":
+            return x
+        if self.mean_ is None or self.std_ is None:
+            raise ValueError("standard scaling is not fitted: call fit() on the training bags")
+        return (x - np.asarray(self.mean_)) / np.asarray(self.std_)
 
     def to_json(self) -> dict[str, Any]:
         cof = dict(self.cofactor) if isinstance(self.cofactor, Mapping) else self.cofactor
@@ -515,25 +588,14 @@ def load_dataset(
     """
     from joblib import Parallel, delayed
 
-    paths = [Path(f) for f in files]
-    if not paths:
-        raise DataError("no data files matched")
-    table: dict[str, str] | None = None
-    if labels_table is not None:
-        table = _read_table(Path(labels_table), file_column, label_column)
-        names = {p.name for p in paths}
-        unknown = sorted(set(table) - names)
-        if unknown:
-            raise DataError(f"{labels_table}: labels for files that were not found: {unknown}")
-        paths = [p for p in paths if p.name in table and table[p.name] != ""]
-        if not paths:
-            raise DataError(f"{labels_table}: no data file has a label")
+    paths, y_bag = labelled_files(files, labels_table, file_column, label_column)
     iterator: Iterable[Path] = paths
     if progress:
         from tqdm.auto import tqdm
 
         iterator = tqdm(paths, desc="reading", unit="file")
-    samples = Parallel(n_jobs=n_jobs, prefer="threads")(delayed(read_sample)(p) for p in iterator)
+    read = Parallel(n_jobs=n_jobs, prefer="threads")(delayed(read_file)(p) for p in iterator)
+    samples = [sample for sample, _ in read]
     cell_labels: list[NDArray[Any]] | None = None
     if cell_label_column is not None:
         cell_labels, stripped = [], []
@@ -570,17 +632,48 @@ def load_dataset(
         panel = Panel(tuple(samples[0].names))
     arrays = [panel.select(s) for s in samples]
     bags = Bags.from_arrays(arrays)
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(p.name.encode() + b"\0" + file_sha256(p).encode() + b"\n")
-    if table is not None:
-        y: NDArray[Any] | None = np.array([_parse_label(table[p.name]) for p in paths])
-        level: Literal["bag", "cell"] = "bag"
-    elif cell_labels is not None:
+    level: Literal["bag", "cell"] = "bag"
+    y = y_bag
+    if y is None and cell_labels is not None:
         y = np.concatenate(cell_labels)
         level = "cell"
-    else:
-        y, level = None, "bag"
+    sha = dataset_fingerprint(paths, [digest for _, digest in read], y)
+    return Dataset(bags, y, [str(p) for p in paths], panel, level, sha)
+
+
+def labelled_files(
+    files: Sequence[str | os.PathLike[str]],
+    labels_table: str | os.PathLike[str] | None = None,
+    file_column: str = "file",
+    label_column: str = "label",
+) -> tuple[list[Path], NDArray[Any] | None]:
+    """The files that have a bag-level label, and their labels (all files if no table).
+
+    Files without a label are skipped; labels without a file are an error.
+    """
+    paths = [Path(f) for f in files]
+    if not paths:
+        raise DataError("no data files matched")
+    if labels_table is None:
+        return paths, None
+    table = _read_table(Path(labels_table), file_column, label_column)
+    names = {p.name for p in paths}
+    unknown = sorted(set(table) - names)
+    if unknown:
+        raise DataError(f"{labels_table}: labels for files that were not found: {unknown}")
+    paths = [p for p in paths if p.name in table and table[p.name] != ""]
+    if not paths:
+        raise DataError(f"{labels_table}: no data file has a label")
+    return paths, np.array([_parse_label(table[p.name]) for p in paths])
+
+
+def dataset_fingerprint(
+    paths: Sequence[Path], sha256s: Sequence[str], y: NDArray[Any] | None
+) -> str:
+    """sha256 over the name and sha256 of every file, then the labels."""
+    h = hashlib.sha256()
+    for p, digest in zip(paths, sha256s, strict=True):
+        h.update(p.name.encode() + b"\0" + digest.encode() + b"\n")
     if y is not None:
         h.update(repr(y.tolist()).encode())
-    return Dataset(bags, y, [str(p) for p in paths], panel, level, h.hexdigest())
+    return h.hexdigest()

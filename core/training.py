@@ -43,7 +43,15 @@ from .estimators import (
     MarginalTransferClassifier,
     MarginalTransferRegressor,
 )
-from .io import Dataset, Panel, Preprocessing, load_dataset
+from .io import (
+    Dataset,
+    Panel,
+    Preprocessing,
+    dataset_fingerprint,
+    labelled_files,
+    load_dataset,
+    read_file,
+)
 from .representations import DensityFeatures, HistogramEmbedding, MeanEmbedding, SlicedWasserstein
 from .selection import leave_tasks_out_folds
 
@@ -77,7 +85,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML ({exc})") from exc
-    known = {"model", "data", "panel", "preprocessing", "estimator", "search", "cv"}
+    known = {"model", "data", "panel", "preprocessing", "estimator", "search", "cv", "compute"}
     unknown = set(config) - known
     if unknown:
         raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; expected {sorted(known)}")
@@ -156,12 +164,18 @@ def read_data(
         n_jobs=data.get("n_jobs"),
         progress=progress,
     )
-    if label_map is not None and dataset.y is not None:
-        # Relabel (e.g. merge gates that are not aligned across samples); keys are the
-        # labels as written in the data, unlisted labels stay as they are.
-        mapping = {str(k): v for k, v in label_map.items()}
-        dataset.y = np.array([mapping.get(_label_key(v), v) for v in dataset.y.tolist()])
+    if dataset.y is not None:
+        dataset.y = _apply_label_map(label_map, dataset.y)
     return dataset
+
+
+def _apply_label_map(label_map: Mapping[str, Any] | None, y: np.ndarray) -> np.ndarray:
+    """Relabel (e.g. merge gates that are not aligned across samples); keys are the labels
+    as written in the data, unlisted labels stay as they are."""
+    if label_map is None:
+        return y
+    mapping = {str(k): v for k, v in label_map.items()}
+    return np.array([mapping.get(_label_key(v), v) for v in y.tolist()])
 
 
 def _label_key(v: Any) -> str:
@@ -226,16 +240,63 @@ def _folds(
     return folds
 
 
+@dataclass
+class _Fitted:
+    """What either training path hands to :func:`_save`."""
+
+    final: BaseEstimator
+    preprocessing: Preprocessing
+    scores: list[tuple[dict[str, Any], np.ndarray, dict[str, Any]]]
+    best: int
+    y: np.ndarray
+    panel: Panel
+    files: list[str]
+    sha256: str
+    level: str
+    n_cells: int
+    n_folds: int
+    compute: dict[str, Any]
+
+
+def _compute_options(
+    config: Mapping[str, Any], scheduler: str | None, streaming: bool | None
+) -> tuple[str | None, bool]:
+    """``[compute]`` (``scheduler``, ``streaming``) with the command line's overrides."""
+    compute = dict(config.get("compute", {}))
+    unknown = set(compute) - {"scheduler", "streaming"}
+    if unknown:
+        raise ConfigError(
+            f"[compute] unknown key(s) {sorted(unknown)}; expected scheduler, streaming"
+        )
+    scheduler = scheduler if scheduler is not None else compute.get("scheduler")
+    if scheduler is not None and not isinstance(scheduler, str):
+        raise ConfigError(f"[compute] scheduler must be an address string, got {scheduler!r}")
+    stream = streaming if streaming is not None else compute.get("streaming", False)
+    if not isinstance(stream, bool):
+        raise ConfigError(f"[compute] streaming must be true or false, got {stream!r}")
+    return scheduler, stream or scheduler is not None
+
+
 def train(
     config_path: str | Path,
     *,
     output: str | Path | None = None,
     progress: bool = False,
     overwrite: bool = False,
+    scheduler: Any = None,
+    streaming: bool | None = None,
 ) -> TrainingResult:
-    """Run a training configuration end to end; returns the artifact path and CV metrics."""
-    from tqdm.auto import tqdm
+    """Run a training configuration end to end; returns the artifact path and CV metrics.
 
+    Parameters
+    ----------
+    scheduler : str or dask.distributed.Client, optional
+        Train on a Dask cluster (``[compute] scheduler``): bags are read and featurised
+        by its workers (:mod:`core.streaming`).
+    streaming : bool, optional
+        Stream bags from their files on local threads (``[compute] streaming``), so that
+        memory holds a few bags at a time, not the data set. Same model as in memory.
+    """
     config = load_config(config_path)
     base = Path(config["_base"])
     model_cfg = dict(config.get("model", {}))
@@ -243,9 +304,41 @@ def train(
     version = str(model_cfg.get("version", "1"))
     out_dir = Path(output) if output is not None else base / model_cfg.get("output", "models")
     estimator = build_estimator(config["estimator"])
+    if isinstance(scheduler, str | None):
+        scheduler, stream = _compute_options(config, scheduler, streaming)
+    else:  # a dask.distributed.Client
+        _compute_options(config, None, streaming)
+        stream = True
+    pre_spec = dict(config.get("preprocessing", {}))
+    try:
+        Preprocessing(**pre_spec)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[preprocessing] {exc}") from exc
+    grid = list(ParameterGrid({k: list(v) for k, v in config.get("search", {}).items()})) or [{}]
+    candidates = []
+    for params in grid:
+        try:
+            candidates.append((clone(estimator).set_params(**params), params))
+        except ValueError as exc:
+            raise ConfigError(f"[search] {exc}") from exc
+    if stream:
+        fitted = _train_streaming(config, estimator, candidates, pre_spec, scheduler, progress)
+    else:
+        fitted = _train_in_memory(config, estimator, candidates, pre_spec, progress)
+    return _save(fitted, config, out_dir / name / version, name, version, overwrite)
+
+
+def _train_in_memory(
+    config: Mapping[str, Any],
+    estimator: BaseEstimator,
+    candidates: list[tuple[BaseEstimator, dict[str, Any]]],
+    pre_spec: dict[str, Any],
+    progress: bool,
+) -> _Fitted:
+    from tqdm.auto import tqdm
+
     cell_level = isinstance(estimator, CELL_LEVEL)
     classifier = is_classifier(estimator)
-
     data = read_data(config, progress=progress)
     if data.y is None:
         raise ConfigError(
@@ -259,66 +352,176 @@ def train(
         )
     y = data.y if classifier else data.y.astype(np.float64)
     markers = list(data.panel.markers)
-    pre_spec = dict(config.get("preprocessing", {}))
-    try:
-        Preprocessing(**pre_spec)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"[preprocessing] {exc}") from exc
     if pre_spec.get("max_points") is not None and cell_level:
         raise ConfigError(
             "[preprocessing] max_points drops cells, which a per-cell model needs labelled"
         )
-
     folds = _folds(config, len(data.bags), None if cell_level else y, classifier, cell_level)
-    grid = list(ParameterGrid({k: list(v) for k, v in config.get("search", {}).items()})) or [{}]
     scores = []
-    for params in tqdm(grid, desc="search", unit="config", disable=not progress or len(grid) == 1):
-        try:
-            est = clone(estimator).set_params(**params)
-        except ValueError as exc:
-            raise ConfigError(f"[search] {exc}") from exc
+    for est, params in tqdm(
+        candidates, desc="search", unit="config", disable=not progress or len(candidates) == 1
+    ):
         pred = _cv_predictions(est, data.bags, y, folds, cell_level, pre_spec, markers)
         scores.append((report.metrics(y, pred, classifier), pred, params))
+    best = _best(scores, classifier)
+    pre = Preprocessing(**pre_spec).fit(data.bags, markers)
+    final = candidates[best][0].fit(pre.apply(data.bags, markers), y)
+    return _Fitted(
+        final,
+        pre,
+        scores,
+        best,
+        y,
+        data.panel,
+        data.files,
+        data.sha256,
+        data.level,
+        int(data.bags.n_points),
+        len(folds),
+        {"mode": "in-memory"},
+    )
+
+
+def _train_streaming(
+    config: Mapping[str, Any],
+    estimator: BaseEstimator,
+    candidates: list[tuple[BaseEstimator, dict[str, Any]]],
+    pre_spec: dict[str, Any],
+    scheduler: Any,
+    progress: bool,
+) -> _Fitted:
+    from . import streaming
+
+    if isinstance(estimator, CELL_LEVEL):
+        raise ConfigError(
+            f"[estimator] {type(estimator).__name__} learns from every labelled cell; "
+            "streaming and Dask training featurise bags and support DistributionRidge and "
+            "DistributionRidgeClassifier"
+        )
+    classifier = is_classifier(estimator)
+    base = Path(config["_base"])
+    data_cfg = dict(config["data"])
+    if data_cfg.get("labels") is None:
+        raise ConfigError("[data] streaming training needs labels (one per bag)")
+    known = {"files", "labels", "file_column", "label_column", "label_map", "n_jobs"}
+    if set(data_cfg) - known:
+        raise ConfigError(
+            f"[data] streaming training takes one label per bag; unsupported key(s) "
+            f"{sorted(set(data_cfg) - known)}"
+        )
+    paths, labels = labelled_files(
+        _resolve(base, data_cfg["files"]),
+        base / data_cfg["labels"],
+        data_cfg.get("file_column", "file"),
+        data_cfg.get("label_column", "label"),
+    )
+    assert labels is not None
+    labels = _apply_label_map(data_cfg.get("label_map"), labels)
+    y = labels if classifier else labels.astype(np.float64)
+    if "panel" in config:
+        panel = Panel(tuple(config["panel"]["markers"]), dict(config["panel"].get("aliases", {})))
+    else:
+        panel = Panel(tuple(read_file(paths[0])[0].names))
+    try:
+        reps, which = streaming.fitted_representations(
+            [est for est, _ in candidates], len(panel.markers)
+        )
+    except ValueError as exc:
+        raise ConfigError(f"[estimator] {exc}") from exc
+    folds = _folds(config, len(paths), y, classifier, False)
+    names = [str(p) for p in paths]
+    if scheduler is not None:
+        executor: streaming.Executor = streaming.DaskExecutor(scheduler)
+        workers = len(executor.client.scheduler_info().get("workers", {}))
+        compute = {"mode": "streaming", "executor": "dask", "workers": workers}
+    else:
+        n_jobs = int(data_cfg.get("n_jobs") or 1)
+        executor = streaming.LocalExecutor(n_jobs)
+        compute = {"mode": "streaming", "executor": "threads", "workers": n_jobs}
+    with executor:
+        summaries = streaming.stream_summaries(
+            executor, names, panel, Preprocessing(**pre_spec), progress
+        )
+        everything = np.arange(len(paths))
+        preps = streaming.scalings(pre_spec, summaries, [t for t, _ in folds] + [everything])
+        features = streaming.stream_features(executor, names, panel, preps, reps, progress)
+    scores = []
+    for (est, params), r in zip(candidates, which, strict=True):
+        pred = streaming.cross_validated(est, features, r, y, folds, reps[r])
+        scores.append((report.metrics(y, pred, classifier), pred, params))
+    best = _best(scores, classifier)
+    r = which[best]
+    final = candidates[best][0].fit_embedded(reps[r], features.embedding(r, len(folds)), y)
+    sha = dataset_fingerprint(paths, [s.sha256 for s in summaries], labels)
+    return _Fitted(
+        final,
+        preps[-1],
+        scores,
+        best,
+        y,
+        panel,
+        names,
+        sha,
+        "bag",
+        int(sum(s.n_cells for s in summaries)),
+        len(folds),
+        compute,
+    )
+
+
+def _best(scores: list[tuple[dict[str, Any], np.ndarray, dict[str, Any]]], classifier: bool) -> int:
     key = "accuracy" if classifier else "rmse"
     sign = -1.0 if classifier else 1.0
-    best_i = int(np.argmin([sign * s[0][key] for s in scores]))
-    best_metrics, best_pred, best_params = scores[best_i]
-    pre = Preprocessing(**pre_spec).fit(data.bags, markers)
-    final = clone(estimator).set_params(**best_params).fit(pre.apply(data.bags, markers), y)
+    return int(np.argmin([sign * s[0][key] for s in scores]))
+
+
+def _save(
+    fitted: _Fitted,
+    config: Mapping[str, Any],
+    path: Path,
+    name: str,
+    version: str,
+    overwrite: bool,
+) -> TrainingResult:
+    classifier = is_classifier(fitted.final)
+    key = "accuracy" if classifier else "rmse"
+    best_metrics, best_pred, best_params = fitted.scores[fitted.best]
+    cell_level = fitted.level == "cell"
     metrics = {
         "cv": {
             "scheme": "leave-tasks-out" if cell_level else "k-fold over bags",
-            "n_folds": len(folds),
+            "n_folds": fitted.n_folds,
             **best_metrics,
         },
         "best_params": best_params,
         "search": [
             {"params": p, **{k: v for k, v in m.items() if not isinstance(v, list)}}
-            for m, _, p in scores
+            for m, _, p in fitted.scores
         ],
-        "n_bags": len(data.bags),
-        "n_cells": int(data.bags.n_points),
+        "n_bags": len(fitted.files),
+        "n_cells": fitted.n_cells,
+        "compute": fitted.compute,
     }
     files = report.render(
-        y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in scores], key
+        fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
     )
     files["report/metrics.json"] = json.dumps(metrics, indent=2, default=str).encode()
-    path = save(
-        final,
-        out_dir / name / version,
+    saved = save(
+        fitted.final,
+        path,
         overwrite=overwrite,
         extra_files=files,
         name=name,
         version=version,
-        panel=data.panel.to_json(),
-        preprocessing=pre.to_json(),
-        training_data_sha256=data.sha256,
-        training_files=[Path(f).name for f in data.files],
-        label_level=data.level,
+        panel=fitted.panel.to_json(),
+        preprocessing=fitted.preprocessing.to_json(),
+        training_data_sha256=fitted.sha256,
+        training_files=[Path(f).name for f in fitted.files],
+        label_level=fitted.level,
         metrics=json.loads(json.dumps(metrics["cv"], default=str)),
         config={k: v for k, v in config.items() if not k.startswith("_")},
     )
-    return TrainingResult(path, metrics)
+    return TrainingResult(saved, metrics)
 
 
 def evaluate(

@@ -75,19 +75,40 @@ class _DistributionKernelRidge(BaseEstimator):
         if self.selection not in ("loo", "gcv"):
             raise ValueError(f"selection must be 'loo' or 'gcv', got {self.selection!r}")
         bags = as_bags(X)
-        T = len(bags)
-        if T < 2:
-            raise BagValidationError([f"need at least 2 training bags, got {T}"])
+        if len(bags) < 2:
+            raise BagValidationError([f"need at least 2 training bags, got {len(bags)}"])
+        rep = self._make_representation().fit(bags)
+        return self._fit_embedded(rep, rep.embed(bags), y)
+
+    def unfitted_representation(self) -> BagRepresentation:
+        """The representation :meth:`fit` would fit (the estimator's seed filled in)."""
+        return self._make_representation()
+
+    def fit_embedded(
+        self, representation: BagRepresentation, embedding: Embedding, y: ArrayLike
+    ) -> _DistributionKernelRidge:
+        """Fit on bags already embedded by ``representation`` (fitted).
+
+        For training that featurises bags where they are read (:mod:`core.streaming`):
+        with ``representation = self.unfitted_representation()`` fitted as :meth:`fit`
+        would fit it, the model is the one :meth:`fit` gives on the same bags.
+        """
+        check_is_fitted(representation)
+        if len(embedding) < 2:
+            raise BagValidationError([f"need at least 2 training bags, got {len(embedding)}"])
+        return self._fit_embedded(representation, embedding, y)
+
+    def _fit_embedded(
+        self, rep: BagRepresentation, emb: Embedding, y: ArrayLike
+    ) -> _DistributionKernelRidge:
+        T = len(emb)
         Y = self._targets(y, T)
         kern = get_kernel(self.kernel, self.kernel_params)
         if not kern.has_gamma and self.gamma is not None:
             raise ValueError("the linear kernel has no gamma; leave gamma=None")
-
-        rep = self._make_representation().fit(bags)
-        emb = rep.embed(bags)
         self.representation_ = rep
         self.kernel_ = kern
-        self.n_features_in_ = bags.dim
+        self.n_features_in_ = rep.n_features_in_
         self.intercept_ = Y.mean(axis=0) if self.fit_intercept else np.zeros(Y.shape[1])
         Yc = Y - self.intercept_
         alphas = as_grid(self.alpha, DEFAULT_ALPHA_GRID, "alpha")
@@ -195,7 +216,9 @@ class _DistributionKernelRidge(BaseEstimator):
         check_is_fitted(self, "intercept_")
         if not self.primal_:
             raise TypeError("a kernel (dual) model has no explicit feature map")
-        emb = self.representation_.embed(X)
+        return self._primal_features(self.representation_.embed(X))
+
+    def _primal_features(self, emb: Embedding) -> NDArray[np.float64]:
         assert isinstance(emb, FeatureEmbedding)
         if self.n_components is not None:
             return self._rff(emb.features, self.gamma_)
@@ -203,9 +226,12 @@ class _DistributionKernelRidge(BaseEstimator):
 
     def _decision(self, X: Any) -> NDArray[np.float64]:
         check_is_fitted(self, "intercept_")
+        return self._decision_embedded(self.representation_.embed(X))
+
+    def _decision_embedded(self, emb: Embedding) -> NDArray[np.float64]:
+        check_is_fitted(self, "intercept_")
         if self.primal_:
-            return batch_invariant_matmul(self.feature_map(X), self.coef_) + self.intercept_
-        emb = self.representation_.embed(X)
+            return batch_invariant_matmul(self._primal_features(emb), self.coef_) + self.intercept_
         return batch_invariant_matmul(self.kernel_matrix(emb), self.dual_coef_) + self.intercept_
 
     def kernel_matrix(self, X: Any | Embedding) -> NDArray[np.float64]:
@@ -345,7 +371,12 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
 
     def predict(self, X: Any) -> NDArray[np.float64]:
         """Predicted values, shape ``(n_bags,)`` or ``(n_bags, n_outputs)``."""
-        out = self._decision(X)
+        check_is_fitted(self, "intercept_")
+        return self.predict_embedded(self.representation_.embed(X))
+
+    def predict_embedded(self, embedding: Embedding) -> NDArray[np.float64]:
+        """:meth:`predict` for bags already embedded by ``representation_``."""
+        out = self._decision_embedded(embedding)
         return out[:, 0] if self.y_ndim_ == 1 else out
 
 
@@ -387,4 +418,9 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
 
     def predict(self, X: Any) -> NDArray[Any]:
         """The class with the largest score for each bag."""
-        return self.classes_[np.argmax(self._decision(X), axis=1)]
+        check_is_fitted(self, "intercept_")
+        return self.predict_embedded(self.representation_.embed(X))
+
+    def predict_embedded(self, embedding: Embedding) -> NDArray[Any]:
+        """:meth:`predict` for bags already embedded by ``representation_``."""
+        return self.classes_[np.argmax(self._decision_embedded(embedding), axis=1)]

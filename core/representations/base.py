@@ -143,6 +143,26 @@ class BagRepresentation(TransformerMixin, BaseEstimator, ABC):
     @abstractmethod
     def _fit(self, bags: Bags) -> None: ...
 
+    def data_dependence(self) -> str | None:
+        """Why :meth:`fit` needs the training cells, or ``None`` if it reads only their
+        dimension (random draws and fixed scales).
+
+        Training that featurises bags where they are read (:mod:`core.streaming`) fits
+        the representation before any cell is seen, which only a data-free fit allows.
+        """
+        return "its fit learns from the training cells"
+
+    def fit_to_dimension(self, dim: int) -> BagRepresentation:
+        """Fit a data-free representation (see :meth:`data_dependence`) for ``dim`` markers.
+
+        The result is the same as :meth:`fit` on any bags with ``dim`` columns.
+        """
+        reason = self.data_dependence()
+        if reason is not None:
+            raise ValueError(f"{type(self).__name__} cannot be fitted without data: {reason}")
+        # Only the dimension is read by a data-free fit: one cell of zeros stands in.
+        return self.fit(Bags(np.zeros((1, int(dim))), np.array([0, 1]), validate=False))
+
     @abstractmethod
     def embed(self, X: Any) -> Embedding:
         """Embed bags with the fitted map."""

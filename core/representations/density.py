@@ -293,6 +293,9 @@ class DensityFeatures(BagRepresentation):
             return per_lambda  # λ = 0: real, and every draw is the same
         return 2 * int(self.n_lambda) * per_lambda
 
+    def data_dependence(self) -> str | None:
+        return "its grid range and KDE bandwidth come from the training cells"
+
     def _fit(self, bags: Bags) -> None:
         if self.divergence not in ("hellinger", "js", "tv", "l2"):
             raise ValueError(
@@ -487,6 +490,9 @@ class HistogramEmbedding(BagRepresentation):
     def __init__(self, divergence: Literal["hellinger", "tv"] = "hellinger", bins: int = 10):
         self.divergence = divergence
         self.bins = bins
+
+    def data_dependence(self) -> str | None:
+        return "its bin edges span the range of the training cells"
 
     def _fit(self, bags: Bags) -> None:
         if self.divergence not in ("hellinger", "tv"):

@@ -350,6 +350,15 @@ class MeanEmbedding(BagRepresentation):
         self.n_jobs = n_jobs
         self.random_state = random_state
 
+    def data_dependence(self) -> str | None:
+        if self.method == "exact":
+            return "method='exact' keeps every training cell; use method='rff'"
+        if self.method == "nystroem":
+            return "the Nyström landmarks are training cells; use method='rff'"
+        if self.bandwidth is None:
+            return "bandwidth=None is the median heuristic over the training cells; set it"
+        return None
+
     def _fit(self, bags: Bags) -> None:
         if self.kernel not in POINT_KERNELS:
             raise ValueError(f"kernel must be one of {POINT_KERNELS}, got {self.kernel!r}")

@@ -269,6 +269,9 @@ class SlicedWasserstein(BagRepresentation):
         if self.levels not in ("random", "midpoint"):
             raise ValueError(f"levels must be 'random' or 'midpoint', got {self.levels!r}")
 
+    def data_dependence(self) -> str | None:
+        return None  # directions and levels are random draws
+
     def _fit(self, bags: Bags) -> None:
         self._check_params()
         rng = check_generator(self.random_state)

@@ -1,0 +1,370 @@
+"""Training that streams bags from their files, on local threads or a Dask cluster.
+
+In-memory training (:func:`core.training.train`) reads every cell first. Here no
+process ever holds more than the few bags it is working on: each task reads one
+file where it runs, reduces it, and returns a summary that is a few kilobytes.
+
+1. **Moments.** One task per file returns the bag's cell count, the sha256 of the
+   file, and the moments of its transformed cells. The client combines them into the
+   standard scaling of every cross-validation fold and of the final model
+   (:meth:`core.io.Preprocessing.fit_moments`).
+2. **Features.** One task per file reads it once more and returns the bag's explicit
+   features for every fold's scaling and every representation in the search, as a
+   ``(n_fits, n_features)`` block per representation.
+3. **Solve.** The client holds only the ``(bags × features)`` matrices and fits the
+   ridge models on them (:meth:`core.DistributionRidge.fit_embedded`).
+
+Every step computes a bag's numbers exactly as the in-memory path does (moments bag by
+bag, features bag by bag), so for the same seed both give the same model, bit for bit.
+The representation must be fitted before any cell is seen, which holds for those whose
+fit draws only random quantities (:meth:`~core.representations.base.BagRepresentation
+.data_dependence`): sliced Wasserstein, and random Fourier mean embeddings with a fixed
+bandwidth.
+
+The executor is a local thread pool (:class:`LocalExecutor`; memory bounded by the
+number of threads times the largest bag) or a ``dask.distributed`` cluster
+(:class:`DaskExecutor`), whose workers must see the data files at the same paths and
+have bagserve installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Any
+
+import joblib
+import numpy as np
+from numpy.typing import NDArray
+from sklearn.base import BaseEstimator, clone
+
+from .bags import Bags
+from .io import BagMoments, Panel, Preprocessing, read_file
+from .representations.base import BagRepresentation, FeatureEmbedding
+
+__all__ = [
+    "BagSummary",
+    "DaskExecutor",
+    "Executor",
+    "LocalExecutor",
+    "StreamedFeatures",
+    "bag_features",
+    "bag_summary",
+    "cross_validated",
+    "fitted_representations",
+    "scalings",
+    "stream_features",
+    "stream_summaries",
+]
+
+
+@dataclass(frozen=True)
+class BagSummary:
+    """What the client keeps of one bag after the first pass."""
+
+    n_cells: int
+    sha256: str
+    moments: BagMoments | None
+
+
+def _read_bag(path: str, panel: Panel) -> tuple[NDArray[np.float64], str]:
+    """One file's cells in panel order, and the sha256 of its bytes (one read)."""
+    sample, digest = read_file(path)
+    return panel.select(sample), digest
+
+
+def bag_summary(path: str, panel: Panel, preprocessing: Preprocessing) -> BagSummary:
+    """First pass over one file: cell count, sha256 and moments for the scaling."""
+    points, digest = _read_bag(path, panel)
+    moments = (
+        preprocessing.bag_moments(points, panel.markers)
+        if preprocessing.scale == "standard"
+        else None
+    )
+    return BagSummary(int(points.shape[0]), digest, moments)
+
+
+def bag_features(
+    path: str,
+    panel: Panel,
+    preprocessings: Sequence[Preprocessing],
+    representations: Sequence[BagRepresentation],
+) -> list[tuple[NDArray[np.float64], str]]:
+    """Second pass over one file: its features under every scaling and representation.
+
+    Returns, per representation, the ``(len(preprocessings), n_features)`` block and
+    the geometry of the features (``"euclidean"`` or ``"l1"``).
+    """
+    points, _ = _read_bag(path, panel)
+    markers = list(panel.markers)
+    # Subsampling and the transform do not depend on the fold: done once.
+    bag = preprocessings[0].subsample(Bags(points, np.array([0, points.shape[0]]), validate=False))
+    transformed = preprocessings[0].transform_points(bag.points, markers)
+    del points
+    blocks: list[NDArray[np.float64]] = []
+    geometries: list[str] = []
+    for f, pre in enumerate(preprocessings):
+        scaled = Bags(pre.scale_points(transformed), bag.offsets, bag.weights, validate=False)
+        for r, rep in enumerate(representations):
+            emb = rep.embed(scaled)
+            assert isinstance(emb, FeatureEmbedding)
+            if f == 0:
+                blocks.append(np.empty((len(preprocessings), emb.features.shape[1])))
+                geometries.append(emb.geometry)
+            blocks[r][f] = emb.features[0]
+    return list(zip(blocks, geometries, strict=True))
+
+
+# ------------------------------------------------------------------- executors
+class Executor:
+    """Runs one task per file and yields ``(index, result)`` as tasks finish."""
+
+    def map(
+        self, fn: Callable[..., Any], paths: Sequence[str], **kwargs: Any
+    ) -> Iterator[tuple[int, Any]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the executor holds (a cluster connection)."""
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LocalExecutor(Executor):
+    """A pool of ``n_jobs`` threads: at most ``n_jobs`` bags are in memory at once.
+
+    Threads suffice because reading, sorting and matrix products release the GIL.
+    """
+
+    def __init__(self, n_jobs: int = 1):
+        if int(n_jobs) < 1:
+            raise ValueError(f"n_jobs must be >= 1, got {n_jobs}")
+        self.n_jobs = int(n_jobs)
+
+    def map(
+        self, fn: Callable[..., Any], paths: Sequence[str], **kwargs: Any
+    ) -> Iterator[tuple[int, Any]]:
+        if self.n_jobs == 1:
+            for i, p in enumerate(paths):
+                yield i, fn(p, **kwargs)
+            return
+        with ThreadPoolExecutor(self.n_jobs) as pool:
+            futures = {pool.submit(fn, p, **kwargs): i for i, p in enumerate(paths)}
+            try:
+                for fut in as_completed(futures):
+                    yield futures[fut], fut.result()
+            finally:
+                for fut in futures:
+                    fut.cancel()
+
+
+class DaskExecutor(Executor):
+    """Tasks on a ``dask.distributed`` cluster, one per file, run where a worker is free.
+
+    Parameters
+    ----------
+    address : str
+        The scheduler, e.g. ``"tcp://10.0.0.5:8786"``, or a ``dask.distributed.Client``.
+    timeout : float
+        Seconds to wait for the scheduler.
+    """
+
+    def __init__(self, address: Any, timeout: float = 30.0):
+        try:
+            from dask.distributed import Client
+        except ImportError as exc:
+            raise ImportError(
+                "training on a Dask cluster needs dask.distributed: pip install 'bagserve[dask]'"
+            ) from exc
+        if isinstance(address, Client):
+            self.client, self._owned = address, False
+        else:
+            try:
+                self.client = Client(address, timeout=timeout, set_as_default=False)
+            except (OSError, TimeoutError) as exc:
+                raise ConnectionError(
+                    f"cannot reach the Dask scheduler at {address!r}: {exc}"
+                ) from exc
+            self._owned = True
+
+    def map(
+        self, fn: Callable[..., Any], paths: Sequence[str], **kwargs: Any
+    ) -> Iterator[tuple[int, Any]]:
+        from dask.distributed import as_completed as dask_completed
+
+        # The shared arguments (panel, scalings, fitted representations) travel once, as
+        # one object: scattering a list would make a future of each element.
+        shared = self.client.scatter(_Arguments(kwargs), broadcast=True, hash=False)
+        futures = self.client.map(_call, list(paths), fn=fn, arguments=shared, pure=False)
+        index = {f.key: i for i, f in enumerate(futures)}
+        try:
+            for fut in dask_completed(futures, loop=self.client.loop):
+                yield index[fut.key], fut.result()
+                fut.release()
+        finally:
+            self.client.cancel(futures)
+
+    def close(self) -> None:
+        if self._owned:
+            self.client.close()
+
+
+@dataclass(frozen=True)
+class _Arguments:
+    kwargs: dict[str, Any]
+
+
+def _call(path: str, fn: Callable[..., Any], arguments: _Arguments) -> Any:
+    return fn(path, **arguments.kwargs)
+
+
+# ------------------------------------------------------------------- the passes
+def stream_summaries(
+    executor: Executor,
+    paths: Sequence[str],
+    panel: Panel,
+    preprocessing: Preprocessing,
+    progress: bool = False,
+) -> list[BagSummary]:
+    """First pass: one :class:`BagSummary` per file, in file order."""
+    out: list[BagSummary | None] = [None] * len(paths)
+    for i, summary in _progress(
+        executor.map(bag_summary, paths, panel=panel, preprocessing=preprocessing),
+        len(paths),
+        "moments",
+        progress,
+    ):
+        out[i] = summary
+    return out  # type: ignore[return-value]
+
+
+@dataclass
+class StreamedFeatures:
+    """Features of every bag: ``blocks[r][f]`` is the ``(bags × features)`` matrix of
+    representation ``r`` under scaling ``f``."""
+
+    blocks: list[NDArray[np.float64]]
+    geometries: list[str]
+
+    def embedding(self, r: int, f: int, rows: NDArray[np.int64] | None = None) -> FeatureEmbedding:
+        F = self.blocks[r][f]
+        return FeatureEmbedding(F if rows is None else F[rows], self.geometries[r])
+
+
+def stream_features(
+    executor: Executor,
+    paths: Sequence[str],
+    panel: Panel,
+    preprocessings: Sequence[Preprocessing],
+    representations: Sequence[BagRepresentation],
+    progress: bool = False,
+) -> StreamedFeatures:
+    """Second pass: the features of every bag, reduced into ``(bags × features)`` matrices.
+
+    Memory on the client: ``len(preprocessings) · n_bags · Σ_r n_features_r`` floats.
+    """
+    blocks: list[NDArray[np.float64]] = []
+    geometries: list[str] = []
+    n_fits = len(preprocessings)
+    for i, result in _progress(
+        executor.map(
+            bag_features,
+            paths,
+            panel=panel,
+            preprocessings=list(preprocessings),
+            representations=list(representations),
+        ),
+        len(paths),
+        "features",
+        progress,
+    ):
+        if not blocks:
+            for block, geometry in result:
+                blocks.append(np.empty((n_fits, len(paths), block.shape[1])))
+                geometries.append(geometry)
+        for r, (block, _) in enumerate(result):
+            blocks[r][:, i] = block
+    return StreamedFeatures(blocks, geometries)
+
+
+def fitted_representations(
+    estimators: Sequence[BaseEstimator], dim: int
+) -> tuple[list[BagRepresentation], list[int]]:
+    """The distinct data-free representations of ``estimators``, fitted for ``dim``
+    markers, and the index of each estimator's representation among them.
+
+    Raises
+    ------
+    ValueError
+        An estimator cannot be trained from streamed features, naming why.
+    """
+    reps: list[BagRepresentation] = []
+    keys: list[str] = []
+    which: list[int] = []
+    for est in estimators:
+        if not hasattr(est, "fit_embedded"):
+            raise ValueError(
+                f"{type(est).__name__} does not train from streamed features; streaming "
+                "and Dask training support DistributionRidge and DistributionRidgeClassifier"
+            )
+        rep = est.unfitted_representation()
+        reason = rep.data_dependence()
+        if reason is not None:
+            raise ValueError(
+                f"{type(rep).__name__} cannot featurise bags where they are read: {reason}"
+            )
+        rep.fit_to_dimension(dim)
+        key = joblib.hash(rep)
+        if key not in keys:
+            keys.append(key)
+            reps.append(rep)
+        which.append(keys.index(key))
+    return reps, which
+
+
+def _progress(
+    items: Iterator[tuple[int, Any]], total: int, desc: str, show: bool
+) -> Iterator[tuple[int, Any]]:
+    if not show:
+        return items
+    from tqdm.auto import tqdm
+
+    return iter(tqdm(items, total=total, desc=desc, unit="bag"))
+
+
+def scalings(
+    base: Mapping[str, Any],
+    summaries: Sequence[BagSummary],
+    train_sets: Sequence[NDArray[np.int64]],
+) -> list[Preprocessing]:
+    """One fitted :class:`Preprocessing` per training set, from the bags' moments."""
+    out = []
+    for rows in train_sets:
+        pre = Preprocessing(**base)
+        if pre.scale == "standard":
+            pre.fit_moments([summaries[i].moments for i in rows])  # type: ignore[misc]
+        out.append(pre)
+    return out
+
+
+def cross_validated(
+    estimator: BaseEstimator,
+    features: StreamedFeatures,
+    r: int,
+    y: NDArray[Any],
+    folds: Sequence[tuple[NDArray[np.int64], NDArray[np.int64]]],
+    representation: BagRepresentation,
+) -> NDArray[Any]:
+    """Out-of-fold predictions; fold ``f`` uses the features under scaling ``f``."""
+    pred = np.empty(y.shape, dtype=object if y.dtype.kind in "OUS" else np.float64)
+    for f, (train, val) in enumerate(folds):
+        model = clone(estimator).fit_embedded(
+            representation, features.embedding(r, f, train), y[train]
+        )
+        pred[val] = model.predict_embedded(features.embedding(r, f, val))
+    return pred
