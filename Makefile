@@ -44,6 +44,7 @@ bench: $(BIN)/.dev-installed
 	$(BIN)/python bench/bench_service.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_density.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg.py
+	$(BENCH_ENV) $(BIN)/python bench/bench_scale.py
 	$(BENCH_ENV) $(BIN)/python bench/reproduce_density.py
 	$(BENCH_ENV) $(BIN)/python bench/reproduce_dg.py
 	$(BENCH_ENV) $(BIN)/python bench/reproduce_cme.py

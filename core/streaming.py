@@ -98,9 +98,11 @@ def bag_features(
     """
     points, _ = _read_bag(path, panel)
     markers = list(panel.markers)
-    # Subsampling and the transform do not depend on the fold: done once.
+    # Subsampling and the transform do not depend on the fold: done once, and the raw
+    # cells are dropped before the per-fold copies are made.
     bag = preprocessings[0].subsample(Bags(points, np.array([0, points.shape[0]]), validate=False))
     transformed = preprocessings[0].transform_points(bag.points, markers)
+    bag = Bags(transformed, bag.offsets, bag.weights, validate=False)
     del points
     blocks: list[NDArray[np.float64]] = []
     geometries: list[str] = []

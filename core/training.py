@@ -13,6 +13,8 @@ A configuration (see ``examples/``) has these tables; paths are relative to the 
                      representation / embedding
     [search]         optional grid: parameter name -> list of values
     [cv]             n_splits (default 5), repeats (default 1), seed
+    [compute]        streaming (read bags a few at a time), scheduler (a Dask scheduler
+                     address); see :mod:`core.streaming`
 
 Training reads the data, fits the preprocessing on the training cells, runs the
 cross-validation (leave-bags-out for one label per bag, leave-tasks-out for one label
