@@ -227,7 +227,7 @@ def main() -> None:
     result["solve"] = solve
     # Random features of the embeddings (n_components): a primal solve linear in the bags.
     primal = []
-    for T in (2000, 8000):
+    for T in (1000, 4000):
         F = rng.standard_normal((T, rep.n_output_features_)) / 50.0
         y = rng.standard_normal(T)
         t0 = time.perf_counter()
