@@ -428,6 +428,10 @@ def test_replicas_behind_nginx(nginx_exe, tmp_path):
         ]
         assert any(e["request_id"] == generated and e["status"] == 200 for e in logged)
 
+        # The service's own redirects lead back through nginx (Host passed with its port).
+        r = client.get(f"{st.nginx}/v1/models/")
+        assert r.status_code == 307 and r.headers["location"] == f"{st.nginx}/v1/models"
+
         # An Idempotency-Key reaches the replica that stored its answer, every time.
         for key in ("k-1", "k-2", "k-3", "k-4"):
             first = client.post(f"{st.nginx}{PREDICT}", json=body, headers={"Idempotency-Key": key})
