@@ -17,9 +17,10 @@ import pytest
 
 from core import load
 from core.bags import Bags
+from core.cli import main
 from core.io import Preprocessing
 from core.representations import MeanEmbedding, SlicedWasserstein
-from core.training import ConfigError, train
+from core.training import ConfigError, TrainingResult, train
 
 MARKERS = ["CD3", "CD4", "CD8"]
 
@@ -107,7 +108,7 @@ def _query() -> list[np.ndarray]:
     return [np.abs(rng.normal(size=(400, 3))) * 500.0 for _ in range(5)]
 
 
-def _assert_same_training(a, b, root: Path) -> None:
+def _assert_same_training(a: TrainingResult, b: TrainingResult) -> None:
     """Same CV metrics, search, chosen parameters, scaling and predictions, bit for bit."""
     assert a.metrics["cv"] == b.metrics["cv"]
     assert a.metrics["search"] == b.metrics["search"]
@@ -152,7 +153,7 @@ def test_streaming_on_threads_equals_in_memory(data_root: Path, tmp_path: Path) 
     assert memory.metrics["compute"] == {"mode": "in-memory"}
     assert streamed.metrics["compute"]["executor"] == "threads"
     assert len(memory.metrics["search"]) == 4
-    _assert_same_training(memory, streamed, data_root)
+    _assert_same_training(memory, streamed)
 
 
 def test_streaming_classifier_and_rff_mean_embedding(data_root: Path, tmp_path: Path) -> None:
@@ -172,7 +173,7 @@ def test_streaming_classifier_and_rff_mean_embedding(data_root: Path, tmp_path: 
     cfg = _config(data_root, textwrap.dedent(estimator), label="group")
     memory = train(cfg, output=tmp_path / "memory")
     streamed = train(cfg, output=tmp_path / "streamed", streaming=True)
-    _assert_same_training(memory, streamed, data_root)
+    _assert_same_training(memory, streamed)
 
 
 def test_streaming_refuses_what_needs_all_cells(data_root: Path, tmp_path: Path) -> None:
@@ -203,9 +204,13 @@ def test_dask_local_cluster_equals_in_memory(data_root: Path, tmp_path: Path) ->
         dashboard_address=None,
         worker_dashboard_address=None,
     ) as cluster:
-        on_dask = train(cfg, output=tmp_path / "dask", scheduler=cluster.scheduler_address)
-    assert on_dask.metrics["compute"] == {"mode": "streaming", "executor": "dask", "workers": 3}
-    _assert_same_training(memory, on_dask, data_root)
+        # Through the command line, as a lab would run it.
+        args = ["train", str(cfg), "--quiet", "--output", str(tmp_path / "dask")]
+        assert main([*args, "--scheduler", cluster.scheduler_address]) == 0
+    path = tmp_path / "dask" / "m" / "1"
+    metrics = json.loads((path / "report" / "metrics.json").read_text())
+    assert metrics["compute"] == {"mode": "streaming", "executor": "dask", "workers": 3}
+    _assert_same_training(memory, TrainingResult(path, metrics))
 
 
 def test_unreachable_scheduler_is_named() -> None:
@@ -217,8 +222,6 @@ def test_unreachable_scheduler_is_named() -> None:
 
 
 def test_cli_train_streaming(data_root: Path, tmp_path: Path, capsys) -> None:
-    from core.cli import main
-
     cfg = _config(data_root, SW_RIDGE)
     assert main(["train", str(cfg), "--streaming", "--quiet", "--output", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
