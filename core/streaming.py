@@ -11,8 +11,10 @@ file where it runs, reduces it, and returns a summary that is a few kilobytes.
 2. **Features.** One task per file reads it once more and returns the bag's explicit
    features for every fold's scaling and every representation in the search, as a
    ``(n_fits, n_features)`` block per representation.
-3. **Solve.** The client holds only the ``(bags × features)`` matrices and fits the
-   ridge models on them (:meth:`core.DistributionRidge.fit_embedded`).
+3. **Search.** The client holds only the ``(bags × features)`` matrices. One task per
+   candidate and fold fits a ridge model on them
+   (:meth:`core.DistributionRidge.fit_embedded`) and returns its out-of-fold
+   predictions; each worker receives the matrices once. The client fits the final model.
 
 Every step computes a bag's numbers exactly as the in-memory path does (moments bag by
 bag, features bag by bag), so for the same seed both give the same model, bit for bit.
@@ -47,12 +49,14 @@ __all__ = [
     "BagSummary",
     "DaskExecutor",
     "Executor",
+    "FoldTask",
     "LocalExecutor",
     "StreamedFeatures",
     "bag_features",
     "bag_summary",
-    "cross_validated",
+    "cross_validate",
     "fitted_representations",
+    "fold_predictions",
     "scalings",
     "stream_features",
     "stream_summaries",
@@ -120,10 +124,11 @@ def bag_features(
 
 # ------------------------------------------------------------------- executors
 class Executor:
-    """Runs one task per file and yields ``(index, result)`` as tasks finish."""
+    """Runs ``fn(item, **kwargs)`` for every item (a file, a fold) and yields
+    ``(index, result)`` as tasks finish; ``kwargs`` are shared by all tasks."""
 
     def map(
-        self, fn: Callable[..., Any], paths: Sequence[str], **kwargs: Any
+        self, fn: Callable[..., Any], items: Sequence[Any], **kwargs: Any
     ) -> Iterator[tuple[int, Any]]:
         raise NotImplementedError
 
@@ -149,14 +154,14 @@ class LocalExecutor(Executor):
         self.n_jobs = int(n_jobs)
 
     def map(
-        self, fn: Callable[..., Any], paths: Sequence[str], **kwargs: Any
+        self, fn: Callable[..., Any], items: Sequence[Any], **kwargs: Any
     ) -> Iterator[tuple[int, Any]]:
         if self.n_jobs == 1:
-            for i, p in enumerate(paths):
-                yield i, fn(p, **kwargs)
+            for i, item in enumerate(items):
+                yield i, fn(item, **kwargs)
             return
         with ThreadPoolExecutor(self.n_jobs) as pool:
-            futures = {pool.submit(fn, p, **kwargs): i for i, p in enumerate(paths)}
+            futures = {pool.submit(fn, item, **kwargs): i for i, item in enumerate(items)}
             try:
                 for fut in as_completed(futures):
                     yield futures[fut], fut.result()
@@ -195,14 +200,15 @@ class DaskExecutor(Executor):
             self._owned = True
 
     def map(
-        self, fn: Callable[..., Any], paths: Sequence[str], **kwargs: Any
+        self, fn: Callable[..., Any], items: Sequence[Any], **kwargs: Any
     ) -> Iterator[tuple[int, Any]]:
         from dask.distributed import as_completed as dask_completed
 
-        # The shared arguments (panel, scalings, fitted representations) travel once, as
-        # one object: scattering a list would make a future of each element.
+        # The shared arguments (panel, scalings, representations; the feature matrices
+        # of the search) travel once to each worker, as one object: scattering a list
+        # would make a future of each element.
         shared = self.client.scatter(_Arguments(kwargs), broadcast=True, hash=False)
-        futures = self.client.map(_call, list(paths), fn=fn, arguments=shared, pure=False)
+        futures = self.client.map(_call, list(items), fn=fn, arguments=shared, pure=False)
         index = {f.key: i for i, f in enumerate(futures)}
         try:
             for fut in dask_completed(futures, loop=self.client.loop):
@@ -221,8 +227,8 @@ class _Arguments:
     kwargs: dict[str, Any]
 
 
-def _call(path: str, fn: Callable[..., Any], arguments: _Arguments) -> Any:
-    return fn(path, **arguments.kwargs)
+def _call(item: Any, fn: Callable[..., Any], arguments: _Arguments) -> Any:
+    return fn(item, **arguments.kwargs)
 
 
 # ------------------------------------------------------------------- the passes
@@ -354,19 +360,50 @@ def scalings(
     return out
 
 
-def cross_validated(
-    estimator: BaseEstimator,
+@dataclass(frozen=True)
+class FoldTask:
+    """One fit of the search: a candidate estimator on one fold's training bags."""
+
+    estimator: BaseEstimator
+    representation: BagRepresentation
+    block: int
+    scaling: int
+    train: NDArray[np.int64]
+    val: NDArray[np.int64]
+    y_train: NDArray[Any]
+
+
+def fold_predictions(task: FoldTask, features: StreamedFeatures) -> NDArray[Any]:
+    """Predictions for the fold's validation bags by a model fitted on its training bags."""
+    model = clone(task.estimator).fit_embedded(
+        task.representation,
+        features.embedding(task.block, task.scaling, task.train),
+        task.y_train,
+    )
+    return model.predict_embedded(features.embedding(task.block, task.scaling, task.val))
+
+
+def cross_validate(
+    executor: Executor,
+    estimators: Sequence[BaseEstimator],
+    blocks: Sequence[int],
+    representations: Sequence[BagRepresentation],
     features: StreamedFeatures,
-    r: int,
     y: NDArray[Any],
     folds: Sequence[tuple[NDArray[np.int64], NDArray[np.int64]]],
-    representation: BagRepresentation,
-) -> NDArray[Any]:
-    """Out-of-fold predictions; fold ``f`` uses the features under scaling ``f``."""
-    pred = np.empty(y.shape, dtype=object if y.dtype.kind in "OUS" else np.float64)
-    for f, (train, val) in enumerate(folds):
-        model = clone(estimator).fit_embedded(
-            representation, features.embedding(r, f, train), y[train]
-        )
-        pred[val] = model.predict_embedded(features.embedding(r, f, val))
-    return pred
+    progress: bool = False,
+) -> list[NDArray[Any]]:
+    """Out-of-fold predictions of every estimator, its folds fitted in parallel by the
+    executor; fold ``f`` uses the features under scaling ``f``."""
+    tasks = [
+        FoldTask(est, representations[r], r, f, train, val, y[train])
+        for est, r in zip(estimators, blocks, strict=True)
+        for f, (train, val) in enumerate(folds)
+    ]
+    kind = object if y.dtype.kind in "OUS" else np.float64
+    preds = [np.empty(y.shape, dtype=kind) for _ in estimators]
+    for i, pred in _progress(
+        executor.map(fold_predictions, tasks, features=features), len(tasks), "search", progress
+    ):
+        preds[i // len(folds)][folds[i % len(folds)][1]] = pred
+    return preds

@@ -447,10 +447,13 @@ def _train_streaming(
         everything = np.arange(len(paths))
         preps = streaming.scalings(pre_spec, summaries, [t for t, _ in folds] + [everything])
         features = streaming.stream_features(executor, names, panel, preps, reps, progress)
-    scores = []
-    for (est, params), r in zip(candidates, which, strict=True):
-        pred = streaming.cross_validated(est, features, r, y, folds, reps[r])
-        scores.append((report.metrics(y, pred, classifier), pred, params))
+        preds = streaming.cross_validate(
+            executor, [est for est, _ in candidates], which, reps, features, y, folds, progress
+        )
+    scores = [
+        (report.metrics(y, pred, classifier), pred, params)
+        for (_, params), pred in zip(candidates, preds, strict=True)
+    ]
     best = _best(scores, classifier)
     r = which[best]
     final = candidates[best][0].fit_embedded(reps[r], features.embedding(r, len(folds)), y)
