@@ -173,7 +173,9 @@ def _general_json_bags(body: bytes) -> tuple[list[IncomingBag], list[str]]:
     return bags, errors
 
 
-def decode_file(data: bytes, name: str, kind: str | None, markers: list[str] | None) -> IncomingBag:
+def decode_file(
+    data: bytes | memoryview, name: str, kind: str | None, markers: list[str] | None
+) -> IncomingBag:
     """One bag from a file's bytes (``kind``: fcs, csv, tsv, npy, or None to infer)."""
     try:
         sample = read_sample(data, format=kind, name=name, markers=markers)
@@ -189,7 +191,7 @@ def decode_file(data: bytes, name: str, kind: str | None, markers: list[str] | N
 
 
 def decode_body(
-    content_type: str, body: bytes, markers: list[str] | None, name: str
+    content_type: str, body: bytes | memoryview, markers: list[str] | None, name: str
 ) -> tuple[list[IncomingBag], list[str]]:
     """Bags from a non-multipart body, and the problems already found in them."""
     if content_type == JSON:
