@@ -50,6 +50,8 @@ class IncomingBag:
     names: list[str] | None
     alt_names: list[str] | None = None
     weights: np.ndarray | None = None
+    #: Every value is already known to be finite (files: read_sample checks them).
+    finite: bool = False
 
 
 def media_type(header: str | None) -> str:
@@ -187,6 +189,7 @@ def decode_file(
         sample.points,
         sample.names if has_names else None,
         sample.alt_names if has_names else None,
+        finite=True,
     )
 
 
