@@ -152,7 +152,7 @@ class BufferPool:
 
     def give_back(self, buffer: SharedBuffer) -> None:
         """Return a leased buffer; a tainted one, or one too many, is closed."""
-        if buffer.tainted or buffer.fd < 0:
+        if buffer.tainted or buffer.fd < 0 or buffer.capacity > self.max_idle_bytes:
             buffer.close()
             return
         with self._lock:
