@@ -83,7 +83,7 @@ def _parser(size: int) -> simdjson.Parser:
     return parser
 
 
-def _plain_json_bags(body: bytes) -> list[IncomingBag] | None:
+def _plain_json_bags(body: bytes | memoryview) -> list[IncomingBag] | None:
     """The bags of a plain, valid document, or None to take the general path.
 
     simdjson flattens nested arrays into one buffer without checking their shape, so a
@@ -151,13 +151,13 @@ def _plain_json_bags(body: bytes) -> list[IncomingBag] | None:
     return bags if brackets == arrays else None
 
 
-def _json_bags(body: bytes) -> tuple[list[IncomingBag], list[str]]:
+def _json_bags(body: bytes | memoryview) -> tuple[list[IncomingBag], list[str]]:
     """Bags and the problems found while decoding them (reported with the others)."""
     plain = _plain_json_bags(body)
     return (plain, []) if plain is not None else _general_json_bags(body)
 
 
-def _general_json_bags(body: bytes) -> tuple[list[IncomingBag], list[str]]:
+def _general_json_bags(body: bytes | memoryview) -> tuple[list[IncomingBag], list[str]]:
     """Any JSON body, with an error message for each problem (orjson, then numpy)."""
     try:
         doc = orjson.loads(body)

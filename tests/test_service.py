@@ -249,6 +249,28 @@ def test_large_npy_bodies_stream_into_shared_memory_bit_for_bit(http, models):
     )
     assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json"
     assert "1 non-finite value(s), first at cell 124" in r.json()["detail"]
+    # Large JSON bodies are read into the same buffers: same answers, same errors.
+    doc = {"bags": [{"id": "j", "markers": DOSE_MARKERS, "points": bags[2].tolist()}]}
+    body = json.dumps(doc).encode()
+    assert len(body) >= MEMFD_MIN_BYTES
+    r = http.post(
+        "/v1/models/demo-dose/predict", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 200 and r.json()["predictions"][0]["prediction"] == expected[2]
+    assert r.headers["x-input-sha256"] == hashlib.sha256(body).hexdigest()
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        content=body[:-2],
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["type"].endswith("invalid-json")
+    doc["bags"][0]["points"][7] = [1.0]
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        content=json.dumps(doc).encode(),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 422 and "'j': points must be a rectangular" in r.json()["errors"][0]
     # A truncated large body is refused as unreadable, not served from stale memory.
     r = http.post(
         "/v1/models/demo-dose/predict",
