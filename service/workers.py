@@ -3,10 +3,12 @@
 Each worker process loads every served model once (arrays memory-mapped read-only, so
 the pages are shared between workers) and answers requests on its own pipe. Arrays
 never get pickled: small ones cross the pipe as raw bytes (``send_bytes`` of the
-buffer, ``frombuffer`` on the other side); from 1 MiB on, on Linux, they are written
-once into an anonymous memory file (``memfd``) whose descriptor is passed over the
-socket, and the receiver maps it (one kernel copy instead of a stream of socket
-chunks, and no ``/dev/shm`` size limit to hit in a container).
+buffer, ``frombuffer`` on the other side); from 1 MiB on, on Linux, they go through an
+anonymous memory file (``memfd``) whose descriptor is passed over the socket, and the
+receiver maps it (no stream of socket chunks, and no ``/dev/shm`` size limit to hit in
+a container). Requests use a pool of such files that are reused (:class:`BufferPool`),
+which the workers keep mapped; a request body read straight into one (large NPY
+uploads) reaches the worker with no copy at all.
 
 The asyncio side hands a request to an idle worker; when all are busy, at most
 ``queue_size`` requests wait, and the next one is refused at once (:class:`QueueFull`,
