@@ -165,29 +165,38 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _read_npy(data: bytes, source: str, names: Sequence[str] | None) -> Sample:
+def _read_npy(data: bytes | memoryview, source: str, names: Sequence[str] | None) -> Sample:
     """A 2-D numeric NPY array; little-endian float64 C-order data is not copied.
 
-    The array then views ``data`` (read-only), which saves a copy of every upload.
+    The array then views ``data`` (read-only), which saves a copy of every upload; only
+    the header is copied out to be parsed.
     """
+    view = memoryview(data).cast("B")
     try:
-        head = io.BytesIO(data)
-        version = np.lib.format.read_magic(head)
+        prefix = bytes(view[:12])
+        version = np.lib.format.read_magic(io.BytesIO(prefix))
         read_header = {
             (1, 0): np.lib.format.read_array_header_1_0,
             (2, 0): np.lib.format.read_array_header_2_0,
         }.get(version)
-        shape, fortran, dtype = read_header(head) if read_header else ((), True, None)
-        start = head.tell()
+        if read_header is not None:
+            # Magic and version (8 bytes), the header's length (2 or 4), the header.
+            width = 2 if version == (1, 0) else 4
+            start = 8 + width + int.from_bytes(prefix[8 : 8 + width], "little")
+            head = io.BytesIO(bytes(view[:start]))
+            np.lib.format.read_magic(head)
+            shape, fortran, dtype = read_header(head)
         if (
             read_header is not None
             and dtype == np.dtype("<f8")
             and not fortran
-            and len(data) - start == int(np.prod(shape, dtype=np.int64)) * 8
+            and len(view) - start == int(np.prod(shape, dtype=np.int64)) * 8
         ):
-            arr = np.frombuffer(data, dtype=dtype, offset=start).reshape(shape)
+            arr = np.frombuffer(view, dtype=dtype, offset=start).reshape(shape)
+            # A writable upload buffer still gives a read-only array, as bytes would.
+            arr.flags.writeable = False
         else:
-            arr = np.load(io.BytesIO(data), allow_pickle=False)
+            arr = np.load(io.BytesIO(view), allow_pickle=False)
     except ValueError as exc:
         raise DataError(f"{source}: not a readable NPY array ({exc})") from exc
     if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.number):
@@ -203,7 +212,7 @@ def _read_npy(data: bytes, source: str, names: Sequence[str] | None) -> Sample:
 
 
 def read_sample(
-    source: str | os.PathLike[str] | bytes,
+    source: str | os.PathLike[str] | bytes | memoryview,
     *,
     format: str | None = None,
     name: str | None = None,
@@ -213,7 +222,8 @@ def read_sample(
 
     Parameters
     ----------
-    source : path or bytes
+    source : path, bytes or memoryview
+        A file, or its contents (an NPY memoryview is read without a copy).
     format : {"fcs", "csv", "tsv", "npy"}, optional
         Default: from the file name (``.fcs``, ``.csv[.gz]``, ``.tsv[.gz]``,
         ``.txt[.gz]``, ``.npy``).
@@ -227,8 +237,10 @@ def read_sample(
     DataError
         Unreadable, truncated or wrongly typed file, naming it (and the row/column).
     """
-    if isinstance(source, bytes | bytearray):
-        data = bytes(source)
+    if isinstance(source, bytes | bytearray | memoryview):
+        # A memoryview (an upload in shared memory) is kept as it is for NPY, which
+        # reads it without a copy; the other formats take bytes.
+        data = source if isinstance(source, memoryview) else bytes(source)
         label = name or "<upload>"
         suffix = f".{format}" if format else ""
     else:
@@ -246,11 +258,11 @@ def read_sample(
             raise DataError(f"{label}: broken gzip stream ({exc})") from exc
         suffix = suffix.removesuffix(".gz")
     if suffix == ".fcs" or (not suffix and data[:3] == b"FCS"):
-        sample = _read_fcs(data, label)
+        sample = _read_fcs(bytes(data), label)
     elif suffix == ".npy" or (not suffix and data[:6] == b"\x93NUMPY"):
         sample = _read_npy(data, label, markers)
     elif suffix in (".csv", ".tsv", ".txt", ""):
-        sample = _read_text(data, label, "\t" if suffix == ".tsv" else None)
+        sample = _read_text(bytes(data), label, "\t" if suffix == ".tsv" else None)
     else:
         raise DataError(
             f"{label}: unsupported file type {suffix!r}; expected one of {SUPPORTED_SUFFIXES}"

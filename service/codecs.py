@@ -18,6 +18,7 @@ Accepted bodies (``Content-Type``):
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,13 +51,39 @@ class IncomingBag:
     names: list[str] | None
     alt_names: list[str] | None = None
     weights: np.ndarray | None = None
+    #: Every value is already known to be finite (files: read_sample checks them).
+    finite: bool = False
 
 
 def media_type(header: str | None) -> str:
     return (header or "").split(";")[0].strip().lower()
 
 
-def _plain_json_bags(body: bytes) -> list[IncomingBag] | None:
+#: JSON bodies up to this size reuse their thread's parser (larger ones get their own).
+PARSER_REUSE_BYTES = 32 << 20
+_local = threading.local()
+
+
+def _parser(size: int) -> simdjson.Parser:
+    """A simdjson parser, reused for bodies up to ``PARSER_REUSE_BYTES``.
+
+    A new parser allocates and faults in its buffers (about 2.3 times the document)
+    on every parse: 13 of 52 ms for a 19 MB body. A reused one keeps them, which
+    bounds the memory kept to about 75 MB per thread. Nothing the fast path returns
+    refers to the parser (points and weights are copied out, ids and markers are
+    Python strings), so the next parse cannot change an earlier result; a parser
+    still holding a live document refuses to parse (RuntimeError), and a fresh one
+    takes over.
+    """
+    if size > PARSER_REUSE_BYTES:
+        return simdjson.Parser()
+    parser = getattr(_local, "parser", None)
+    if parser is None:
+        parser = _local.parser = simdjson.Parser()
+    return parser
+
+
+def _plain_json_bags(body: bytes | memoryview) -> list[IncomingBag] | None:
     """The bags of a plain, valid document, or None to take the general path.
 
     simdjson flattens nested arrays into one buffer without checking their shape, so a
@@ -66,7 +93,10 @@ def _plain_json_bags(body: bytes) -> list[IncomingBag] | None:
     to the general path, which is always correct).
     """
     try:
-        doc = simdjson.Parser().parse(body)
+        try:
+            doc = _parser(len(body)).parse(body)
+        except RuntimeError:  # the thread's parser still holds a live document
+            doc = simdjson.Parser().parse(body)
         if isinstance(doc, simdjson.Object) and "points" in doc and "bags" not in doc:
             items = [doc]
             arrays = 0
@@ -84,7 +114,10 @@ def _plain_json_bags(body: bytes) -> list[IncomingBag] | None:
             pts = item.get("points")
             if not isinstance(pts, simdjson.Array) or len(pts) == 0:
                 return None
-            rows = [len(r) if isinstance(r, simdjson.Array) else -1 for r in pts]
+            # len() of every row, without a Python test per row: a number has no len
+            # (TypeError); a string or object row has one but is no array, which the
+            # count of "[" below catches.
+            rows = list(map(len, pts))
             width = rows[0]
             if width < 1 or rows.count(width) != len(rows):
                 return None
@@ -113,16 +146,18 @@ def _plain_json_bags(body: bytes) -> list[IncomingBag] | None:
             bags.append(IncomingBag(str(bag_id), points, markers, markers, weights))
     except (ValueError, TypeError, RuntimeError, KeyError):
         return None
-    return bags if body.count(b"[") == arrays else None
+    # numpy counts the bytes about twice as fast as bytes.count (6 against 12 ms on 19 MB).
+    brackets = int(np.count_nonzero(np.frombuffer(body, np.uint8) == ord("[")))
+    return bags if brackets == arrays else None
 
 
-def _json_bags(body: bytes) -> tuple[list[IncomingBag], list[str]]:
+def _json_bags(body: bytes | memoryview) -> tuple[list[IncomingBag], list[str]]:
     """Bags and the problems found while decoding them (reported with the others)."""
     plain = _plain_json_bags(body)
     return (plain, []) if plain is not None else _general_json_bags(body)
 
 
-def _general_json_bags(body: bytes) -> tuple[list[IncomingBag], list[str]]:
+def _general_json_bags(body: bytes | memoryview) -> tuple[list[IncomingBag], list[str]]:
     """Any JSON body, with an error message for each problem (orjson, then numpy)."""
     try:
         doc = orjson.loads(body)
@@ -173,7 +208,9 @@ def _general_json_bags(body: bytes) -> tuple[list[IncomingBag], list[str]]:
     return bags, errors
 
 
-def decode_file(data: bytes, name: str, kind: str | None, markers: list[str] | None) -> IncomingBag:
+def decode_file(
+    data: bytes | memoryview, name: str, kind: str | None, markers: list[str] | None
+) -> IncomingBag:
     """One bag from a file's bytes (``kind``: fcs, csv, tsv, npy, or None to infer)."""
     try:
         sample = read_sample(data, format=kind, name=name, markers=markers)
@@ -185,11 +222,12 @@ def decode_file(data: bytes, name: str, kind: str | None, markers: list[str] | N
         sample.points,
         sample.names if has_names else None,
         sample.alt_names if has_names else None,
+        finite=True,
     )
 
 
 def decode_body(
-    content_type: str, body: bytes, markers: list[str] | None, name: str
+    content_type: str, body: bytes | memoryview, markers: list[str] | None, name: str
 ) -> tuple[list[IncomingBag], list[str]]:
     """Bags from a non-multipart body, and the problems already found in them."""
     if content_type == JSON:

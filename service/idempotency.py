@@ -37,7 +37,7 @@ _KEPT_HEADERS = (
 )
 
 
-def fingerprint(request: Request, body: bytes) -> str:
+def fingerprint(request: Request, body: bytes | memoryview) -> str:
     h = hashlib.sha256()
     for part in (
         request.method,

@@ -64,6 +64,9 @@ def test_fast_path_equals_the_general_path(doc):
     [
         b'{"bags": [{"points": [[1, 2], [3, [4]]]}]}',  # nested single value: shape hidden
         b'{"bags": [{"points": [[1, 2], [3]]}]}',  # ragged
+        b'{"bags": [{"points": [[1, 2], [3], [4, 5, 6]]}]}',  # ragged, 2 x 3 values
+        b'{"bags": [{"points": ["ab", "cd"]}]}',  # rows with a len() that are no arrays
+        b'{"bags": [{"points": [{"a": 1}, {"b": 2}]}]}',
         b'{"bags": [{"points": [[1, 2], [3, "x"]]}]}',
         b'{"bags": [{"points": [[1, 2], [3, null]]}]}',
         b'{"bags": [{"points": [[1e400, 2]]}]}',
@@ -90,3 +93,29 @@ def test_large_bag_round_trips_exactly(rng):
     bags = _plain_json_bags(body)
     assert bags is not None and bags[0].points.tobytes() == points.tobytes()
     assert bags[0].points.flags.writeable
+
+
+def test_a_reused_parser_leaves_earlier_results_alone(rng):
+    """The thread's simdjson parser is reused: what an earlier parse returned must not
+    change with the next document, and a parser still holding a document (here a live
+    proxy) must not make the fast path fail."""
+    import simdjson
+
+    from service import codecs
+
+    first = rng.normal(size=(3000, 4))
+    body = orjson.dumps(
+        {"bags": [{"id": "a", "points": first, "weights": np.ones(3000)}]},
+        option=orjson.OPT_SERIALIZE_NUMPY,
+    )
+    bags = _plain_json_bags(body)
+    again = _plain_json_bags(orjson.dumps({"bags": [{"id": "b", "points": [[7.0] * 4] * 5000}]}))
+    assert again is not None and again[0].points.shape == (5000, 4)
+    assert bags[0].id == "a" and bags[0].points.tobytes() == first.tobytes()
+    assert bags[0].weights.tobytes() == np.ones(3000).tobytes()
+    held = codecs._parser(10).parse(b'{"keep": [1]}')["keep"]  # a live proxy
+    with pytest.raises(RuntimeError):
+        codecs._parser(10).parse(b"[1]")
+    third = _plain_json_bags(body)
+    assert third is not None and third[0].points.tobytes() == first.tobytes()
+    assert isinstance(held, simdjson.Array)

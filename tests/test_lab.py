@@ -280,6 +280,73 @@ def test_idempotent_predict_and_jobs(url, data_dir):
     )
 
 
+def test_idempotency_and_jobs_with_large_npy_bodies(url, data_dir):
+    """NPY bodies from 1 MiB on are read into shared buffers that are reused: a replay,
+    a reused key and a job must all still see exactly the bytes that were sent."""
+    import hashlib
+    import io
+
+    rng = np.random.default_rng(5)
+    markers = "FSC-A,SSC-A,GFP"
+
+    def npy(a: np.ndarray) -> bytes:
+        buf = io.BytesIO()
+        np.save(buf, a)
+        return buf.getvalue()
+
+    first, second = npy(rng.normal(size=(60_000, 3))), npy(rng.normal(size=(60_000, 3)))
+    assert len(first) >= 1 << 20
+    headers = {"content-type": "application/x-npy"}
+    plain = [
+        httpx.post(
+            f"{url}/v1/models/demo-dose/predict",
+            params={"markers": markers},
+            content=body,
+            headers=headers,
+            timeout=60,
+        )
+        for body in (first, second)
+    ]
+    assert [r.status_code for r in plain] == [200, 200]
+    keyed = {**headers, "Idempotency-Key": "npy-order-1"}
+    answers = [
+        httpx.post(
+            f"{url}/v1/models/demo-dose/predict",
+            params={"markers": markers},
+            content=first,
+            headers=keyed,
+            timeout=60,
+        )
+        for _ in range(2)
+    ]
+    assert [r.status_code for r in answers] == [200, 200]
+    assert answers[1].headers["idempotent-replayed"] == "true"
+    assert answers[0].content == answers[1].content
+    assert answers[0].json()["predictions"] == plain[0].json()["predictions"]
+    assert answers[0].headers["x-input-sha256"] == hashlib.sha256(first).hexdigest()
+    # The key with another body of the same size (the buffer now holds other bytes).
+    r = httpx.post(
+        f"{url}/v1/models/demo-dose/predict",
+        params={"markers": markers},
+        content=second,
+        headers=keyed,
+        timeout=60,
+    )
+    assert r.status_code == 422 and r.json()["type"].endswith("idempotency-key-reused")
+    # A job keeps the body on disk and computes it later.
+    r = httpx.post(
+        f"{url}/v1/jobs",
+        params={"model": "demo-dose", "markers": markers},
+        content=second,
+        headers=headers,
+    )
+    assert r.status_code == 202
+    job = poll(url, r.headers["location"])
+    assert job["status"] == "succeeded", job
+    assert job["result"]["predictions"] == plain[1].json()["predictions"]
+    assert job["result"]["input_sha256"] == hashlib.sha256(second).hexdigest()
+
+
 # ----------------------------------------------------------------- audit, metrics
 def test_audit_trail_lines_and_verification(url, data_dir, tmp_path):
     bags, markers = dose_bags(2, seed=5)

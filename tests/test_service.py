@@ -194,6 +194,92 @@ def test_npy_csv_tsv_fcs_and_multipart_bodies(http):
     assert [p["id"] for p in r.json()["predictions"]] == ["B1.fcs", "C9.fcs"]
 
 
+def test_large_npy_bodies_stream_into_shared_memory_bit_for_bit(http, models):
+    """Bodies from 1 MiB on are read into reused shared buffers and sent to the worker
+    without a copy: every answer must still be the in-process prediction, bit for bit,
+    including when a buffer is reused for a body of another size and content, when the
+    columns need reordering (a copy), and for Fortran-order and big-endian files."""
+    from threadpoolctl import threadpool_limits
+
+    from service.workers import MEMFD_MIN_BYTES
+
+    model = load(models / "demo-dose" / "1")
+    rng = np.random.default_rng(21)
+    bags = [rng.normal(loc=1.0, size=(n, 3)) for n in (60_000, 50_000, 80_000, 60_000)]
+    assert min(b.nbytes for b in bags) >= MEMFD_MIN_BYTES
+    with threadpool_limits(1):  # as in the workers
+        expected = [float(model.predict([b])[0]) for b in bags]
+    bodies = [npy(b) for b in bags[:3]]
+    bodies.append(npy(np.asfortranarray(bags[3])))
+    for body, want in zip(bodies, expected, strict=True):
+        r = http.post(
+            "/v1/models/demo-dose/predict",
+            params={"markers": ",".join(DOSE_MARKERS)},
+            content=body,
+            headers={"content-type": "application/x-npy"},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["predictions"][0]["prediction"] == want
+        assert r.headers["x-input-sha256"] == hashlib.sha256(body).hexdigest()
+    # Columns in another order: matched by name (the points are copied, then sent).
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        params={"markers": ",".join(DOSE_MARKERS[::-1])},
+        content=npy(bags[0][:, ::-1]),
+        headers={"content-type": "application/x-npy"},
+    )
+    assert r.json()["predictions"][0]["prediction"] == expected[0]
+    # Big-endian float32 through application/octet-stream: converted, as before.
+    small = bags[1].astype(">f4")
+    with threadpool_limits(1):
+        want = float(model.predict([small.astype(np.float64)])[0])
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        content=npy(small),
+        headers={"content-type": "application/octet-stream"},
+    )
+    assert r.status_code == 200 and r.json()["predictions"][0]["prediction"] == want
+    # A large NPY body with a NaN is still refused, naming the problem.
+    bad = bags[2].copy()
+    bad[123, 2] = np.inf
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        content=npy(bad),
+        headers={"content-type": "application/x-npy"},
+    )
+    assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json"
+    assert "1 non-finite value(s), first at cell 124" in r.json()["detail"]
+    # Large JSON bodies are read into the same buffers: same answers, same errors.
+    doc = {"bags": [{"id": "j", "markers": DOSE_MARKERS, "points": bags[2].tolist()}]}
+    body = json.dumps(doc).encode()
+    assert len(body) >= MEMFD_MIN_BYTES
+    r = http.post(
+        "/v1/models/demo-dose/predict", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 200 and r.json()["predictions"][0]["prediction"] == expected[2]
+    assert r.headers["x-input-sha256"] == hashlib.sha256(body).hexdigest()
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        content=body[:-2],
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["type"].endswith("invalid-json")
+    doc["bags"][0]["points"][7] = [1.0]
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        content=json.dumps(doc).encode(),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 422 and "'j': points must be a rectangular" in r.json()["errors"][0]
+    # A truncated large body is refused as unreadable, not served from stale memory.
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        content=bodies[2][:-8],
+        headers={"content-type": "application/x-npy"},
+    )
+    assert r.status_code == 422 and "not a readable NPY array" in r.json()["detail"]
+
+
 def test_accept_csv_and_npy_answers(http):
     bags, _, markers = dose_bags(2)
     body = {
@@ -537,6 +623,13 @@ def test_size_limits(strict_service):
             "/v1/models/demo-dose/predict",
             content=chunks(),
             headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 413
+        # The same without Content-Length for a body that could go to shared memory.
+        r = h.post(
+            "/v1/models/demo-dose/predict",
+            content=chunks(),
+            headers={"content-type": "application/x-npy"},
         )
         assert r.status_code == 413
         bags = {"bags": [{"id": str(i), "points": [[1.0, 2.0, 3.0]]} for i in range(4)]}

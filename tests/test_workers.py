@@ -3,21 +3,39 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections import OrderedDict
 
 import numpy as np
 import pytest
 
 from service import workers
-from service.workers import recv_message, send_message
+from service.workers import BufferPool, recv_message, send_message
 
 
 def _echo(conn) -> None:  # runs in a spawned process
+    mappings = OrderedDict()  # as a worker keeps them
     while True:
         try:
-            header, arrays = recv_message(conn)
+            header, arrays = recv_message(conn, mappings)
         except EOFError:
             return
-        send_message(conn, {**header, "writable": [a.flags.writeable for a in arrays]}, arrays)
+        send_message(
+            conn,
+            {**header, "writable": [a.flags.writeable for a in arrays], "mapped": len(mappings)},
+            arrays,
+        )
+
+
+@pytest.fixture
+def echo():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_echo, args=(child,), daemon=True)
+    proc.start()
+    child.close()
+    yield parent
+    parent.close()
+    proc.join(timeout=30)
 
 
 @pytest.mark.parametrize("big", [False, True])
@@ -48,3 +66,59 @@ def test_messages_round_trip_exactly_through_a_process(big):
     for a, b in zip(arrays, back, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert a.tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+def test_shared_buffers_are_reused_lent_without_copy_and_never_reused_when_tainted(echo):
+    """Requests reuse the pool's buffers and the worker's mappings of them; every
+    message must still arrive exactly, whatever the previous content of the buffer."""
+    rng = np.random.default_rng(1)
+    pool = BufferPool(max_idle=2, max_idle_bytes=64 << 20)
+    offsets = np.array([0, 7, 150_000], dtype=np.int64)
+    seen = []
+    for n in (150_000, 100_000, 150_000):  # 12, 8, 12 MB: the second fits the first buffer
+        points = rng.normal(size=(n, 10))
+        taken = send_message(echo, {"n": n}, [points, offsets], pool)
+        assert len(taken) == 1 and taken[0].capacity >= points.nbytes + offsets.nbytes
+        header, back = recv_message(echo)
+        assert header["n"] == n and header["writable"] == [False, False]
+        np.testing.assert_array_equal(back[0], points)
+        np.testing.assert_array_equal(back[1], offsets)
+        seen.append(taken[0].id)
+        pool.give_back(taken[0])
+    assert seen[0] == seen[1] == seen[2]  # one buffer, reused
+    assert header["mapped"] == 1  # and mapped once by the receiver
+    # An array already in a lent buffer is sent by reference: nothing taken from the pool.
+    lent = pool.lease(8 * 200_000 * 3)
+    inside = np.frombuffer(lent.map, np.float64, 200_000 * 3).reshape(200_000, 3)
+    inside[:] = rng.normal(size=inside.shape)
+    assert send_message(echo, {}, [inside, offsets], pool, [lent]) == []
+    _, back = recv_message(echo)
+    np.testing.assert_array_equal(back[0], inside)
+    # Rewritten in place for the next request: the receiver sees the new values.
+    inside[:] = rng.normal(size=inside.shape)
+    assert send_message(echo, {}, [inside[1:], offsets], pool, [lent]) == []
+    _, back = recv_message(echo)
+    np.testing.assert_array_equal(back[0], inside[1:])
+    # A buffer whose request failed may still be read by its worker: closed, not reused.
+    lent.tainted = True
+    pool.give_back(lent)
+    assert lent.fd == -1 and pool.lease(8).id != lent.id
+
+
+def test_buffer_pool_bounds_what_it_keeps():
+    pool = BufferPool(max_idle=2, max_idle_bytes=8 << 20)
+    small = [pool.lease(1000) for _ in range(3)]
+    assert len({b.id for b in small}) == 3 and all(b.capacity == workers.BUFFER_STEP for b in small)
+    for b in small:
+        pool.give_back(b)
+    assert [b.fd == -1 for b in small] == [True, False, False]  # the oldest went
+    big = pool.lease(9 << 20)  # more than the idle budget on its own
+    assert big.capacity == 9 << 20
+    pool.give_back(big)
+    assert big.fd == -1
+    again = pool.lease(10)  # the big one did not push the small ones out
+    assert again.id in {small[1].id, small[2].id}
+    other = small[2] if again is small[1] else small[1]
+    pool.close()
+    assert other.fd == -1 and again.fd >= 0
+    again.close()

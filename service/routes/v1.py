@@ -9,7 +9,7 @@ from starlette.responses import Response
 
 from ..errors import Problem
 from ..idempotency import fingerprint
-from ..predict import predict, predict_body, read_limited
+from ..predict import predict, predict_body, read_body
 from ..registry import ModelEntry
 
 router = APIRouter(prefix="/v1", tags=["v1"])
@@ -199,10 +199,14 @@ async def _predict(request: Request, name: str, version: str | None) -> Response
     key = request.headers.get("idempotency-key")
     if key is None:
         return await predict(request, entry)
-    body = await read_limited(request, request.app.state.settings.max_body_bytes)
-    return await request.app.state.idempotency.run(
-        key, fingerprint(request, body), lambda: predict_body(request, entry, body)
-    )
+    body, lent = await read_body(request, request.app.state.settings.max_body_bytes)
+    try:
+        return await request.app.state.idempotency.run(
+            key, fingerprint(request, body), lambda: predict_body(request, entry, body, lent)
+        )
+    finally:
+        if lent is not None:
+            request.app.state.pool.buffers.give_back(lent)
 
 
 @router.post(
