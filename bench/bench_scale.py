@@ -109,11 +109,13 @@ def peak_rss_of_training(config: Path, output: Path, streaming: bool) -> float:
     """Peak resident MiB of ``bagserve train`` in a fresh process."""
     code = textwrap.dedent(
         """
-        import json, resource, sys
+        import json, sys
         from core.cli import main
         code = main(sys.argv[1:])
-        print(json.dumps({"code": code,
-                          "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+        # VmHWM: ru_maxrss would carry the parent's peak over a vfork + exec.
+        with open("/proc/self/status") as fh:
+            peak = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
+        print(json.dumps({"code": code, "peak": peak}))
         """
     )
     args = ["train", str(config), "--quiet", "--output", str(output)]

@@ -283,13 +283,16 @@ n_splits = 3
 """
 
 # The child caps its writable memory (RLIMIT_DATA), trains, and reports its peak RSS.
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec, so a child started with
+# vfork would report the (large) test process's own peak.
 _CAPPED_TRAIN = """
 import json, resource, sys
 cap = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
 from core.cli import main
 code = main(sys.argv[2:])
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with open("/proc/self/status") as fh:
+    peak = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
 print(json.dumps({"code": code, "peak": peak}))
 sys.exit(code)
 """
