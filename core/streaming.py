@@ -31,6 +31,7 @@ have bagserve installed.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -123,16 +124,16 @@ def bag_features(
 
 
 # ------------------------------------------------------------------- executors
-class Executor:
+class Executor(ABC):
     """Runs ``fn(item, **kwargs)`` for every item (a file, a fold) and yields
     ``(index, result)`` as tasks finish; ``kwargs`` are shared by all tasks."""
 
+    @abstractmethod
     def map(
         self, fn: Callable[..., Any], items: Sequence[Any], **kwargs: Any
-    ) -> Iterator[tuple[int, Any]]:
-        raise NotImplementedError
+    ) -> Iterator[tuple[int, Any]]: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - most executors hold nothing
         """Release what the executor holds (a cluster connection)."""
 
     def __enter__(self) -> Executor:
