@@ -18,18 +18,15 @@ ratio between two timings of the same run (the machine is shared and noisy):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _report import report
 
 from core import Bags, DensityFeatures, DistributionRidge
 from core.kernels import squared_euclidean_distances
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def plugin_js_matrix(bags: Bags, bandwidth: float) -> np.ndarray:
@@ -162,15 +159,7 @@ def main() -> None:
         ten_marker_panel(rng, 10 if args.quick else 50),
         primal_vs_gram_training(rng, base),
     ]
-    for r in results:
-        print(f"\n{r['case']}")
-        for k, v in r.items():
-            if k != "case":
-                print(f"  {k:28s} {v:.4g}" if isinstance(v, float) else f"  {k:28s} {v}")
-    if not args.quick:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "bench_density.json").write_text(json.dumps(results, indent=2) + "\n")
-        print(f"\nwrote {RESULTS / 'bench_density.json'}")
+    report(results, "bench_density", save=not args.quick)
 
 
 if __name__ == "__main__":

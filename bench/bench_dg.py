@@ -13,19 +13,16 @@ before the call. Run with ``make bench`` or ``.venv/bin/python bench/bench_dg.py
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _report import report
 
 from core import MarginalTransferClassifier, MeanEmbedding
 from core.datasets import make_cytometry_tasks
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def measure(fn: Callable[[], Any]) -> tuple[float, float, Any]:
@@ -129,15 +126,7 @@ def main() -> None:
             }
         )
 
-    for r in results:
-        print(f"\n{r['case']}")
-        for k, v in r.items():
-            if k != "case":
-                print(f"  {k:18s} {v:.4g}" if isinstance(v, float) else f"  {k:18s} {v}")
-    if not args.quick:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "bench_dg.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
-        print(f"\nwrote {RESULTS / 'bench_dg.json'}")
+    report(results, "bench_dg", save=not args.quick, width=18)
 
 
 if __name__ == "__main__":

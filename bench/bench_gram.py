@@ -8,20 +8,17 @@ noisy, so every figure that matters is a ratio to a baseline measured right besi
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _report import report
 from scipy.spatial.distance import cdist
 
 from core import Bags, DistributionRidge, SlicedWasserstein
 from core.representations.mean import set_kernel_gram
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def best_of(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
@@ -157,15 +154,7 @@ def main() -> None:
         mmd_gram_vs_cdist(rng, int(200 * scale)),
         predict_one_big_bag(rng, int(1000 * scale)),
     ]
-    for r in results:
-        print(f"\n{r['case']}")
-        for k, v in r.items():
-            if k != "case":
-                print(f"  {k:28s} {v:.4g}" if isinstance(v, float) else f"  {k:28s} {v}")
-    if not args.quick:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "bench_gram.json").write_text(json.dumps(results, indent=2) + "\n")
-        print(f"\nwrote {RESULTS / 'bench_gram.json'}")
+    report(results, "bench_gram", save=not args.quick)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import numpy as np
 from sklearn.base import BaseEstimator
 
 from .bags import Bags
+from .io import file_sha256
 from .kernels import DistanceKernel
 from .representations.base import FeatureEmbedding
 from .representations.mean import SetKernelEmbedding
@@ -226,14 +227,6 @@ class _Decoder:
 
 
 # ----------------------------------------------------------------------- files
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _canonical(manifest: dict[str, Any]) -> bytes:
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
@@ -320,7 +313,7 @@ def save(
             import joblib
 
             joblib.dump(model, tmp / PICKLE_FILE)
-            files[PICKLE_FILE] = _sha256(tmp / PICKLE_FILE)
+            files[PICKLE_FILE] = file_sha256(tmp / PICKLE_FILE)
             estimator = {"class": type(model).__name__, "format": "joblib"}
             state = None
         else:
@@ -337,7 +330,7 @@ def save(
             for name, arr in enc.arrays.items():
                 rel = f"{ARRAY_DIR}/{name}.npy"
                 np.save(tmp / rel, arr, allow_pickle=False)
-                files[rel] = _sha256(tmp / rel)
+                files[rel] = file_sha256(tmp / rel)
             estimator = {"class": type(model).__name__, "format": "arrays"}
         for rel, content in (extra_files or {}).items():
             target = (tmp / rel).resolve()
@@ -347,7 +340,7 @@ def save(
                 )
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(content)
-            files[rel] = _sha256(target)
+            files[rel] = file_sha256(target)
         manifest: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -408,7 +401,7 @@ def read_manifest(path: str | os.PathLike[str], *, verify: bool = True) -> dict[
             f = path / rel
             if not f.is_file():
                 raise ArtifactError(f"{path}: file {rel} is missing")
-            if _sha256(f) != digest:
+            if file_sha256(f) != digest:
                 raise ArtifactError(
                     f"{path}: file {rel} does not match its sha256 (tampered or truncated)"
                 )

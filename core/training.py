@@ -153,8 +153,8 @@ def read_data(
     known = {"file_column", "label_column", "cell_label_column", "n_jobs"}
     if set(data) - known:
         raise ConfigError(f"[data] unknown key(s) {sorted(set(data) - known)}")
-    if panel is None and "panel" in config:
-        panel = Panel(tuple(config["panel"]["markers"]), dict(config["panel"].get("aliases", {})))
+    if panel is None:
+        panel = _config_panel(config)
     dataset = load_dataset(
         files,
         panel=panel,
@@ -178,6 +178,13 @@ def _apply_label_map(label_map: Mapping[str, Any] | None, y: np.ndarray) -> np.n
         return y
     mapping = {str(k): v for k, v in label_map.items()}
     return np.array([mapping.get(_label_key(v), v) for v in y.tolist()])
+
+
+def _config_panel(config: Mapping[str, Any]) -> Panel | None:
+    """The ``[panel]`` table, or None when the data's first file sets the panel."""
+    if "panel" not in config:
+        return None
+    return Panel(tuple(config["panel"]["markers"]), dict(config["panel"].get("aliases", {})))
 
 
 def _label_key(v: Any) -> str:
@@ -261,18 +268,23 @@ class _Fitted:
 
 
 def _compute_options(
-    config: Mapping[str, Any], scheduler: str | None, streaming: bool | None
-) -> tuple[str | None, bool]:
-    """``[compute]`` (``scheduler``, ``streaming``) with the command line's overrides."""
+    config: Mapping[str, Any], scheduler: Any, streaming: bool | None
+) -> tuple[Any, bool]:
+    """``[compute]`` (``scheduler``, ``streaming``) with the caller's overrides.
+
+    A scheduler from the caller (an address or a ``dask.distributed.Client``) wins over
+    the configuration's; any scheduler means streaming.
+    """
     compute = dict(config.get("compute", {}))
     unknown = set(compute) - {"scheduler", "streaming"}
     if unknown:
         raise ConfigError(
             f"[compute] unknown key(s) {sorted(unknown)}; expected scheduler, streaming"
         )
-    scheduler = scheduler if scheduler is not None else compute.get("scheduler")
-    if scheduler is not None and not isinstance(scheduler, str):
-        raise ConfigError(f"[compute] scheduler must be an address string, got {scheduler!r}")
+    if scheduler is None:
+        scheduler = compute.get("scheduler")
+        if scheduler is not None and not isinstance(scheduler, str):
+            raise ConfigError(f"[compute] scheduler must be an address string, got {scheduler!r}")
     stream = streaming if streaming is not None else compute.get("streaming", False)
     if not isinstance(stream, bool):
         raise ConfigError(f"[compute] streaming must be true or false, got {stream!r}")
@@ -306,11 +318,7 @@ def train(
     version = str(model_cfg.get("version", "1"))
     out_dir = Path(output) if output is not None else base / model_cfg.get("output", "models")
     estimator = build_estimator(config["estimator"])
-    if isinstance(scheduler, str | None):
-        scheduler, stream = _compute_options(config, scheduler, streaming)
-    else:  # a dask.distributed.Client
-        _compute_options(config, None, streaming)
-        stream = True
+    scheduler, stream = _compute_options(config, scheduler, streaming)
     pre_spec = dict(config.get("preprocessing", {}))
     try:
         Preprocessing(**pre_spec)
@@ -420,10 +428,7 @@ def _train_streaming(
     assert labels is not None
     labels = _apply_label_map(data_cfg.get("label_map"), labels)
     y = labels if classifier else labels.astype(np.float64)
-    if "panel" in config:
-        panel = Panel(tuple(config["panel"]["markers"]), dict(config["panel"].get("aliases", {})))
-    else:
-        panel = Panel(tuple(read_file(paths[0])[0].names))
+    panel = _config_panel(config) or Panel(tuple(read_file(paths[0])[0].names))
     try:
         reps, which = streaming.fitted_representations(
             [est for est, _ in candidates], len(panel.markers)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -58,58 +59,35 @@ def build_models(directory: Path) -> Path:
     panel = Panel(("FSC-A", "SSC-A", "FITC-A"), {"FITC-A": ("GFP",)})
     bags = [panel.select(read_sample(f)) for f in yeast_files]
     pre = Preprocessing(transform="arcsinh", cofactor=150.0)
+    yeast_bags = pre.apply(Bags.from_arrays(bags), list(panel.markers))
+    dose_index = np.arange(len(bags), dtype=float)
+
+    def keep(model: Any, name: str, version: str = "1") -> None:
+        save(
+            model,
+            directory / name / version,
+            name=name,
+            version=version,
+            panel=panel.to_json(),
+            preprocessing=pre.to_json(),
+        )
+
     yeast = DistributionRidge(SlicedWasserstein(n_directions=20, n_levels=20, random_state=0))
-    yeast.fit(
-        pre.apply(Bags.from_arrays(bags), list(panel.markers)), np.arange(len(bags), dtype=float)
-    )
-    save(
-        yeast,
-        directory / "yeast" / "1",
-        name="yeast",
-        version="1",
-        panel=panel.to_json(),
-        preprocessing=pre.to_json(),
-    )
-    save(
-        yeast,
-        directory / "yeast" / "2",
-        name="yeast",
-        version="2",
-        panel=panel.to_json(),
-        preprocessing=pre.to_json(),
-    )
+    yeast.fit(yeast_bags, dose_index)
+    keep(yeast, "yeast", "1")
+    keep(yeast, "yeast", "2")
     # Paper 001's density features with the random-feature (primal) path of the ridge.
     density = DistributionRidge(
         DensityFeatures(divergence="hellinger", n_basis=6, n_integration=500, random_state=0),
         n_components=300,
         random_state=0,
     )
-    density.fit(
-        pre.apply(Bags.from_arrays(bags), list(panel.markers)), np.arange(len(bags), dtype=float)
-    )
-    save(
-        density,
-        directory / "density" / "1",
-        name="density",
-        version="1",
-        panel=panel.to_json(),
-        preprocessing=pre.to_json(),
-    )
+    keep(density.fit(yeast_bags, dose_index), "density")
     # Paper 002: the conditional distribution of the dose index given a sample.
     cme = ConditionalMeanEmbedding(
         SlicedWasserstein(n_directions=20, n_levels=20), gamma=1.0, alpha=1e-3, random_state=0
     )
-    cme.fit(
-        pre.apply(Bags.from_arrays(bags), list(panel.markers)), np.arange(len(bags), dtype=float)
-    )
-    save(
-        cme,
-        directory / "cme" / "1",
-        name="cme",
-        version="1",
-        panel=panel.to_json(),
-        preprocessing=pre.to_json(),
-    )
+    keep(cme.fit(yeast_bags, dose_index), "cme")
     # On points, not bags: refused by the registry with its reason.
     save(
         ConditionalMeanEmbedding(gamma=1.0, alpha=0.1).fit(np.eye(3), np.arange(3.0)),

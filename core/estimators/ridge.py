@@ -62,7 +62,8 @@ class _DistributionKernelRidge(BaseEstimator):
         self.random_state = random_state
 
     # ------------------------------------------------------------------ helpers
-    def _make_representation(self) -> BagRepresentation:
+    def unfitted_representation(self) -> BagRepresentation:
+        """The representation :meth:`fit` would fit (the estimator's seed filled in)."""
         if self.representation is None:
             return SlicedWasserstein(random_state=self.random_state)
         rep = clone(self.representation)
@@ -77,12 +78,8 @@ class _DistributionKernelRidge(BaseEstimator):
         bags = as_bags(X)
         if len(bags) < 2:
             raise BagValidationError([f"need at least 2 training bags, got {len(bags)}"])
-        rep = self._make_representation().fit(bags)
+        rep = self.unfitted_representation().fit(bags)
         return self._fit_embedded(rep, rep.embed(bags), y)
-
-    def unfitted_representation(self) -> BagRepresentation:
-        """The representation :meth:`fit` would fit (the estimator's seed filled in)."""
-        return self._make_representation()
 
     def fit_embedded(
         self, representation: BagRepresentation, embedding: Embedding, y: ArrayLike
