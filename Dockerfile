@@ -3,13 +3,14 @@
 #   docker run -p 127.0.0.1:8000:8000 -v "$PWD/models:/models:ro" bagserve
 # Models are artifacts under /models/<name>/<version>/ (bagserve train / bagserve demo),
 # mounted read-only; /data keeps jobs, idempotency records and the audit trail;
-# settings are BAGSERVE_* variables (service/settings.py).
+# settings are BAGSERVE_* variables (service/settings.py, the package bagserve.service).
 
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY core ./core
 COPY service ./service
+COPY bagserve ./bagserve
 RUN python -m pip install --no-cache-dir --upgrade pip \
  && python -m pip wheel --no-cache-dir --wheel-dir /wheels .
 

@@ -24,9 +24,8 @@ from typing import Any
 
 import numpy as np
 from _report import report
-
-from core import Bags, DensityFeatures, DistributionRidge
-from core.kernels import squared_euclidean_distances
+from bagserve.core import Bags, DensityFeatures, DistributionRidge
+from bagserve.core.kernels import squared_euclidean_distances
 
 
 def plugin_js_matrix(bags: Bags, bandwidth: float) -> np.ndarray:

@@ -20,9 +20,8 @@ from typing import Any
 
 import numpy as np
 from _report import report
-
-from core import MarginalTransferClassifier, MeanEmbedding
-from core.datasets import make_cytometry_tasks
+from bagserve.core import MarginalTransferClassifier, MeanEmbedding
+from bagserve.core.datasets import make_cytometry_tasks
 
 
 def measure(fn: Callable[[], Any]) -> tuple[float, float, Any]:

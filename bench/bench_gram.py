@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 from _report import report
+from bagserve.core import Bags, DistributionRidge, SlicedWasserstein
+from bagserve.core.representations.mean import set_kernel_gram
 from scipy.spatial.distance import cdist
-
-from core import Bags, DistributionRidge, SlicedWasserstein
-from core.representations.mean import set_kernel_gram
 
 
 def best_of(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:

@@ -32,12 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from core import DistributionRidge, SlicedWasserstein
-from core.bags import Bags
-from core.io import Panel, Preprocessing, read_file
-from core.representations.base import FeatureEmbedding
-from core.streaming import (
+from bagserve.core import DistributionRidge, SlicedWasserstein
+from bagserve.core.bags import Bags
+from bagserve.core.io import Panel, Preprocessing, read_file
+from bagserve.core.representations.base import FeatureEmbedding
+from bagserve.core.streaming import (
     BagSummary,
     DaskExecutor,
     LocalExecutor,
@@ -110,7 +109,7 @@ def peak_rss_of_training(config: Path, output: Path, streaming: bool) -> float:
     code = textwrap.dedent(
         """
         import json, sys
-        from core.cli import main
+        from bagserve.cli import main
         code = main(sys.argv[1:])
         # VmHWM: ru_maxrss would carry the parent's peak over a vfork + exec.
         with open("/proc/self/status") as fh:

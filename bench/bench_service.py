@@ -31,10 +31,9 @@ from typing import Any
 import httpx
 import numpy as np
 import orjson
+from bagserve.core import DistributionRidge, SlicedWasserstein, load, save
+from bagserve.core.io import Panel, Preprocessing
 from threadpoolctl import threadpool_limits
-
-from core import DistributionRidge, SlicedWasserstein, load, save
-from core.io import Panel, Preprocessing
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MARKERS = [f"m{i}" for i in range(10)]
@@ -132,7 +131,7 @@ def main() -> None:
 
     model = load(artifact)
     pre = Preprocessing()
-    from core import Bags
+    from bagserve.core import Bags
 
     def in_process() -> None:
         # The workers run with one BLAS thread each: so does the baseline.

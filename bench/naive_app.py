@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from bagserve.core import load
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from pydantic import BaseModel
-
-from core import load
 
 app = FastAPI()
 model = load(os.environ["BAGSERVE_NAIVE_MODEL"])

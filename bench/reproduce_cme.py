@@ -82,14 +82,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bagserve.core import (
+    Bags,
+    ConditionalMeanEmbedding,
+    DistributionRidge,
+    SlicedWasserstein,
+    get_kernel,
+)
+from bagserve.core.datasets import make_pendulum_transitions
+from bagserve.core.estimators.cme import incomplete_cholesky
+from bagserve.core.kernels import squared_euclidean_distances
+from bagserve.core.selection import median_heuristic_gamma
 from numpy.typing import NDArray
 from scipy.stats import norm
-
-from core import Bags, ConditionalMeanEmbedding, DistributionRidge, SlicedWasserstein, get_kernel
-from core.datasets import make_pendulum_transitions
-from core.estimators.cme import incomplete_cholesky
-from core.kernels import squared_euclidean_distances
-from core.selection import median_heuristic_gamma
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Relative test-error levels of the summary: MSE ≤ (1 + level) × dense MSE.

@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bagserve.core import Bags, DensityFeatures, DistributionRidge, MeanEmbedding
+from bagserve.core.datasets import GaussianMixtures
 from bench_density import plugin_js_matrix
 from scipy.special import erf
-
-from core import Bags, DensityFeatures, DistributionRidge, MeanEmbedding
-from core.datasets import GaussianMixtures
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAPER_R2 = {"entropies": 0.9812, "PC": 0.9735, "RKS": 0.9662}

@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bagserve.core import MarginalTransferClassifier
+from bagserve.core.datasets import load_flowcap_gvhd, make_ellipse_tasks
 from sklearn.metrics import f1_score
-
-from core import MarginalTransferClassifier
-from core.datasets import load_flowcap_gvhd, make_ellipse_tasks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GVHD = (

@@ -41,10 +41,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from core import Bags, DistributionRidgeClassifier, MeanEmbedding, SlicedWasserstein, get_kernel
-from core.datasets import GaussianMixtures
-from core.representations.mean import set_kernel_gram
+from bagserve.core import (
+    Bags,
+    DistributionRidgeClassifier,
+    MeanEmbedding,
+    SlicedWasserstein,
+    get_kernel,
+)
+from bagserve.core.datasets import GaussianMixtures
+from bagserve.core.representations.mean import set_kernel_gram
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -2,12 +2,13 @@
 
 Public API (DESIGN.md section 4)::
 
-    from core import Bags, SlicedWasserstein, MeanEmbedding
-    from core import DistributionRidge, DistributionRidgeClassifier
-    from core import MarginalTransferClassifier, MarginalTransferRegressor
-    from core import save, load
+    from bagserve.core import Bags, SlicedWasserstein, MeanEmbedding
+    from bagserve.core import DistributionRidge, DistributionRidgeClassifier
+    from bagserve.core import MarginalTransferClassifier, MarginalTransferRegressor
+    from bagserve.core import save, load
 """
 
+from .. import __version__
 from .artifacts import ArtifactError, load, read_manifest, save
 from .bags import Bags, BagValidationError, as_bags
 from .estimators import (
@@ -45,6 +46,7 @@ __all__ = [
     "SlicedWasserstein",
     "TaskPrediction",
     "TaskReport",
+    "__version__",
     "as_bags",
     "get_kernel",
     "load",
@@ -53,5 +55,3 @@ __all__ = [
     "sliced_wasserstein_distance",
     "wasserstein_1d",
 ]
-
-__version__ = "0.1.0"

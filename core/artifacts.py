@@ -236,7 +236,7 @@ def _libraries() -> dict[str, str]:
     import scipy
     import sklearn
 
-    from . import __version__
+    from .. import __version__
 
     return {
         "bagserve": __version__,

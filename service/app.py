@@ -16,7 +16,7 @@ from starlette.datastructures import Headers, MutableHeaders, QueryParams
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from core import __version__
+from bagserve import __version__
 
 from .audit import AuditLog
 from .errors import install_handlers

@@ -2,7 +2,7 @@
 
 ::
 
-    from service.client import Client
+    from bagserve.service.client import Client
 
     with Client("http://127.0.0.1:8000", api_key="...") as c:
         result = c.predict("demo-dose", [cells], markers=["FSC-A", "SSC-A", "GFP"])

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 import simdjson
-
-from core.io import DataError, read_sample
+from bagserve.core.io import DataError, read_sample
 
 from .errors import Problem
 

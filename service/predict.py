@@ -25,10 +25,9 @@ from typing import Any
 
 import numpy as np
 import orjson
+from bagserve.core.io import DataError
 from fastapi import Request
 from starlette.responses import Response
-
-from core.io import DataError
 
 from .codecs import (
     ACCEPTED,

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.artifacts import ArtifactError, read_manifest
-from core.io import Panel, Preprocessing
+from bagserve.core.artifacts import ArtifactError, read_manifest
+from bagserve.core.io import Panel, Preprocessing
 
 __all__ = ["ModelEntry", "Registry", "kind_of"]
 

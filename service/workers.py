@@ -290,8 +290,8 @@ def recv_message(
 
 # ----------------------------------------------------------------------- worker side
 def _predict(entry: dict[str, Any], header: dict[str, Any], arrays: list[np.ndarray]):
-    from core.bags import Bags
-    from core.io import Preprocessing
+    from bagserve.core.bags import Bags
+    from bagserve.core.io import Preprocessing
 
     model = entry["model"]
     points, offsets = arrays[0], arrays[1]
@@ -359,10 +359,9 @@ def worker_main(conn: Connection, models: dict[str, str]) -> None:
 
     # One BLAS thread per worker: the pool, not BLAS, uses the cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from bagserve.core.artifacts import load, read_manifest
+    from bagserve.core.io import Panel, Preprocessing
     from threadpoolctl import threadpool_limits
-
-    from core.artifacts import load, read_manifest
-    from core.io import Panel, Preprocessing
 
     from .registry import kind_of
 

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from core import Bags
+from bagserve.core import Bags
 
 #: The shared real data sets (``../shared/data`` beside the repository, as in CI).
 SHARED_DATA = Path(

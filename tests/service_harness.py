@@ -15,8 +15,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-
-from core import (
+from bagserve.core import (
     Bags,
     ConditionalMeanEmbedding,
     DensityFeatures,
@@ -25,8 +24,8 @@ from core import (
     SlicedWasserstein,
     save,
 )
-from core.demo import build_demo_models
-from core.io import Panel, Preprocessing, read_sample
+from bagserve.core.demo import build_demo_models
+from bagserve.core.io import Panel, Preprocessing, read_sample
 
 from .conftest import SHARED_DATA
 

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from core import (
+from bagserve.core import (
     ArtifactError,
     DensityFeatures,
     DistributionRidge,
@@ -22,8 +21,8 @@ from core import (
     read_manifest,
     save,
 )
-from core.artifacts import FORMAT_VERSION
-from core.datasets import make_ellipse_tasks
+from bagserve.core.artifacts import FORMAT_VERSION
+from bagserve.core.datasets import make_ellipse_tasks
 
 from .conftest import random_bags
 
@@ -192,7 +191,7 @@ def test_unknown_classes_never_load_without_pickle(tmp_path, models):
     m["model"]["__estimator__"] = "os.system"
     import hashlib
 
-    from core.artifacts import _canonical
+    from bagserve.core.artifacts import _canonical
 
     m["manifest_sha256"] = hashlib.sha256(_canonical(m)).hexdigest()
     (path / "manifest.json").write_text(json.dumps(m))

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from bagserve.core import Bags, BagValidationError, as_bags
 from sklearn.utils import _safe_indexing
-
-from core import Bags, BagValidationError, as_bags
 
 
 def test_from_arrays_stacks_points_and_offsets(rng):

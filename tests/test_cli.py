@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bagserve.core import load, read_manifest
+from bagserve.core.demo import DEMO_MODELS, demo_samples
 
-from core import load, read_manifest
-from core.cli import list_models, main, predict_files
-from core.demo import DEMO_MODELS, demo_samples
+from bagserve.cli import list_models, main, predict_files
 
 from .conftest import SHARED_DATA
 

@@ -6,13 +6,12 @@ import warnings
 
 import numpy as np
 import pytest
+from bagserve.core import ConditionalMeanEmbedding, SlicedWasserstein, load, save
+from bagserve.core.datasets import make_pendulum_transitions
+from bagserve.core.estimators.cme import incomplete_cholesky
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.kernel_ridge import KernelRidge
 from sklearn.model_selection import GridSearchCV
-
-from core import ConditionalMeanEmbedding, SlicedWasserstein, load, save
-from core.datasets import make_pendulum_transitions
-from core.estimators.cme import incomplete_cholesky
 
 
 def test_linear_output_kernel_is_kernel_ridge(rng):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import orjson
 import pytest
+from bagserve.service.codecs import _general_json_bags, _json_bags, _plain_json_bags
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from service.codecs import _general_json_bags, _json_bags, _plain_json_bags
 
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 number = st.one_of(finite, st.integers(-(2**63), 2**63 - 1))
@@ -100,8 +99,7 @@ def test_a_reused_parser_leaves_earlier_results_alone(rng):
     change with the next document, and a parser still holding a document (here a live
     proxy) must not make the fast path fail."""
     import simdjson
-
-    from service import codecs
+    from bagserve.service import codecs
 
     first = rng.normal(size=(3000, 4))
     body = orjson.dumps(

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from core.datasets import (
+from bagserve.core.datasets import (
     GaussianMixtures,
     load_digits_clouds,
     load_flowcap_gvhd,

@@ -6,9 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from scipy import integrate, stats
-
-from core import (
+from bagserve.core import (
     Bags,
     BagValidationError,
     DensityFeatures,
@@ -18,7 +16,8 @@ from core import (
     SlicedWasserstein,
     get_kernel,
 )
-from core.representations.density import Z, g_lambda, lambda_measure, sample_lambdas
+from bagserve.core.representations.density import Z, g_lambda, lambda_measure, sample_lambdas
+from scipy import integrate, stats
 
 KAPPA = {
     "hellinger": lambda x, y: 0.5 * (math.sqrt(x) - math.sqrt(y)) ** 2,

@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import signal
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,8 +15,7 @@ from pathlib import Path
 
 import httpx
 import yaml
-
-from core.demo import build_demo_models
+from bagserve.core.demo import build_demo_models
 
 from .service_harness import free_port, wait_ready
 
@@ -118,7 +118,21 @@ def test_image_command_serves_from_a_clean_environment(tmp_path):
         proc.wait(timeout=30)
 
 
-def test_wheel_builds_with_both_packages(tmp_path):
+def test_wheel_installs_one_bagserve_package(tmp_path):
+    # Built from what the Dockerfile copies into its build stage, in a fresh directory:
+    # a stale build/ folder of the work tree must not decide what the wheel holds.
+    src = tmp_path / "src"
+    src.mkdir()
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY ") and "--from" not in line:
+            for name in line.split()[1:-1]:
+                source = ROOT / name
+                if source.is_dir():
+                    shutil.copytree(
+                        source, src / name, ignore=shutil.ignore_patterns("__pycache__")
+                    )
+                else:
+                    shutil.copy2(source, src / name)
     subprocess.run(
         [
             sys.executable,
@@ -129,11 +143,16 @@ def test_wheel_builds_with_both_packages(tmp_path):
             "-q",
             "-w",
             str(tmp_path),
-            str(ROOT),
+            str(src),
         ],
         check=True,
     )
     (wheel,) = tmp_path.glob("bagserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "core/__init__.py" in names and "service/app.py" in names
+    assert "bagserve/core/__init__.py" in names and "bagserve/service/app.py" in names
+    assert "bagserve/cli.py" in names and "bagserve/core/estimators/transfer.py" in names
+    # Nothing lands as a top-level `core` or `service`: PyPI's `service` package, or a
+    # lab repository's own `core/` folder, would otherwise replace or shadow ours.
+    top = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
+    assert top == {"bagserve"}, top
     assert any(n.endswith("entry_points.txt") for n in names)

@@ -7,9 +7,8 @@ import io
 
 import numpy as np
 import pytest
-
-from core import Bags
-from core.io import DataError, Panel, Preprocessing, normalise_marker, read_sample
+from bagserve.core import Bags
+from bagserve.core.io import DataError, Panel, Preprocessing, normalise_marker, read_sample
 
 from .conftest import SHARED_DATA
 

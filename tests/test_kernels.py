@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from core import MeanEmbedding, SlicedWasserstein, get_kernel
-from core.kernels import DISTANCE_KERNELS, cityblock_distances, squared_euclidean_distances
+from bagserve.core import MeanEmbedding, SlicedWasserstein, get_kernel
+from bagserve.core.kernels import DISTANCE_KERNELS, cityblock_distances, squared_euclidean_distances
 
 from .conftest import random_bags
 

@@ -13,9 +13,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-
-from core.demo import demo_samples
-from service.audit import verify
+from bagserve.core.demo import demo_samples
+from bagserve.service.audit import verify
 
 from .service_harness import build_models, running_service
 

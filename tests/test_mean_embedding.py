@@ -6,10 +6,9 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from bagserve.core import Bags, MeanEmbedding
+from bagserve.core.representations.mean import set_kernel_gram
 from scipy.spatial.distance import cdist
-
-from core import Bags, MeanEmbedding
-from core.representations.mean import set_kernel_gram
 
 from .conftest import random_bags
 

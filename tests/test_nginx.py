@@ -34,10 +34,9 @@ import numpy as np
 import pytest
 import uvicorn
 import yaml
+from bagserve.core.demo import build_demo_models
+from bagserve.service.settings import Settings
 from prometheus_client.parser import text_string_to_metric_families
-
-from core.demo import build_demo_models
-from service.settings import Settings
 
 from .service_harness import free_port, wait_ready
 

@@ -11,7 +11,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from core.cli import openapi_document
+from bagserve.cli import openapi_document
 
 from .service_harness import build_models, running_service
 

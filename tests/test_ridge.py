@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sklearn.base import clone
-from sklearn.kernel_ridge import KernelRidge
-from sklearn.model_selection import GridSearchCV, GroupKFold, cross_val_score
-
-from core import (
+from bagserve.core import (
     Bags,
     BagValidationError,
     DistributionRidge,
@@ -17,8 +13,11 @@ from core import (
     SlicedWasserstein,
     get_kernel,
 )
-from core.datasets import make_entropy_bags
-from core.selection import DEFAULT_ALPHA_GRID, ridge_selection_scores
+from bagserve.core.datasets import make_entropy_bags
+from bagserve.core.selection import DEFAULT_ALPHA_GRID, ridge_selection_scores
+from sklearn.base import clone
+from sklearn.kernel_ridge import KernelRidge
+from sklearn.model_selection import GridSearchCV, GroupKFold, cross_val_score
 
 from .conftest import random_bags
 

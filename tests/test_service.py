@@ -11,11 +11,10 @@ import time
 import httpx
 import numpy as np
 import pytest
-
-from core import Bags, load
-from core.demo import demo_samples
-from core.io import Panel, Preprocessing, read_sample
-from service.client import AsyncClient, BagserveError, Client
+from bagserve.core import Bags, load
+from bagserve.core.demo import demo_samples
+from bagserve.core.io import Panel, Preprocessing, read_sample
+from bagserve.service.client import AsyncClient, BagserveError, Client
 
 from .conftest import SHARED_DATA
 from .service_harness import build_models, running_service, wait_ready
@@ -199,9 +198,8 @@ def test_large_npy_bodies_stream_into_shared_memory_bit_for_bit(http, models):
     without a copy: every answer must still be the in-process prediction, bit for bit,
     including when a buffer is reused for a body of another size and content, when the
     columns need reordering (a copy), and for Fortran-order and big-endian files."""
+    from bagserve.service.workers import MEMFD_MIN_BYTES
     from threadpoolctl import threadpool_limits
-
-    from service.workers import MEMFD_MIN_BYTES
 
     model = load(models / "demo-dose" / "1")
     rng = np.random.default_rng(21)
@@ -475,7 +473,7 @@ def test_client_sync_async_and_cli(service, capsys):
             return await ac.predict("demo-dose", bags, markers=markers)
 
     assert asyncio.run(go())["predictions"][1] == a["predictions"][1] | {"id": "bag-1"}
-    from core.cli import main
+    from bagserve.cli import main
 
     assert main(["predict", "yeast/1", str(YEAST / "Yeast_B1_B01.fcs"), "--url", service]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import ot
 import pytest
+from bagserve.core import Bags, BagValidationError, SlicedWasserstein, sliced_wasserstein_distance
+from bagserve.core.representations.sliced import uniform_directions, wasserstein_1d
 from scipy.special import gamma as gamma_fn
 from scipy.stats import wasserstein_distance
-
-from core import Bags, BagValidationError, SlicedWasserstein, sliced_wasserstein_distance
-from core.representations.sliced import uniform_directions, wasserstein_1d
 
 
 def sw_from_features(F: np.ndarray, i: int, j: int, p: int) -> float:
@@ -231,7 +230,7 @@ def test_direction_blocks_only_round_off(rng, monkeypatch):
     arrays = [rng.normal(size=(n, 3)) for n in (5, 3000)]
     sw = SlicedWasserstein(random_state=0).fit(arrays)
     ref = sw.transform(arrays)
-    monkeypatch.setattr("core.representations.sliced._PROJECTION_BLOCK_ENTRIES", 10_000)
+    monkeypatch.setattr("bagserve.core.representations.sliced._PROJECTION_BLOCK_ENTRIES", 10_000)
     np.testing.assert_allclose(sw.transform(arrays), ref, rtol=1e-13, atol=1e-15)
 
 

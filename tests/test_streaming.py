@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bagserve.core import load
+from bagserve.core.bags import Bags
+from bagserve.core.io import Preprocessing
+from bagserve.core.representations import MeanEmbedding, SlicedWasserstein
+from bagserve.core.training import ConfigError, TrainingResult, train
 
-from core import load
-from core.bags import Bags
-from core.cli import main
-from core.io import Preprocessing
-from core.representations import MeanEmbedding, SlicedWasserstein
-from core.training import ConfigError, TrainingResult, train
+from bagserve.cli import main
 
 MARKERS = ["CD3", "CD4", "CD8"]
 
@@ -215,7 +215,7 @@ def test_dask_local_cluster_equals_in_memory(data_root: Path, tmp_path: Path) ->
 
 def test_unreachable_scheduler_is_named() -> None:
     pytest.importorskip("dask.distributed")
-    from core.streaming import DaskExecutor
+    from bagserve.core.streaming import DaskExecutor
 
     with pytest.raises(ConnectionError, match=r"cannot reach the Dask scheduler at 'tcp://127"):
         DaskExecutor("tcp://127.0.0.1:9", timeout=2)
@@ -289,7 +289,7 @@ _CAPPED_TRAIN = """
 import json, resource, sys
 cap = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
-from core.cli import main
+from bagserve.cli import main
 code = main(sys.argv[2:])
 with open("/proc/self/status") as fh:
     peak = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))

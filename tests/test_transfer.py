@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sklearn.kernel_ridge import KernelRidge
-from sklearn.linear_model import Ridge
-
-from core import (
+from bagserve.core import (
     Bags,
     BagValidationError,
     MarginalTransferClassifier,
@@ -15,14 +12,16 @@ from core import (
     MeanEmbedding,
     SlicedWasserstein,
 )
-from core.datasets import make_ellipse_tasks
-from core.estimators._transfer_solvers import (
+from bagserve.core.datasets import make_ellipse_tasks
+from bagserve.core.estimators._transfer_solvers import (
     _assemble,
     structured_ridge_path,
     weighted_svm,
     weighted_svr,
 )
-from core.selection import leave_tasks_out_folds
+from bagserve.core.selection import leave_tasks_out_folds
+from sklearn.kernel_ridge import KernelRidge
+from sklearn.linear_model import Ridge
 
 # Every hyperparameter fixed, the embedding's bandwidth included: no search.
 FIXED = {
@@ -53,7 +52,7 @@ def test_product_gram_is_symmetric_psd_with_unit_task_kernel_diagonal(ellipses):
     assert np.linalg.eigvalsh(K).min() >= -1e-10 * np.trace(K)
     # Points of one task paired with themselves: k_P(P, P) = 1, so k̄ = k_X there.
     rep = model.joint_kernel(tasks[[0]])
-    from core.kernels import point_kernel
+    from bagserve.core.kernels import point_kernel
 
     np.testing.assert_allclose(rep, point_kernel(tasks[0], tasks[0], "gaussian", 0.3), rtol=1e-12)
 
@@ -129,7 +128,7 @@ def test_svr_dual_solution_satisfies_kkt(rng):
 @pytest.mark.parametrize("size_limit", [10**6, 1])
 def test_structured_ridge_equals_dense_ridge_on_joint_features(rng, monkeypatch, size_limit):
     # size_limit=1 forces the preconditioned conjugate-gradient path.
-    monkeypatch.setattr("core.estimators._transfer_solvers._EIGEN_MAX_SIZE", size_limit)
+    monkeypatch.setattr("bagserve.core.estimators._transfer_solvers._EIGEN_MAX_SIZE", size_limit)
     N, a, D, k = 5, 3, 6, 2
     S = rng.normal(size=(N, a))
     Z = [rng.normal(size=(n, D)) for n in (4, 7, 5, 9, 3)]
@@ -155,7 +154,7 @@ def test_pooling_with_equal_task_sizes_is_one_pooled_model(ellipses):
     exact = MarginalTransferClassifier(
         solver="exact", loss="squared", pooling=True, point_bandwidth=0.3, alpha=1e-3
     ).fit(tasks, y)
-    from core.kernels import point_kernel
+    from bagserve.core.kernels import point_kernel
 
     K = point_kernel(tasks.points, tasks.points, "gaussian", 0.3)
     M = tasks.n_points
@@ -395,7 +394,7 @@ def test_any_representation_embeds_tasks(ellipses):
 
 @pytest.mark.parametrize("dual_eigen_limit", [10**6, 0])
 def test_dual_and_primal_task_ridge_agree(rng, monkeypatch, dual_eigen_limit):
-    from core.estimators._transfer_solvers import TaskStatistics, task_ridge_path
+    from bagserve.core.estimators._transfer_solvers import TaskStatistics, task_ridge_path
 
     N, a, D, k = 6, 4, 20, 2
     S = rng.normal(size=(N, a))
@@ -405,10 +404,10 @@ def test_dual_and_primal_task_ridge_agree(rng, monkeypatch, dual_eigen_limit):
     B = np.stack([z.T @ y / z.shape[0] for z, y in zip(Z, Y, strict=True)])
     tasks = np.array([0, 2, 3, 5])
     lams = np.array([1e-4, 1e-1])
-    monkeypatch.setattr("core.estimators._transfer_solvers._EIGEN_MAX_SIZE", 1)
+    monkeypatch.setattr("bagserve.core.estimators._transfer_solvers._EIGEN_MAX_SIZE", 1)
     # 0 forces the per-λ Cholesky branch of the dual.
     monkeypatch.setattr(
-        "core.estimators._transfer_solvers._DUAL_EIGEN_MAX_POINTS", dual_eigen_limit
+        "bagserve.core.estimators._transfer_solvers._DUAL_EIGEN_MAX_POINTS", dual_eigen_limit
     )
     dual = task_ridge_path(S[tasks], TaskStatistics(A, B, Z, Y), tasks, lams)
     primal = task_ridge_path(S[tasks], TaskStatistics(A, B), tasks, lams)

@@ -7,9 +7,8 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-
-from service import workers
-from service.workers import BufferPool, recv_message, send_message
+from bagserve.service import workers
+from bagserve.service.workers import BufferPool, recv_message, send_message
 
 
 def _echo(conn) -> None:  # runs in a spawned process

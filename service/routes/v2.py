@@ -21,7 +21,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from core import __version__
+from bagserve import __version__
 
 from ..codecs import IncomingBag
 from ..errors import Problem

@@ -21,7 +21,7 @@ __all__ = ["main"]
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .training import train
+    from .core.training import train
 
     result = train(
         args.config,
@@ -43,7 +43,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from .training import evaluate
+    from .core.training import evaluate
 
     print(json.dumps(evaluate(args.model, args.data, progress=not args.quiet), default=str))
     return 0
@@ -51,10 +51,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 def predict_files(model_path: str | Path, files: Sequence[str | Path]) -> dict[str, Any]:
     """Predictions of a saved model for sample files, with the model's provenance."""
-    from .artifacts import load, read_manifest
-    from .bags import Bags
-    from .estimators import MarginalTransferClassifier, MarginalTransferRegressor
-    from .io import Panel, Preprocessing, read_sample
+    from .core.artifacts import load, read_manifest
+    from .core.bags import Bags
+    from .core.estimators import MarginalTransferClassifier, MarginalTransferRegressor
+    from .core.io import Panel, Preprocessing, read_sample
 
     manifest = read_manifest(model_path)
     model = load(model_path)
@@ -104,7 +104,7 @@ def _remote_predict(args: argparse.Namespace) -> dict[str, Any]:
     """Predict through a running service (MODEL is ``name`` or ``name/version``)."""
     import os
 
-    from service.client import BagserveError, Client
+    from .service.client import BagserveError, Client
 
     name, _, version = args.model.partition("/")
     key = args.api_key or os.environ.get("BAGSERVE_API_KEY")
@@ -150,7 +150,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 def list_models(directory: str | Path) -> list[dict[str, Any]]:
     """Every artifact under ``directory`` (``<name>/<version>/manifest.json``), verified."""
-    from .artifacts import ArtifactError, read_manifest
+    from .core.artifacts import ArtifactError, read_manifest
 
     rows = []
     for mpath in sorted(Path(directory).glob("*/*/manifest.json")):
@@ -196,7 +196,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit_verify(args: argparse.Namespace) -> int:
-    from service.audit import verify
+    from .service.audit import verify
 
     result = verify(args.file)
     if not result.ok:
@@ -207,7 +207,7 @@ def _cmd_audit_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import build_demo_models
+    from .core.demo import build_demo_models
 
     for path in build_demo_models(args.models, overwrite=args.force):
         print(path)
@@ -217,8 +217,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from service.app import create_app
-    from service.settings import Settings
+    from .service.app import create_app
+    from .service.settings import Settings
 
     overrides = {
         k: v
@@ -244,8 +244,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def openapi_document() -> dict[str, Any]:
     """The service's OpenAPI description, as ``openapi/openapi.json`` holds it."""
-    from service.app import create_app
-    from service.settings import Settings
+    from .service.app import create_app
+    from .service.settings import Settings
 
     return create_app(Settings()).openapi()
 
@@ -331,10 +331,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``bagserve`` command."""
-    from .artifacts import ArtifactError
-    from .bags import BagValidationError
-    from .io import DataError
-    from .training import ConfigError
+    from .core.artifacts import ArtifactError
+    from .core.bags import BagValidationError
+    from .core.io import DataError
+    from .core.training import ConfigError
 
     args = _parser().parse_args(argv)
     try:
