@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 __all__ = ["main"]
 
 
@@ -51,52 +49,35 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 def predict_files(model_path: str | Path, files: Sequence[str | Path]) -> dict[str, Any]:
     """Predictions of a saved model for sample files, with the model's provenance."""
-    from .core.artifacts import load, read_manifest
-    from .core.bags import Bags
-    from .core.estimators import MarginalTransferClassifier, MarginalTransferRegressor
-    from .core.io import Panel, Preprocessing, read_sample
+    from .core.io import read_sample
+    from .core.runtime import CellPrediction, ModelRuntime
 
-    manifest = read_manifest(model_path)
-    model = load(model_path)
-    meta = manifest["metadata"]
-    samples = [read_sample(f) for f in files]
-    if meta.get("panel"):
-        panel = Panel.from_json(meta["panel"])
-        arrays = [panel.select(s) for s in samples]
-        markers = list(panel.markers)
-    else:
-        arrays = [s.points for s in samples]
-        markers = samples[0].names
-    bags = Bags.from_arrays(arrays)
-    pre = (
-        Preprocessing.from_json(meta["preprocessing"])
-        if meta.get("preprocessing")
-        else Preprocessing()
-    )
-    bags = pre.apply(bags, markers)
+    runtime = ModelRuntime.open(model_path)
+    info = runtime.info
+    result = runtime.predict(runtime.align([read_sample(f) for f in files]))
     out: dict[str, Any] = {
         "model": {
-            "name": meta.get("name"),
-            "version": meta.get("version"),
-            "class": manifest["estimator"]["class"],
-            "manifest_sha256": manifest["manifest_sha256"],
+            "name": info.metadata.get("name"),
+            "version": info.metadata.get("version"),
+            "class": info.estimator,
+            "kind": str(info.kind),
+            "manifest_sha256": info.sha256,
         },
         "results": [],
     }
-    if isinstance(model, MarginalTransferClassifier | MarginalTransferRegressor):
-        for f, res in zip(files, model.predict_tasks(bags), strict=True):
-            out["results"].append(
-                {
-                    "file": str(f),
-                    "predictions": res.predictions.tolist(),
-                    "out_of_range": res.report.out_of_range,
-                    "nearest_training_tasks": res.report.nearest_tasks.tolist(),
-                    "similarities": res.report.similarities.tolist(),
-                }
+    for i, f in enumerate(files):
+        row: dict[str, Any] = {"file": str(f)}
+        if isinstance(result, CellPrediction):
+            assert result.domain is not None
+            row.update(
+                predictions=result.labels_of(i).tolist(),
+                out_of_range=bool(result.domain.out_of_range[i]),
+                nearest_training_tasks=result.domain.nearest_of(i),
+                similarities=result.domain.similarities_of(i),
             )
-    else:
-        for f, p in zip(files, np.asarray(model.predict(bags)).tolist(), strict=True):
-            out["results"].append({"file": str(f), "prediction": p})
+        else:
+            row["prediction"] = result.estimate[i].tolist()
+        out["results"].append(row)
     return out
 
 

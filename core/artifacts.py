@@ -76,6 +76,22 @@ def _registry() -> dict[str, type]:
     return {cls.__name__: cls for cls in classes}
 
 
+def estimator_class(name: str) -> type:
+    """The core class a manifest names (only the core's classes load without pickle).
+
+    Raises
+    ------
+    ArtifactError
+        ``name`` is not one of the core's estimators or representations.
+    """
+    cls = _registry().get(name)
+    if cls is None:
+        raise ArtifactError(
+            f"unknown estimator class {name!r}: only the core's estimators load without pickle"
+        )
+    return cls
+
+
 # ----------------------------------------------------------------------- encoding
 class _Encoder:
     """Turns fitted objects into JSON plus named arrays (and back)."""
@@ -169,7 +185,6 @@ class _Encoder:
 class _Decoder:
     def __init__(self, load_array: Callable[[str], np.ndarray]) -> None:
         self.load_array = load_array
-        self.registry = _registry()
 
     def decode(self, value: Any) -> Any:
         if isinstance(value, list):
@@ -209,13 +224,9 @@ class _Decoder:
         raise ArtifactError(f"malformed manifest: unknown tag {tag!r}")
 
     def estimator(self, spec: dict[str, Any]) -> BaseEstimator:
-        name = spec.get("__estimator__")
-        if name not in self.registry:
-            raise ArtifactError(
-                f"unknown estimator class {name!r}: only the core's estimators load without pickle"
-            )
+        cls = estimator_class(str(spec.get("__estimator__")))
         params = {k: self._value(v) for k, v in spec["params"].items()}
-        est = self.registry[name](**params)
+        est = cls(**params)
         for k, v in spec["state"].items():
             setattr(est, k, self._value(v))
         return est
@@ -408,7 +419,9 @@ def read_manifest(path: str | os.PathLike[str], *, verify: bool = True) -> dict[
     return manifest
 
 
-def load(path: str | os.PathLike[str], *, mmap: bool = False, trusted: bool = False) -> Any:
+def load(
+    path: str | os.PathLike[str], *, mmap: bool = False, trusted: bool = False, verify: bool = True
+) -> Any:
     """Load an artifact written by :func:`save`, verifying every hash first.
 
     Parameters
@@ -418,13 +431,16 @@ def load(path: str | os.PathLike[str], *, mmap: bool = False, trusted: bool = Fa
         Memory-map the arrays read-only instead of reading them.
     trusted : bool, default=False
         Allow a joblib (pickle) artifact; never set it for files of unknown origin.
+    verify : bool, default=True
+        Check every file's sha256 first; only a caller that has just verified the
+        artifact (:func:`read_manifest`) should skip it.
 
     Returns
     -------
     The fitted model; its manifest is available through :func:`read_manifest`.
     """
     path = Path(path)
-    manifest = read_manifest(path, verify=True)
+    manifest = read_manifest(path, verify=verify)
     fmt = manifest["estimator"].get("format")
     if fmt == "joblib":
         if not trusted:

@@ -538,23 +538,14 @@ def evaluate(
     model_path: str | Path, config_path: str | Path, *, progress: bool = False
 ) -> dict[str, Any]:
     """Metrics of a saved model on the data of a configuration's [data] table."""
-    from .artifacts import load, read_manifest
+    from .runtime import ModelRuntime
 
-    manifest = read_manifest(model_path)
-    model = load(model_path)
-    meta = manifest["metadata"]
-    panel = Panel.from_json(meta["panel"]) if meta.get("panel") else None
+    runtime = ModelRuntime.open(model_path)
     config = load_config(config_path)
-    data = read_data(config, panel=panel, progress=progress)
+    data = read_data(config, panel=runtime.info.panel, progress=progress)
     if data.y is None:
         raise ConfigError("[data] gives no labels to evaluate against")
-    pre = (
-        Preprocessing.from_json(meta["preprocessing"])
-        if meta.get("preprocessing")
-        else Preprocessing()
-    )
-    bags = pre.apply(data.bags, list(data.panel.markers))
-    classifier = is_classifier(model)
+    classifier = runtime.info.classifies
     y = data.y if classifier else data.y.astype(np.float64)
-    pred = model.predict(bags)
+    pred = runtime.predict(data.bags).estimate
     return report.metrics(y, pred, classifier)

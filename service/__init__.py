@@ -1,7 +1,7 @@
 """bagserve service: a FastAPI app that serves saved models to lab pipelines.
 
 One uvicorn process does I/O, parsing and validation; a fixed pool of worker
-processes (:mod:`service.workers`) holds the models and does the math.
+processes (:mod:`bagserve.service.pool`) holds the models and does the math.
 """
 
 from .app import create_app

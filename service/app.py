@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.datastructures import Headers, MutableHeaders, QueryParams
 from starlette.responses import Response
@@ -19,17 +19,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bagserve import __version__
 
 from .audit import AuditLog
+from .deps import Services, ServicesDep
 from .errors import install_handlers
 from .idempotency import IdempotencyStore
+from .job_runner import JobRunner
 from .jobs import JobStore
 from .logs import configure_logging
 from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .pool import WorkerPool
+from .prediction import Predictor
 from .registry import Registry
 from .routes import health, jobs, v1, v2
-from .routes.jobs import job_runner
 from .security import ApiKeys
 from .settings import Settings
-from .workers import WorkerPool
 
 __all__ = ["create_app"]
 
@@ -102,6 +104,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     configure_logging(settings.log_format, settings.log_level)
 
+    auth = ApiKeys(settings.api_keys)
+    app_metrics = Metrics()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry = Registry(settings.models_dir)
@@ -110,15 +115,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pool = WorkerPool(
             {e.key: e.path for e in registry.all()}, settings.workers, settings.queue_size
         )
-        app.state.registry = registry
-        app.state.pool = pool
         data = Path(settings.data_dir)
-        app.state.audit = AuditLog(settings.audit_log or data / "audit.jsonl")
-        app.state.idempotency = IdempotencyStore(data / "idempotency", settings.idempotency_ttl)
-        app.state.jobs = JobStore(data / "jobs", settings.jobs_ttl)
+        audit = AuditLog(settings.audit_log or data / "audit.jsonl")
+        predictor = Predictor(settings, pool, app_metrics, audit)
+        store = JobStore(data / "jobs", settings.jobs_ttl)
+        svc = Services(
+            settings=settings,
+            auth=auth,
+            metrics=app_metrics,
+            registry=registry,
+            pool=pool,
+            predictor=predictor,
+            audit=audit,
+            idempotency=IdempotencyStore(data / "idempotency", settings.idempotency_ttl),
+            jobs=store,
+        )
         await pool.start()
-        recovered = app.state.jobs.recover()
-        app.state.jobs.start(job_runner(app), concurrency=settings.workers)
+        recovered = store.recover()
+        store.start(JobRunner(store, registry, predictor), concurrency=settings.workers)
+        app.state.services = svc
         log.info(
             "serving",
             extra={
@@ -130,7 +145,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
-            await app.state.jobs.stop()
+            app.state.services = None
+            await store.stop()
             await pool.stop()
 
     app = FastAPI(
@@ -142,8 +158,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ),
         lifespan=lifespan,
     )
-    app.state.settings = settings
-    app.state.auth = ApiKeys(settings.api_keys)
+    # The request middleware counts requests here, also before and after the lifespan.
+    app.state.metrics = app_metrics
     install_handlers(app)
     if settings.cors_origins:
         app.add_middleware(
@@ -161,11 +177,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
 
     app.add_middleware(RequestContext)
-    app.state.metrics = Metrics()
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)
-    async def metrics(request: Request) -> Response:
-        body = app.state.metrics.render(app.state.pool.status(), len(app.state.registry.failures))
+    async def metrics(svc: ServicesDep) -> Response:
+        """Request counts, stage timings, queue and worker gauges (Prometheus text)."""
+        body = svc.metrics.render(svc.pool.status(), len(svc.registry.failures))
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(health.router)

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-__all__ = ["PROBLEM_JSON", "Problem", "install_handlers", "problem_response"]
+__all__ = ["PROBLEM_JSON", "Problem", "ServiceError", "install_handlers", "problem_response"]
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -39,7 +39,12 @@ def _slug(status: int) -> str:
     return _TITLES.get(status, "error").lower().replace(" ", "-")
 
 
-class Problem(Exception):
+class ServiceError(Exception):
+    """Root of every error the service raises on purpose (:class:`Problem`, the worker
+    pool's errors)."""
+
+
+class Problem(ServiceError):
     """An error to answer as problem details.
 
     Parameters
@@ -81,6 +86,7 @@ def problem_response(
     slug: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> Response:
+    """The ``application/problem+json`` response for an error (with the request id)."""
     request_id = getattr(request.state, "request_id", None) if request is not None else None
     body: dict[str, Any] = {
         "type": f"urn:bagserve:problem:{slug or _slug(status)}",
@@ -99,6 +105,9 @@ def problem_response(
 
 
 def install_handlers(app: FastAPI) -> None:
+    """Answer :class:`Problem`, request validation, HTTP and unexpected errors as
+    problem details (an unexpected error's traceback goes to the log only)."""
+
     @app.exception_handler(Problem)
     async def _problem(request: Request, exc: Problem) -> Response:
         return problem_response(

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bagserve.core.artifacts import ArtifactError, read_manifest
+from bagserve.core.artifacts import ArtifactError
 from bagserve.core.io import Panel, Preprocessing
+from bagserve.core.runtime import ArtifactInfo, ModelKind
 
-__all__ = ["ModelEntry", "Registry", "kind_of"]
+__all__ = ["ModelEntry", "Registry"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -25,85 +26,68 @@ def _version_key(version: str) -> tuple[Any, ...]:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"[._-]", version))
 
 
-def kind_of(estimator: str) -> str:
-    """What a model answers, from its estimator class name.
-
-    ``"cell"`` (a label per cell), ``"classification"``, ``"conditional"`` (a conditional
-    distribution: mean, quantiles, exceedance) or ``"regression"``.
-    """
-    if estimator.startswith("MarginalTransfer"):
-        return "cell"
-    if estimator == "ConditionalMeanEmbedding":
-        return "conditional"
-    return "classification" if estimator.endswith("Classifier") else "regression"
-
-
 @dataclass(frozen=True)
 class ModelEntry:
-    """One loadable model version (its manifest already verified)."""
+    """One served model version: its name and version, and what its artifact says.
+
+    Parameters
+    ----------
+    name, version : str
+        From the directory ``MODELS_DIR/<name>/<version>/``.
+    info : ArtifactInfo
+        The verified manifest (kind, panel, preprocessing, hashes).
+    """
 
     name: str
     version: str
-    path: Path
-    manifest: dict[str, Any] = field(repr=False)
+    info: ArtifactInfo = field(repr=False)
 
     @property
     def key(self) -> str:
+        """``name/version``: how the workers know the model."""
         return f"{self.name}/{self.version}"
 
     @property
+    def path(self) -> Path:
+        return self.info.path
+
+    @property
     def sha256(self) -> str:
-        return str(self.manifest["manifest_sha256"])
+        return self.info.sha256
 
     @property
     def estimator(self) -> str:
-        return str(self.manifest["estimator"]["class"])
+        return self.info.estimator
+
+    @property
+    def kind(self) -> ModelKind:
+        return self.info.kind
 
     @property
     def panel(self) -> Panel | None:
-        spec = self.manifest["metadata"].get("panel")
-        return Panel.from_json(spec) if spec else None
+        return self.info.panel
 
     @property
     def preprocessing(self) -> Preprocessing:
-        spec = self.manifest["metadata"].get("preprocessing")
-        return Preprocessing.from_json(spec) if spec else Preprocessing()
+        return self.info.preprocessing
 
     @property
     def n_features(self) -> int:
-        state = self.manifest["model"]["state"]
-        return int(state["n_features_in_"])
-
-    @property
-    def kind(self) -> str:
-        """See :func:`kind_of`."""
-        return kind_of(self.estimator)
-
-    @property
-    def n_outputs(self) -> int:
-        return int(self.manifest["model"]["state"].get("n_outputs_", 1))
+        return self.info.n_features
 
     def describe(self) -> dict[str, Any]:
-        meta = self.manifest["metadata"]
-        panel = self.panel
-        return {
-            "name": self.name,
-            "version": self.version,
-            "estimator": self.estimator,
-            "kind": self.kind,
-            "panel": None if panel is None else panel.to_json(),
-            "n_markers": self.n_features,
-            "preprocessing": meta.get("preprocessing"),
-            "metrics": meta.get("metrics"),
-            "description": meta.get("description"),
-            "created": self.manifest.get("created"),
-            "training_data_sha256": meta.get("training_data_sha256"),
-            "sha256": self.sha256,
-        }
+        """The model as ``GET /v1/models`` lists it."""
+        return {"name": self.name, "version": self.version, **self.info.describe()}
 
 
 class Registry:
-    """Scan a models directory once; keep the valid artifacts and the reasons for the rest."""
+    """Scan a models directory once; keep the valid artifacts and the reasons for the rest.
+
+    Parameters
+    ----------
+    models_dir : path
+        ``MODELS_DIR/<name>/<version>/`` artifacts.
+    """
 
     def __init__(self, models_dir: str | Path):
         self.models_dir = Path(models_dir)
@@ -123,28 +107,21 @@ class Registry:
                     continue
                 key = f"{mdir.name}/{vdir.name}"
                 try:
-                    manifest = read_manifest(vdir)
-                    if manifest["estimator"].get("format") != "arrays":
-                        raise ArtifactError("pickle artifacts are not served")
-                    if (
-                        kind_of(manifest["estimator"]["class"]) == "conditional"
-                        and manifest["model"]["params"].get("representation") is None
-                    ):
-                        raise ArtifactError(
-                            "a ConditionalMeanEmbedding on points (no representation) cannot "
-                            "be served: the service predicts on bags"
-                        )
+                    info = ArtifactInfo.read(vdir)
+                    info.check_servable()
                 except ArtifactError as exc:
                     self.failures[key] = str(exc)
                     continue
                 self.entries.setdefault(mdir.name, {})[vdir.name] = ModelEntry(
-                    mdir.name, vdir.name, vdir, manifest
+                    mdir.name, vdir.name, info
                 )
 
     def all(self) -> list[ModelEntry]:
+        """Every served model version."""
         return [e for versions in self.entries.values() for e in versions.values()]
 
     def versions(self, name: str) -> list[ModelEntry]:
+        """The versions of a model, oldest first (numeric-aware order)."""
         return sorted(self.entries.get(name, {}).values(), key=lambda e: _version_key(e.version))
 
     def get(self, name: str, version: str | None = None) -> ModelEntry | None:

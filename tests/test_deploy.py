@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import zipfile

@@ -198,7 +198,7 @@ def test_large_npy_bodies_stream_into_shared_memory_bit_for_bit(http, models):
     without a copy: every answer must still be the in-process prediction, bit for bit,
     including when a buffer is reused for a body of another size and content, when the
     columns need reordering (a copy), and for Fortran-order and big-endian files."""
-    from bagserve.service.workers import MEMFD_MIN_BYTES
+    from bagserve.service.wire import MEMFD_MIN_BYTES
     from threadpoolctl import threadpool_limits
 
     model = load(models / "demo-dose" / "1")

@@ -7,8 +7,8 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from bagserve.service import workers
-from bagserve.service.workers import BufferPool, recv_message, send_message
+from bagserve.service import wire
+from bagserve.service.wire import BufferPool, recv_message, send_message
 
 
 def _echo(conn) -> None:  # runs in a spawned process
@@ -20,7 +20,11 @@ def _echo(conn) -> None:  # runs in a spawned process
             return
         send_message(
             conn,
-            {**header, "writable": [a.flags.writeable for a in arrays], "mapped": len(mappings)},
+            {
+                **header,
+                "writable": [a.flags.writeable for a in arrays.values()],
+                "mapped": len(mappings),
+            },
             arrays,
         )
 
@@ -41,13 +45,14 @@ def echo():
 def test_messages_round_trip_exactly_through_a_process(big):
     rng = np.random.default_rng(0)
     n = 200_000 if big else 100  # 16 MB: the memfd path; 8 kB: the pipe
-    arrays = [
-        rng.normal(size=(n, 10)),
-        np.array([0, n // 3, n], dtype=np.int64),
-        np.zeros(0),
-        np.arange(6, dtype=np.int32).reshape(2, 3).T,  # not contiguous
-    ]
-    assert (sum(a.nbytes for a in arrays) >= workers.MEMFD_MIN_BYTES) == big
+    arrays = {
+        "points": rng.normal(size=(n, 10)),
+        "offsets": np.array([0, n // 3, n], dtype=np.int64),
+        "empty": np.zeros(0),
+        "strided": np.arange(6, dtype=np.int32).reshape(2, 3).T,  # not contiguous
+        "labels": np.array(["CD4", "CD8", "B"]),
+    }
+    assert (sum(a.nbytes for a in arrays.values()) >= wire.MEMFD_MIN_BYTES) == big
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=True)
     proc = ctx.Process(target=_echo, args=(child,), daemon=True)
@@ -61,8 +66,9 @@ def test_messages_round_trip_exactly_through_a_process(big):
         proc.join(timeout=30)
     assert header["id"] == 7
     # Read-only views of the received buffer, on both sides.
-    assert header["writable"] == [False] * 4
-    for a, b in zip(arrays, back, strict=True):
+    assert header["writable"] == [False] * 5
+    assert list(back) == list(arrays)  # names, in order
+    for a, b in zip(arrays.values(), back.values(), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert a.tobytes() == np.ascontiguousarray(b).tobytes()
 
@@ -76,12 +82,12 @@ def test_shared_buffers_are_reused_lent_without_copy_and_never_reused_when_taint
     seen = []
     for n in (150_000, 100_000, 150_000):  # 12, 8, 12 MB: the second fits the first buffer
         points = rng.normal(size=(n, 10))
-        taken = send_message(echo, {"n": n}, [points, offsets], pool)
+        taken = send_message(echo, {"n": n}, {"points": points, "offsets": offsets}, pool)
         assert len(taken) == 1 and taken[0].capacity >= points.nbytes + offsets.nbytes
         header, back = recv_message(echo)
         assert header["n"] == n and header["writable"] == [False, False]
-        np.testing.assert_array_equal(back[0], points)
-        np.testing.assert_array_equal(back[1], offsets)
+        np.testing.assert_array_equal(back["points"], points)
+        np.testing.assert_array_equal(back["offsets"], offsets)
         seen.append(taken[0].id)
         pool.give_back(taken[0])
     assert seen[0] == seen[1] == seen[2]  # one buffer, reused
@@ -90,14 +96,14 @@ def test_shared_buffers_are_reused_lent_without_copy_and_never_reused_when_taint
     lent = pool.lease(8 * 200_000 * 3)
     inside = np.frombuffer(lent.map, np.float64, 200_000 * 3).reshape(200_000, 3)
     inside[:] = rng.normal(size=inside.shape)
-    assert send_message(echo, {}, [inside, offsets], pool, [lent]) == []
+    assert send_message(echo, {}, {"points": inside, "offsets": offsets}, pool, [lent]) == []
     _, back = recv_message(echo)
-    np.testing.assert_array_equal(back[0], inside)
+    np.testing.assert_array_equal(back["points"], inside)
     # Rewritten in place for the next request: the receiver sees the new values.
     inside[:] = rng.normal(size=inside.shape)
-    assert send_message(echo, {}, [inside[1:], offsets], pool, [lent]) == []
+    assert send_message(echo, {}, {"points": inside[1:], "offsets": offsets}, pool, [lent]) == []
     _, back = recv_message(echo)
-    np.testing.assert_array_equal(back[0], inside[1:])
+    np.testing.assert_array_equal(back["points"], inside[1:])
     # A buffer whose request failed may still be read by its worker: closed, not reused.
     lent.tainted = True
     pool.give_back(lent)
@@ -107,7 +113,7 @@ def test_shared_buffers_are_reused_lent_without_copy_and_never_reused_when_taint
 def test_buffer_pool_bounds_what_it_keeps():
     pool = BufferPool(max_idle=2, max_idle_bytes=8 << 20)
     small = [pool.lease(1000) for _ in range(3)]
-    assert len({b.id for b in small}) == 3 and all(b.capacity == workers.BUFFER_STEP for b in small)
+    assert len({b.id for b in small}) == 3 and all(b.capacity == wire.BUFFER_STEP for b in small)
     for b in small:
         pool.give_back(b)
     assert [b.fd == -1 for b in small] == [True, False, False]  # the oldest went

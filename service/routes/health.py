@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+
+from ..deps import ServicesDep
 
 router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz", summary="Liveness: the process answers")
 async def healthz() -> dict[str, str]:
+    """The process answers (no check of models or workers)."""
     return {"status": "ok"}
 
 
@@ -18,9 +21,10 @@ async def healthz() -> dict[str, str]:
     summary="Readiness: models loaded and every worker alive",
     responses={503: {"description": "not ready (a worker is being replaced, or no model loaded)"}},
 )
-async def readyz(request: Request) -> JSONResponse:
-    registry = request.app.state.registry
-    pool = request.app.state.pool
+async def readyz(svc: ServicesDep) -> JSONResponse:
+    """Ready when every worker is alive and at least one model is served."""
+    registry = svc.registry
+    pool = svc.pool
     workers = pool.status()
     models = [e.key for e in registry.all()]
     ready = pool.ready and bool(models)

@@ -1,18 +1,26 @@
-"""Native API: list models, describe one, predict."""
+"""Native API: list models, describe one, predict.
+
+Predict is an adapter: the body is read and decoded into bags, the prediction use-case
+(:class:`~bagserve.service.prediction.Predictor`) runs, and the typed result is encoded
+as the caller asked (JSON, CSV or NPY; :mod:`..encoders`).
+"""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from ..errors import Problem
+from ..deps import CallerDep, LatestEntry, ServicesDep, VersionEntry, authenticate
+from ..encoders import encode, negotiate
 from ..idempotency import fingerprint
-from ..predict import predict, predict_body, read_body
+from ..prediction import Caller, PredictOptions, provenance_headers
 from ..registry import ModelEntry
+from ..uploads import accepted_content_type, decode_bags, markers_param, read_body
 
-router = APIRouter(prefix="/v1", tags=["v1"])
+router = APIRouter(prefix="/v1", tags=["v1"], dependencies=[Depends(authenticate)])
 
 _EXAMPLE_BAG = {
     "bags": [
@@ -152,26 +160,10 @@ _PREDICT_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _entry(request: Request, name: str, version: str | None) -> ModelEntry:
-    registry = request.app.state.registry
-    entry = registry.get(name, version)
-    if entry is None:
-        known = sorted(registry.entries)
-        if name in registry.entries:
-            versions = [e.version for e in registry.versions(name)]
-            raise Problem(
-                404,
-                f"model {name!r} has no version {version!r} (versions: {versions})",
-                slug="unknown-version",
-            )
-        raise Problem(404, f"unknown model {name!r} (models: {known})", slug="unknown-model")
-    return entry
-
-
 @router.get("/models", summary="Every served model with its versions")
-async def list_models(request: Request) -> dict[str, Any]:
-    request.app.state.auth.check(request)
-    registry = request.app.state.registry
+async def list_models(svc: ServicesDep) -> dict[str, Any]:
+    """Every served model with its versions, and the artifacts refused at start-up."""
+    registry = svc.registry
     return {
         "models": [
             {"name": name, "versions": [e.describe() for e in registry.versions(name)]}
@@ -182,31 +174,62 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 
 @router.get("/models/{name}", summary="One model: versions, estimator, panel, metrics, sha256")
-async def get_model(request: Request, name: str) -> dict[str, Any]:
-    request.app.state.auth.check(request)
-    entry = _entry(request, name, None)
-    registry = request.app.state.registry
+async def get_model(svc: ServicesDep, entry: LatestEntry) -> dict[str, Any]:
+    """One model: its latest version and every version's description."""
     return {
         "name": entry.name,
         "latest": entry.version,
-        "versions": [e.describe() for e in registry.versions(name)],
+        "versions": [e.describe() for e in svc.registry.versions(entry.name)],
     }
 
 
-async def _predict(request: Request, name: str, version: str | None) -> Response:
-    request.state.key_id = request.app.state.auth.check(request)
-    entry = _entry(request, name, version)
-    key = request.headers.get("idempotency-key")
-    if key is None:
-        return await predict(request, entry)
-    body, lent = await read_body(request, request.app.state.settings.max_body_bytes)
-    try:
-        return await request.app.state.idempotency.run(
-            key, fingerprint(request, body), lambda: predict_body(request, entry, body, lent)
+async def _predict(
+    request: Request, svc: ServicesDep, caller: Caller, entry: ModelEntry
+) -> Response:
+    """Decode → predict → encode, behind ``Idempotency-Key`` when the caller sent one."""
+    fmt = negotiate(request.headers.get("accept"))
+    ctype = request.headers.get("content-type", "")
+    accepted_content_type(request)
+    qp = request.query_params
+    # Bad query parameters are refused before the body is read.
+    options = PredictOptions.parse(entry, qp.get("quantiles"), qp.get("exceed"))
+    t0 = time.perf_counter()
+    body, lent = await read_body(request, svc.settings.max_body_bytes, svc.pool.buffers)
+    read = {"read": time.perf_counter() - t0}
+
+    async def answer() -> Response:
+        outcome = await svc.predictor.run(
+            caller,
+            entry,
+            body,
+            lambda: decode_bags(
+                ctype, body, markers_param(qp.get("markers")), qp.get("id", "bag-0")
+            ),
+            options,
+            lent=lent,
+            timings=read,
         )
+        t1 = time.perf_counter()
+        content = encode(outcome.result, outcome.ids, fmt, outcome.provenance(caller.request_id))
+        timings = {**outcome.timings, "encode": time.perf_counter() - t1}
+        svc.metrics.observe_stages({"encode": timings["encode"]})
+        headers = provenance_headers(entry, outcome.input_sha256)
+        # Where the time went, for the caller's own dashboards (W3C Server Timing).
+        headers["Server-Timing"] = ", ".join(
+            f"{stage};dur={1000 * timings[stage]:.1f}"
+            for stage in ("read", "parse", "validate", "queue", "transfer", "compute", "encode")
+            if stage in timings
+        )
+        return Response(content, media_type=fmt, headers=headers)
+
+    try:
+        key = request.headers.get("idempotency-key")
+        if key is None:
+            return await answer()
+        return await svc.idempotency.run(key, fingerprint(request, body), answer)
     finally:
         if lent is not None:
-            request.app.state.pool.buffers.give_back(lent)
+            svc.pool.buffers.give_back(lent)
 
 
 @router.post(
@@ -215,8 +238,11 @@ async def _predict(request: Request, name: str, version: str | None) -> Response
     openapi_extra=_PREDICT_DOC,
     responses=_PREDICT_RESPONSES,
 )
-async def predict_latest(request: Request, name: str) -> Response:
-    return await _predict(request, name, None)
+async def predict_latest(
+    request: Request, svc: ServicesDep, caller: CallerDep, entry: LatestEntry
+) -> Response:
+    """Predict with the model's latest version."""
+    return await _predict(request, svc, caller, entry)
 
 
 @router.post(
@@ -225,5 +251,8 @@ async def predict_latest(request: Request, name: str) -> Response:
     openapi_extra=_PREDICT_DOC,
     responses=_PREDICT_RESPONSES,
 )
-async def predict_version(request: Request, name: str, version: str) -> Response:
-    return await _predict(request, name, version)
+async def predict_version(
+    request: Request, svc: ServicesDep, caller: CallerDep, entry: VersionEntry
+) -> Response:
+    """Predict with one version of the model."""
+    return await _predict(request, svc, caller, entry)

@@ -11,24 +11,28 @@ extension is supported both ways (``Inference-Header-Content-Length``). Errors c
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import time
 from typing import Any
 
 import numpy as np
 import orjson
-from fastapi import APIRouter, Request
+from bagserve.core.runtime import ClassificationPrediction, ModelKind, Prediction
+from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from bagserve import __version__
 
 from ..codecs import IncomingBag
+from ..deps import CallerDep, LatestEntry, ServicesDep, VersionEntry, authenticate
 from ..errors import Problem
-from ..predict import audit, compute, provenance_headers, read_limited
-from .v1 import _entry
+from ..prediction import Caller, provenance_headers
+from ..registry import ModelEntry
+from ..uploads import read_limited
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
+#: Routes that need an API key (server metadata and health stay open, as in KServe).
+models = APIRouter(dependencies=[Depends(authenticate)])
 
 _NUMPY = {
     "FP64": np.float64, "FP32": np.float32, "FP16": np.float16,
@@ -41,82 +45,96 @@ HEADER_LENGTH = "inference-header-content-length"
 
 @router.get("", summary="Server metadata")
 async def server_metadata() -> dict[str, Any]:
+    """Name, version and extensions of the server."""
     return {"name": "bagserve", "version": __version__, "extensions": ["binary_tensor_data"]}
 
 
 @router.get("/health/live", summary="Server live")
 async def live() -> dict[str, bool]:
+    """The process answers."""
     return {"live": True}
 
 
 @router.get("/health/ready", summary="Server ready", responses={503: {"description": "not ready"}})
-async def ready(request: Request) -> Response:
-    ok = request.app.state.pool.ready and bool(request.app.state.registry.all())
+async def ready(svc: ServicesDep) -> Response:
+    """Every worker alive and at least one model served."""
+    ok = svc.pool.ready and bool(svc.registry.all())
     return Response(
         orjson.dumps({"ready": ok}), status_code=200 if ok else 503, media_type="application/json"
     )
 
 
-def _metadata(request: Request, name: str, version: str | None) -> dict[str, Any]:
-    request.app.state.auth.check(request)
-    entry = _entry(request, name, version)
+#: The outputs of each kind of model, with their datatype and shape.
+_OUTPUTS: dict[ModelKind, list[dict[str, Any]]] = {
+    ModelKind.REGRESSION: [{"name": "prediction", "datatype": "FP64", "shape": [-1]}],
+    ModelKind.CONDITIONAL: [{"name": "prediction", "datatype": "FP64", "shape": [-1]}],
+    ModelKind.CLASSIFICATION: [
+        {"name": "prediction", "datatype": "BYTES", "shape": [-1]},
+        {"name": "scores", "datatype": "FP64", "shape": [-1, -1]},
+    ],
+    ModelKind.CELL: [
+        {"name": "labels", "datatype": "BYTES", "shape": [-1]},
+        {"name": "out_of_range", "datatype": "BOOL", "shape": [-1]},
+    ],
+}
+
+
+def _produced(result: Prediction) -> dict[str, np.ndarray]:
+    """The output tensors of a typed result, by name (see :data:`_OUTPUTS`)."""
+    if result.kind is ModelKind.CELL:
+        assert result.domain is not None
+        return {"labels": result.estimate, "out_of_range": result.domain.out_of_range}
+    if isinstance(result, ClassificationPrediction):
+        return {"prediction": result.labels, "scores": result.scores}
+    return {"prediction": result.estimate}
+
+
+def _metadata(svc: ServicesDep, entry: ModelEntry) -> dict[str, Any]:
     panel = entry.panel
-    outputs = [
-        {
-            "name": "prediction",
-            "datatype": "BYTES" if entry.kind == "classification" else "FP64",
-            "shape": [-1],
-        }
-    ]
-    if entry.kind == "classification":
-        outputs.append({"name": "scores", "datatype": "FP64", "shape": [-1, -1]})
-    if entry.kind == "cell":
-        outputs = [
-            {"name": "labels", "datatype": "BYTES", "shape": [-1]},
-            {"name": "out_of_range", "datatype": "BOOL", "shape": [-1]},
-        ]
     return {
         "name": entry.name,
-        "versions": [e.version for e in request.app.state.registry.versions(entry.name)],
+        "versions": [e.version for e in svc.registry.versions(entry.name)],
         "platform": "bagserve",
         "inputs": [
             {"name": "points", "datatype": "FP64", "shape": [-1, entry.n_features]},
             {"name": "bag_sizes", "datatype": "INT64", "shape": [-1]},
         ],
-        "outputs": outputs,
+        "outputs": _OUTPUTS[entry.kind],
         "parameters": {"markers": list(panel.markers) if panel else None, "sha256": entry.sha256},
     }
 
 
-@router.get("/models/{name}", summary="Model metadata")
-async def model_metadata(request: Request, name: str) -> dict[str, Any]:
-    return _metadata(request, name, None)
+@models.get("/models/{name}", summary="Model metadata")
+async def model_metadata(svc: ServicesDep, entry: LatestEntry) -> dict[str, Any]:
+    """Inputs, outputs, versions and panel of the model's latest version."""
+    return _metadata(svc, entry)
 
 
-@router.get("/models/{name}/versions/{version}", summary="Model version metadata")
-async def model_version_metadata(request: Request, name: str, version: str) -> dict[str, Any]:
-    return _metadata(request, name, version)
+@models.get("/models/{name}/versions/{version}", summary="Model version metadata")
+async def model_version_metadata(svc: ServicesDep, entry: VersionEntry) -> dict[str, Any]:
+    """Inputs, outputs, versions and panel of one version."""
+    return _metadata(svc, entry)
 
 
-async def _model_ready(request: Request, name: str, version: str | None) -> Response:
-    request.app.state.auth.check(request)
-    _entry(request, name, version)
-    ok = request.app.state.pool.ready
+def _model_ready(svc: ServicesDep, entry: ModelEntry) -> Response:
+    ok = svc.pool.ready
     return Response(
-        orjson.dumps({"name": name, "ready": ok}),
+        orjson.dumps({"name": entry.name, "ready": ok}),
         status_code=200 if ok else 503,
         media_type="application/json",
     )
 
 
-@router.get("/models/{name}/ready", summary="Model ready")
-async def model_ready(request: Request, name: str) -> Response:
-    return await _model_ready(request, name, None)
+@models.get("/models/{name}/ready", summary="Model ready")
+async def model_ready(svc: ServicesDep, entry: LatestEntry) -> Response:
+    """The model is served and every worker is alive."""
+    return _model_ready(svc, entry)
 
 
-@router.get("/models/{name}/versions/{version}/ready", summary="Model version ready")
-async def model_version_ready(request: Request, name: str, version: str) -> Response:
-    return await _model_ready(request, name, version)
+@models.get("/models/{name}/versions/{version}/ready", summary="Model version ready")
+async def model_version_ready(svc: ServicesDep, entry: VersionEntry) -> Response:
+    """The version is served and every worker is alive."""
+    return _model_ready(svc, entry)
 
 
 def _tensor(spec: dict[str, Any], binary: bytes | None) -> np.ndarray:
@@ -269,81 +287,79 @@ def _output(name: str, array: np.ndarray, binary: bool) -> tuple[dict[str, Any],
     }, None
 
 
-async def _infer(request: Request, name: str, version: str | None) -> Response:
-    request.state.key_id = request.app.state.auth.check(request)
-    entry = _entry(request, name, version)
+async def _infer(request: Request, svc: ServicesDep, caller: Caller, entry: ModelEntry) -> Response:
+    """Decode tensors → predict → encode tensors."""
     t0 = time.perf_counter()
-    body = await read_limited(request, request.app.state.settings.max_body_bytes)
-    timings = {"read": time.perf_counter() - t0}
-    input_sha = hashlib.sha256(body).hexdigest()
-    status, outcome = 500, None
-    try:
-        t1 = time.perf_counter()
+    body = await read_limited(request, svc.settings.max_body_bytes)
+    read = {"read": time.perf_counter() - t0}
+    parsed: list[dict[str, Any]] = []
+
+    async def decode() -> tuple[list[IncomingBag], list[str]]:
         doc, tensors = _parse(body, request.headers.get(HEADER_LENGTH))
-        bags = _bags(doc, tensors)
-        timings["parse"] = time.perf_counter() - t1
-        outcome = await compute(request.app, entry, bags, [], timings)
         wanted = {o.get("name"): (o.get("parameters") or {}) for o in doc.get("outputs") or []}
-        binary_all = bool((doc.get("parameters") or {}).get("binary_data_output"))
-        if entry.kind == "cell":
-            produced = {"labels": outcome.arrays[0], "out_of_range": outcome.arrays[1]}
-        elif entry.kind == "classification":
-            produced = {"prediction": outcome.arrays[0], "scores": outcome.arrays[1]}
-        else:
-            produced = {"prediction": outcome.arrays[0]}
-        names = [n for n in produced if not wanted or n in wanted]
-        unknown = set(wanted) - set(produced)
+        available = [o["name"] for o in _OUTPUTS[entry.kind]]
+        unknown = set(wanted) - set(available)
         if unknown:
             raise Problem(
                 400,
-                f"unknown output(s) {sorted(unknown)}; available: {sorted(produced)}",
+                f"unknown output(s) {sorted(unknown)}; available: {sorted(available)}",
                 slug="invalid-request",
             )
-        outputs, blobs = [], []
-        for n in names:
-            spec, raw = _output(
-                n, produced[n], binary_all or bool(wanted.get(n, {}).get("binary_data"))
-            )
-            outputs.append(spec)
-            if raw is not None:
-                blobs.append(raw)
-        answer = {
-            "model_name": entry.name,
-            "model_version": entry.version,
-            "id": doc.get("id", request.state.request_id),
-            "parameters": {
-                "request_id": request.state.request_id,
-                "input_sha256": input_sha,
-                "model_sha256": entry.sha256,
-                "bag_sizes": outcome.sizes,
-                "warnings": outcome.warnings,
-            },
-            "outputs": outputs,
-        }
-        head = orjson.dumps(answer)
-        headers = provenance_headers(entry, input_sha)
-        status = 200
-        if blobs:
-            headers["Inference-Header-Content-Length"] = str(len(head))
-            return Response(
-                head + b"".join(blobs), media_type="application/octet-stream", headers=headers
-            )
-        return Response(head, media_type="application/json", headers=headers)
-    except Problem as exc:
-        status = exc.status
-        raise
-    finally:
-        metrics = getattr(request.app.state, "metrics", None)
-        if metrics is not None:
-            metrics.observe_stages(timings)
-        audit(request, entry, input_sha, status, outcome if status == 200 else None)
+        parsed.append(doc)
+        return _bags(doc, tensors), []
+
+    outcome = await svc.predictor.run(caller, entry, body, decode, timings=read)
+    (doc,) = parsed
+    wanted = {o.get("name"): (o.get("parameters") or {}) for o in doc.get("outputs") or []}
+    binary_all = bool((doc.get("parameters") or {}).get("binary_data_output"))
+    produced = _produced(outcome.result)
+    outputs, blobs = [], []
+    for n in produced:
+        if wanted and n not in wanted:
+            continue
+        spec, raw = _output(
+            n, produced[n], binary_all or bool(wanted.get(n, {}).get("binary_data"))
+        )
+        outputs.append(spec)
+        if raw is not None:
+            blobs.append(raw)
+    answer = {
+        "model_name": entry.name,
+        "model_version": entry.version,
+        "id": doc.get("id", caller.request_id),
+        "parameters": {
+            "request_id": caller.request_id,
+            "input_sha256": outcome.input_sha256,
+            "model_sha256": entry.sha256,
+            "bag_sizes": outcome.sizes,
+            "warnings": outcome.warnings,
+        },
+        "outputs": outputs,
+    }
+    head = orjson.dumps(answer)
+    headers = provenance_headers(entry, outcome.input_sha256)
+    if blobs:
+        headers["Inference-Header-Content-Length"] = str(len(head))
+        return Response(
+            head + b"".join(blobs), media_type="application/octet-stream", headers=headers
+        )
+    return Response(head, media_type="application/json", headers=headers)
 
 
-@router.post("/models/{name}/infer", summary="Inference")
-async def infer(request: Request, name: str) -> Response:
-    return await _infer(request, name, None)
+@models.post("/models/{name}/infer", summary="Inference")
+async def infer(
+    request: Request, svc: ServicesDep, caller: CallerDep, entry: LatestEntry
+) -> Response:
+    """Predict with the model's latest version (Open Inference Protocol)."""
+    return await _infer(request, svc, caller, entry)
 
 
-@router.post("/models/{name}/versions/{version}/infer", summary="Inference with one version")
-async def infer_version(request: Request, name: str, version: str) -> Response:
-    return await _infer(request, name, version)
+@models.post("/models/{name}/versions/{version}/infer", summary="Inference with one version")
+async def infer_version(
+    request: Request, svc: ServicesDep, caller: CallerDep, entry: VersionEntry
+) -> Response:
+    """Predict with one version of the model (Open Inference Protocol)."""
+    return await _infer(request, svc, caller, entry)
+
+
+router.include_router(models)

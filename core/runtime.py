@@ -1,0 +1,573 @@
+"""One model runtime: a saved artifact that knows what it answers, and answers it typed.
+
+Everything that predicts with a saved model goes through here: the ``bagserve predict``
+and ``bagserve evaluate`` commands, the service's worker processes, and (through
+:class:`ArtifactInfo`, which reads the manifest only) the service's registry and its
+encoders. Nothing else decides from an estimator's class what kind of answer a model
+gives, how its input is aligned and preprocessed, or how its answer is shaped.
+
+* :class:`ArtifactInfo`: a verified manifest: kind, panel, preprocessing, sizes, hashes.
+* :class:`ModelRuntime`: the info plus the fitted estimator; :meth:`ModelRuntime.predict`
+  returns one of the typed results below.
+* Results: :class:`RegressionPrediction`, :class:`ClassificationPrediction`,
+  :class:`ConditionalPrediction` and :class:`CellPrediction`, each with the bag sizes,
+  an applicability-domain report (:class:`DomainReport`) where the model has one, and a
+  prediction interval where one was asked for and the model gives one. They turn into
+  named arrays and back (:meth:`Prediction.to_arrays`, :func:`prediction_from_arrays`),
+  which is how they cross a process boundary.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+from sklearn.base import ClassifierMixin
+
+from .artifacts import ArtifactError, estimator_class, load, read_manifest
+from .bags import Bags
+from .estimators import ConditionalMeanEmbedding
+from .estimators.transfer import _MarginalTransfer
+from .io import Panel, Preprocessing, Sample
+
+__all__ = [
+    "ArtifactInfo",
+    "CellPrediction",
+    "ClassificationPrediction",
+    "ConditionalPrediction",
+    "DomainReport",
+    "ModelKind",
+    "ModelRuntime",
+    "Prediction",
+    "RegressionPrediction",
+    "kind_of",
+    "prediction_from_arrays",
+]
+
+#: Bag-level models predict chunks of bags of at most this many points in all (a bag
+#: larger than that is a chunk of its own): it bounds the memory of one call.
+CHUNK_POINTS = 2_000_000
+#: Nearest training tasks reported per bag by per-cell models.
+NEAREST = 3
+
+
+class ModelKind(enum.StrEnum):
+    """What a model answers for each bag."""
+
+    #: A value (or a vector of values) per bag.
+    REGRESSION = "regression"
+    #: A class per bag, with a score per class.
+    CLASSIFICATION = "classification"
+    #: A conditional distribution per bag: its mean, quantiles, exceedance probabilities.
+    CONDITIONAL = "conditional"
+    #: A label (or value) per point, and per bag a report on how close it is to the
+    #: training bags.
+    CELL = "cell"
+
+
+def kind_of(cls: type) -> ModelKind:
+    """The kind of answer of a core estimator class (the one place that decides it)."""
+    if issubclass(cls, _MarginalTransfer):
+        return ModelKind.CELL
+    if issubclass(cls, ConditionalMeanEmbedding):
+        return ModelKind.CONDITIONAL
+    if issubclass(cls, ClassifierMixin):
+        return ModelKind.CLASSIFICATION
+    return ModelKind.REGRESSION
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class DomainReport:
+    """How far each bag lies from the training data (its applicability domain).
+
+    Attributes
+    ----------
+    score : ndarray of shape (n_bags,)
+        Distance of the bag's embedding to the nearest training bag (or task).
+    out_of_range : ndarray of bool, shape (n_bags,)
+        The score exceeds the model's threshold: the bag is unlike the training data,
+        and the answer deserves less trust.
+    nearest : ndarray of int, shape (n_bags, k)
+        Indices of the nearest training bags, nearest first; ``-1`` pads rows when
+        there are fewer than ``k`` training bags.
+    similarities : ndarray of shape (n_bags, k)
+        The model's kernel between the bag and each of ``nearest`` (0 where padded).
+    """
+
+    score: NDArray[np.float64]
+    out_of_range: NDArray[np.bool_]
+    nearest: NDArray[np.int64]
+    similarities: NDArray[np.float64]
+
+    def nearest_of(self, i: int) -> list[int]:
+        """The nearest training bags of bag ``i``, padding dropped."""
+        return [int(t) for t in self.nearest[i] if t >= 0]
+
+    def similarities_of(self, i: int) -> list[float]:
+        """The similarities of bag ``i`` to :meth:`nearest_of`."""
+        return [
+            float(s) for s, t in zip(self.similarities[i], self.nearest[i], strict=True) if t >= 0
+        ]
+
+
+@dataclass(frozen=True)
+class Prediction(abc.ABC):
+    """What every model answers, besides its own values.
+
+    Attributes
+    ----------
+    sizes : ndarray of int, shape (n_bags,)
+        Points in each bag, in request order.
+    domain : DomainReport or None
+        Applicability domain of each bag, for models that have one.
+    interval : ndarray of shape (n_bags, 2) or None
+        A prediction interval ``[lo, hi]`` per bag, when one was asked for and the
+        model gives one.
+    clipped : ndarray of int, shape (n_bags,), or None
+        Points of each bag that lay outside the training range and were clipped into
+        it (representations with a bounded domain).
+    """
+
+    kind: ClassVar[ModelKind]
+
+    sizes: NDArray[np.int64]
+    domain: DomainReport | None = field(default=None, kw_only=True)
+    interval: NDArray[np.float64] | None = field(default=None, kw_only=True)
+    clipped: NDArray[np.int64] | None = field(default=None, kw_only=True)
+
+    @property
+    def n_bags(self) -> int:
+        return int(self.sizes.shape[0])
+
+    @property
+    @abc.abstractmethod
+    def estimate(self) -> NDArray[Any]:
+        """The model's answer: one row per bag (per point for per-cell models)."""
+
+    def to_arrays(self) -> dict[str, NDArray[Any]]:
+        """Every field as a named array (``domain.score``, ...); absent fields omitted."""
+        out: dict[str, NDArray[Any]] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if dataclasses.is_dataclass(value):
+                for g in dataclasses.fields(value):
+                    out[f"{f.name}.{g.name}"] = np.asarray(getattr(value, g.name))
+            else:
+                out[f.name] = np.asarray(value)
+        return out
+
+
+@dataclass(frozen=True)
+class RegressionPrediction(Prediction):
+    """Bag-level values.
+
+    Attributes
+    ----------
+    values : ndarray of shape (n_bags,) or (n_bags, n_outputs)
+    """
+
+    kind: ClassVar[ModelKind] = ModelKind.REGRESSION
+    values: NDArray[np.float64] = field(kw_only=True)
+
+    @property
+    def estimate(self) -> NDArray[np.float64]:
+        return self.values
+
+
+@dataclass(frozen=True)
+class ClassificationPrediction(Prediction):
+    """Bag-level classes with a score per class.
+
+    Attributes
+    ----------
+    labels : ndarray of shape (n_bags,)
+        The predicted class of each bag.
+    classes : ndarray of shape (n_classes,)
+        The classes, in the order of the score columns.
+    scores : ndarray of shape (n_bags, n_classes)
+        Decision scores (higher means more likely); for two classes the binary margin
+        ``s`` is given as ``[-s, s]``.
+    """
+
+    kind: ClassVar[ModelKind] = ModelKind.CLASSIFICATION
+    labels: NDArray[Any] = field(kw_only=True)
+    classes: NDArray[Any] = field(kw_only=True)
+    scores: NDArray[np.float64] = field(kw_only=True)
+
+    @property
+    def estimate(self) -> NDArray[Any]:
+        return self.labels
+
+
+@dataclass(frozen=True)
+class ConditionalPrediction(Prediction):
+    """A conditional distribution per bag, read off the conditional mean embedding.
+
+    Attributes
+    ----------
+    mean : ndarray of shape (n_bags,) or (n_bags, n_outputs)
+    levels : ndarray of shape (n_levels,)
+        Quantile levels asked for.
+    quantiles : ndarray of shape (n_bags, n_levels)
+    thresholds : ndarray of shape (n_thresholds,)
+        Thresholds ``t`` asked for.
+    exceedance : ndarray of shape (n_bags, n_thresholds)
+        ``P(outcome > t)``.
+    """
+
+    kind: ClassVar[ModelKind] = ModelKind.CONDITIONAL
+    mean: NDArray[np.float64] = field(kw_only=True)
+    levels: NDArray[np.float64] = field(kw_only=True)
+    quantiles: NDArray[np.float64] = field(kw_only=True)
+    thresholds: NDArray[np.float64] = field(kw_only=True)
+    exceedance: NDArray[np.float64] = field(kw_only=True)
+
+    @property
+    def estimate(self) -> NDArray[np.float64]:
+        return self.mean
+
+
+@dataclass(frozen=True)
+class CellPrediction(Prediction):
+    """A label (or value) for every point of every bag, bag after bag.
+
+    Attributes
+    ----------
+    labels : ndarray of shape (n_points,) or (n_points, n_outputs)
+        Points of bag ``i`` are ``labels[offsets[i]:offsets[i + 1]]``.
+    domain : DomainReport
+        Always present: how close each bag is to the training tasks.
+    """
+
+    kind: ClassVar[ModelKind] = ModelKind.CELL
+    labels: NDArray[Any] = field(kw_only=True)
+
+    @property
+    def estimate(self) -> NDArray[Any]:
+        return self.labels
+
+    @property
+    def offsets(self) -> NDArray[np.int64]:
+        return np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+
+    def labels_of(self, i: int) -> NDArray[Any]:
+        """The labels of bag ``i``'s points."""
+        o = self.offsets
+        return self.labels[o[i] : o[i + 1]]
+
+
+RESULT_TYPES: dict[ModelKind, type[Prediction]] = {
+    t.kind: t
+    for t in (RegressionPrediction, ClassificationPrediction, ConditionalPrediction, CellPrediction)
+}
+
+
+def prediction_from_arrays(kind: ModelKind | str, arrays: Mapping[str, NDArray[Any]]) -> Prediction:
+    """The inverse of :meth:`Prediction.to_arrays` for a model of ``kind``."""
+    cls = RESULT_TYPES[ModelKind(kind)]
+    values: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for name, array in arrays.items():
+        head, _, tail = name.partition(".")
+        if tail:
+            nested.setdefault(head, {})[tail] = array
+        else:
+            values[name] = array
+    if "domain" in nested:
+        values["domain"] = DomainReport(**nested["domain"])
+    return cls(**values)
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class ArtifactInfo:
+    """What an artifact's manifest says about the model, without loading its arrays.
+
+    Parameters
+    ----------
+    path : Path
+        The artifact directory.
+    manifest : dict
+        Its manifest, as :func:`~bagserve.core.artifacts.read_manifest` returns it.
+    """
+
+    path: Path
+    manifest: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def read(cls, path: str | Path, *, verify: bool = True) -> ArtifactInfo:
+        """Read (and by default verify every hash of) the artifact at ``path``."""
+        return cls(Path(path), read_manifest(path, verify=verify))
+
+    @property
+    def estimator(self) -> str:
+        """The estimator's class name."""
+        return str(self.manifest["estimator"]["class"])
+
+    @cached_property
+    def kind(self) -> ModelKind:
+        """What the model answers (:class:`ModelKind`)."""
+        return kind_of(estimator_class(self.estimator))
+
+    @cached_property
+    def classifies(self) -> bool:
+        """The model answers classes (per bag, or per point for per-cell models)."""
+        return issubclass(estimator_class(self.estimator), ClassifierMixin)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return dict(self.manifest.get("metadata") or {})
+
+    @property
+    def sha256(self) -> str:
+        """The manifest's own digest: it covers every file of the artifact."""
+        return str(self.manifest["manifest_sha256"])
+
+    @cached_property
+    def panel(self) -> Panel | None:
+        """The input markers, matched by name; ``None`` for models trained on arrays."""
+        spec = self.metadata.get("panel")
+        return Panel.from_json(spec) if spec else None
+
+    @cached_property
+    def preprocessing(self) -> Preprocessing:
+        """The preprocessing fitted with the model, applied before every prediction."""
+        spec = self.metadata.get("preprocessing")
+        return Preprocessing.from_json(spec) if spec else Preprocessing()
+
+    @property
+    def markers(self) -> list[str]:
+        """Marker names in the model's column order (empty without a panel)."""
+        return list(self.panel.markers) if self.panel is not None else []
+
+    @property
+    def _state(self) -> dict[str, Any]:
+        return (self.manifest.get("model") or {}).get("state") or {}
+
+    @property
+    def n_features(self) -> int:
+        """Columns each bag must have."""
+        return int(self._state["n_features_in_"])
+
+    @property
+    def n_outputs(self) -> int:
+        """Outputs per bag (regression and conditional models; 1 otherwise)."""
+        return int(self._state.get("n_outputs_", 1))
+
+    def check_servable(self) -> None:
+        """Refuse what a service predicting on bags cannot serve.
+
+        Raises
+        ------
+        ArtifactError
+            A pickle artifact (never loaded by a service), or a conditional model
+            fitted on points rather than bags.
+        """
+        if self.manifest["estimator"].get("format") != "arrays":
+            raise ArtifactError("pickle artifacts are not served")
+        if (
+            self.kind is ModelKind.CONDITIONAL
+            and self.manifest["model"]["params"].get("representation") is None
+        ):
+            raise ArtifactError(
+                "a ConditionalMeanEmbedding on points (no representation) cannot be served: "
+                "the service predicts on bags"
+            )
+
+    def distribution_query_problem(self) -> str | None:
+        """Why quantiles or exceedance probabilities cannot be asked of this model
+        (``None`` when they can: a conditional model with a scalar output)."""
+        if self.kind is not ModelKind.CONDITIONAL:
+            return (
+                "quantiles and exceed need a conditional model (ConditionalMeanEmbedding); "
+                f"this is a {self.estimator}"
+            )
+        if self.n_outputs != 1:
+            return f"quantiles and exceed need a scalar output; the model has {self.n_outputs}"
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON summary: estimator, kind, panel, preprocessing, metrics, hashes."""
+        meta = self.metadata
+        return {
+            "estimator": self.estimator,
+            "kind": str(self.kind),
+            "panel": None if self.panel is None else self.panel.to_json(),
+            "n_markers": self.n_features,
+            "preprocessing": meta.get("preprocessing"),
+            "metrics": meta.get("metrics"),
+            "description": meta.get("description"),
+            "created": self.manifest.get("created"),
+            "training_data_sha256": meta.get("training_data_sha256"),
+            "sha256": self.sha256,
+        }
+
+
+class ModelRuntime:
+    """A loaded model that aligns, preprocesses and predicts bags, with typed answers.
+
+    Parameters
+    ----------
+    info : ArtifactInfo
+    model : estimator
+        The fitted estimator of the artifact.
+
+    Examples
+    --------
+    >>> runtime = ModelRuntime.open("models/yeast-dose/1")  # doctest: +SKIP
+    >>> bags = runtime.align([read_sample("Yeast_B1_B01.fcs")])  # doctest: +SKIP
+    >>> runtime.predict(bags).values  # doctest: +SKIP
+    """
+
+    def __init__(self, info: ArtifactInfo, model: Any) -> None:
+        self.info = info
+        self.model = model
+        self.kind = kind_of(type(model))
+
+    @classmethod
+    def open(
+        cls, path: str | Path, *, mmap: bool = False, verify: bool = True, trusted: bool = False
+    ) -> ModelRuntime:
+        """Load the artifact at ``path``.
+
+        Parameters
+        ----------
+        path : path
+        mmap : bool, default=False
+            Memory-map the arrays read-only (worker processes then share the pages).
+        verify : bool, default=True
+            Check every file's sha256 (the service's registry already did).
+        trusted : bool, default=False
+            Allow a joblib (pickle) artifact.
+        """
+        info = ArtifactInfo.read(path, verify=verify)
+        return cls(info, load(path, mmap=mmap, trusted=trusted, verify=False))
+
+    def align(self, samples: Sequence[Sample]) -> Bags:
+        """Bags of the samples' columns in the model's panel order (matched by name).
+
+        Raises
+        ------
+        DataError
+            A sample lacks one of the model's markers (the error names it).
+        """
+        panel = self.info.panel
+        if panel is None:
+            return Bags.from_arrays([s.points for s in samples])
+        return Bags.from_arrays([panel.select(s) for s in samples])
+
+    def preprocess(self, bags: Bags) -> Bags:
+        """The artifact's preprocessing (transforms, scaling) applied to aligned bags."""
+        return self.info.preprocessing.apply(bags, self.info.markers)
+
+    def predict(
+        self,
+        bags: Bags,
+        *,
+        quantiles: Sequence[float] = (),
+        exceed: Sequence[float] = (),
+        preprocessed: bool = False,
+    ) -> Prediction:
+        """The model's typed answer for aligned bags.
+
+        Parameters
+        ----------
+        bags : Bags
+            Columns in the model's panel order (:meth:`align`).
+        quantiles, exceed : sequence of float
+            Quantile levels and exceedance thresholds (conditional models only).
+        preprocessed : bool, default=False
+            The bags already went through :meth:`preprocess`.
+
+        Returns
+        -------
+        Prediction
+            A :class:`CellPrediction`, :class:`ClassificationPrediction`,
+            :class:`ConditionalPrediction` or :class:`RegressionPrediction`.
+        """
+        problem = self.info.distribution_query_problem() if quantiles or exceed else None
+        if problem is not None:
+            raise ValueError(problem)
+        if not preprocessed:
+            bags = self.preprocess(bags)
+        sizes = np.asarray(bags.sizes, dtype=np.int64)
+        if self.kind is ModelKind.CELL:
+            return self._predict_cells(bags, sizes)
+        chunks = [bags[a:b] for a, b in _chunks(sizes, CHUNK_POINTS)]
+        extra: dict[str, Any] = {"sizes": sizes, "clipped": self._clipped(bags)}
+        if self.kind is ModelKind.CONDITIONAL:
+            levels = np.asarray(quantiles, dtype=np.float64)
+            thresholds = np.asarray(exceed, dtype=np.float64)
+            # One embedding and one kernel evaluation for the mean and every quantity.
+            parts = [self.model.summary(c, levels, thresholds) for c in chunks]
+            return ConditionalPrediction(
+                mean=np.concatenate([p[0] for p in parts]),
+                levels=levels,
+                quantiles=np.concatenate([p[1] for p in parts]),
+                thresholds=thresholds,
+                exceedance=np.concatenate([p[2] for p in parts]),
+                **extra,
+            )
+        values = np.concatenate([np.asarray(self.model.predict(c)) for c in chunks])
+        if self.kind is ModelKind.CLASSIFICATION:
+            scores = np.concatenate([np.asarray(self.model.decision_function(c)) for c in chunks])
+            scores = scores[:, None] if scores.ndim == 1 else scores
+            if scores.shape[1] == 1:  # binary: one margin for classes[1]
+                scores = np.hstack([-scores, scores])
+            return ClassificationPrediction(
+                labels=values, classes=np.asarray(self.model.classes_), scores=scores, **extra
+            )
+        return RegressionPrediction(values=values, **extra)
+
+    def _predict_cells(self, bags: Bags, sizes: NDArray[np.int64]) -> CellPrediction:
+        results = self.model.predict_tasks(bags)
+        reports = [r.report for r in results]
+        width = NEAREST
+        nearest = np.full((len(reports), width), -1, dtype=np.int64)
+        sims = np.zeros((len(reports), width))
+        for i, r in enumerate(reports):
+            nearest[i, : r.nearest_tasks.size] = r.nearest_tasks[:width]
+            sims[i, : r.similarities.size] = r.similarities[:width]
+        domain = DomainReport(
+            score=np.array([r.distance for r in reports], dtype=np.float64),
+            out_of_range=np.array([r.out_of_range for r in reports], dtype=bool),
+            nearest=nearest,
+            similarities=sims,
+        )
+        return CellPrediction(
+            labels=np.concatenate([r.predictions for r in results]), sizes=sizes, domain=domain
+        )
+
+    def _clipped(self, bags: Bags) -> NDArray[np.int64] | None:
+        # Representations with a bounded domain (density features) clip new points into
+        # the training range: callers are told how many, per bag.
+        rep = getattr(self.model, "representation_", None)
+        if hasattr(rep, "clipped_counts"):
+            return np.asarray(rep.clipped_counts(bags), dtype=np.int64)
+        return None
+
+
+def _chunks(sizes: NDArray[np.int64], limit: int) -> list[tuple[int, int]]:
+    """Consecutive ranges of bags with at most ``limit`` points each (a larger bag
+    alone); a loop over bags, never over points."""
+    out = []
+    start, n = 0, len(sizes)
+    while start < n:
+        stop, total = start + 1, int(sizes[start])
+        while stop < n and total + int(sizes[stop]) <= limit:
+            total += int(sizes[stop])
+            stop += 1
+        out.append((start, stop))
+        start = stop
+    return out

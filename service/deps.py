@@ -1,0 +1,126 @@
+"""FastAPI dependencies: the app's services, authentication, model lookup, the caller.
+
+Routes declare what they need (``services: ServicesDep``, ``entry: LatestEntry``, ...)
+instead of reaching into ``app.state``; the routers that need an API key carry
+:func:`authenticate` as a router-wide dependency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from .audit import AuditLog
+from .errors import Problem
+from .idempotency import IdempotencyStore
+from .jobs import JobStore
+from .metrics import Metrics
+from .pool import WorkerPool
+from .prediction import Caller, Predictor
+from .registry import ModelEntry, Registry
+from .security import ApiKeys
+from .settings import Settings
+
+__all__ = [
+    "CallerDep",
+    "LatestEntry",
+    "Services",
+    "ServicesDep",
+    "VersionEntry",
+    "authenticate",
+    "lookup",
+    "services",
+]
+
+
+@dataclass
+class Services:
+    """Everything a running app serves with, built once in its lifespan.
+
+    Attributes
+    ----------
+    settings : Settings
+    auth : ApiKeys
+    metrics : Metrics
+    registry : Registry
+        The models served, and the artifacts refused with their reasons.
+    pool : WorkerPool
+    predictor : Predictor
+        The prediction use-case.
+    audit : AuditLog
+    idempotency : IdempotencyStore
+    jobs : JobStore
+    """
+
+    settings: Settings
+    auth: ApiKeys
+    metrics: Metrics
+    registry: Registry
+    pool: WorkerPool
+    predictor: Predictor
+    audit: AuditLog
+    idempotency: IdempotencyStore
+    jobs: JobStore
+
+
+def services(request: Request) -> Services:
+    """The app's :class:`Services` (503 while the app is starting or stopping)."""
+    found = getattr(request.app.state, "services", None)
+    if found is None:
+        raise Problem(503, "the service is starting", slug="not-ready")
+    return found
+
+
+ServicesDep = Annotated[Services, Depends(services)]
+
+
+def authenticate(request: Request, svc: ServicesDep) -> str | None:
+    """Check the API key (401 without a valid one); the key's id goes to the request's
+    state, for the access log and the audit trail."""
+    key_id = svc.auth.check(request)
+    request.state.key_id = key_id
+    return key_id
+
+
+def caller(request: Request) -> Caller:
+    """Who is asking, for the audit trail (after :func:`authenticate`)."""
+    return Caller(
+        request_id=request.state.request_id,
+        key_id=getattr(request.state, "key_id", None),
+        route=request.url.path,
+    )
+
+
+CallerDep = Annotated[Caller, Depends(caller)]
+
+
+def lookup(registry: Registry, name: str, version: str | None) -> ModelEntry:
+    """A served model version (the latest for ``None``), or 404 naming what exists."""
+    entry = registry.get(name, version)
+    if entry is None:
+        if name in registry.entries:
+            versions = [e.version for e in registry.versions(name)]
+            raise Problem(
+                404,
+                f"model {name!r} has no version {version!r} (versions: {versions})",
+                slug="unknown-version",
+            )
+        known = sorted(registry.entries)
+        raise Problem(404, f"unknown model {name!r} (models: {known})", slug="unknown-model")
+    return entry
+
+
+def latest_entry(svc: ServicesDep, name: str) -> ModelEntry:
+    """The latest version of the model named in the path."""
+    return lookup(svc.registry, name, None)
+
+
+def version_entry(svc: ServicesDep, name: str, version: str) -> ModelEntry:
+    """The model version named in the path."""
+    return lookup(svc.registry, name, version)
+
+
+LatestEntry = Annotated[ModelEntry, Depends(latest_entry)]
+VersionEntry = Annotated[ModelEntry, Depends(version_entry)]

@@ -1,0 +1,64 @@
+"""The job runner: a stored job through the prediction use-case, its answer stored.
+
+A job is the same prediction as ``POST /v1/models/{name}/predict``, decoded from the
+body and query stored at submission, audited under the job's own request id and API
+key id, its JSON answer (or problem) written next to the request.
+"""
+
+from __future__ import annotations
+
+from .encoders import encode_document
+from .errors import Problem
+from .jobs import JobStore
+from .prediction import Caller, PredictOptions, Predictor
+from .registry import Registry
+from .uploads import decode_bags, markers_param
+
+__all__ = ["JobRunner"]
+
+
+class JobRunner:
+    """Computes one stored job (the :class:`~.jobs.JobStore` consumers call it).
+
+    Parameters
+    ----------
+    store : JobStore
+    registry : Registry
+    predictor : Predictor
+    """
+
+    def __init__(self, store: JobStore, registry: Registry, predictor: Predictor) -> None:
+        self.store = store
+        self.registry = registry
+        self.predictor = predictor
+
+    async def __call__(self, job_id: str) -> None:
+        store = self.store
+        meta = store.meta(job_id)
+        entry = self.registry.get(meta["model"], meta["version"])
+        if entry is None:
+            detail = f"model {meta['model']}/{meta['version']} is no longer served"
+            store.finish(job_id, "failed", {"status": 404, "detail": detail})
+            return
+        caller = Caller(meta["request_id"], meta.get("api_key_id"), f"/v1/jobs/{job_id}")
+        body = store.body(job_id)
+        try:
+            outcome = await self.predictor.run(
+                caller,
+                entry,
+                body,
+                lambda: decode_bags(
+                    meta["content_type"], body, markers_param(meta.get("markers")), "bag-0"
+                ),
+                PredictOptions.from_json(meta.get("options")),
+                input_sha256=meta["input_sha256"],
+            )
+        except Problem as exc:
+            store.finish(
+                job_id, "failed", {"status": exc.status, "detail": exc.detail, "errors": exc.errors}
+            )
+            return
+        document = encode_document(
+            outcome.result, outcome.ids, outcome.provenance(meta["request_id"])
+        )
+        store.finish(job_id, "succeeded", {"status": 200, **document})
