@@ -113,7 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         for key, reason in registry.failures.items():
             log.error("model not loaded", extra={"model": key, "reason": reason})
         pool = WorkerPool(
-            {e.key: e.path for e in registry.all()}, settings.workers, settings.queue_size
+            {e.key: e.info.path for e in registry.all()}, settings.workers, settings.queue_size
         )
         data = Path(settings.data_dir)
         audit = AuditLog(settings.audit_log or data / "audit.jsonl")

@@ -46,6 +46,7 @@ class AuditLog:
         self._last = result.last_hash
 
     def append(self, **fields: Any) -> dict[str, Any]:
+        """Append one record (``time``, the fields, ``prev`` and its own ``hash``), fsynced."""
         with self._lock:
             record = {
                 "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
@@ -69,6 +70,8 @@ class AuditLog:
 
 @dataclass
 class VerifyResult:
+    """What :func:`verify` found: ``ok``, the lines read, the last hash, the first problem."""
+
     ok: bool
     lines: int
     last_hash: str

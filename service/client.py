@@ -125,6 +125,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        """Close the connection pool."""
         self._http.close()
 
     def _send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
@@ -144,6 +145,7 @@ class Client:
         return response
 
     def models(self) -> dict[str, Any]:
+        """Every served model with its versions (``GET /v1/models``)."""
         return _raise_for(self._send("GET", "/v1/models"))
 
     def predict(
@@ -221,6 +223,7 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the connection pool."""
         await self._http.aclose()
 
     async def _send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
@@ -240,6 +243,7 @@ class AsyncClient:
         return response
 
     async def models(self) -> dict[str, Any]:
+        """Every served model with its versions (``GET /v1/models``)."""
         return _raise_for(await self._send("GET", "/v1/models"))
 
     async def predict(
@@ -251,6 +255,7 @@ class AsyncClient:
         ids: Sequence[str] | None = None,
         version: str | None = None,
     ) -> dict[str, Any]:
+        """Predict bags (2-D arrays, one per sample); see :meth:`Client.predict`."""
         return _raise_for(
             await self._send(
                 "POST",
@@ -263,4 +268,5 @@ class AsyncClient:
     async def predict_files(
         self, model: str, paths: Sequence[str | Path], *, version: str | None = None
     ) -> dict[str, Any]:
+        """Predict sample files (FCS, CSV, TSV, NPY), one bag each, as multipart."""
         return _raise_for(await self._send("POST", _path(model, version), files=_files(paths)))

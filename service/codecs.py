@@ -55,6 +55,7 @@ class IncomingBag:
 
 
 def media_type(header: str | None) -> str:
+    """The media type of a ``Content-Type`` or ``Accept`` entry, lower case, no parameters."""
     return (header or "").split(";")[0].strip().lower()
 
 
@@ -254,6 +255,7 @@ def decode_body(
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
+    """An array as the bytes of an ``.npy`` file (no pickle)."""
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=False)
     return buf.getvalue()

@@ -38,6 +38,9 @@ _KEPT_HEADERS = (
 
 
 def fingerprint(request: Request, body: bytes | memoryview) -> str:
+    """sha256 of what makes a request the same request: method, path, query,
+    content type, accept, and the body.
+    """
     h = hashlib.sha256()
     for part in (
         request.method,
@@ -52,6 +55,15 @@ def fingerprint(request: Request, body: bytes | memoryview) -> str:
 
 
 class IdempotencyStore:
+    """Stored answers to keyed requests, one file per key, kept ``ttl`` seconds.
+
+    Parameters
+    ----------
+    directory : Path
+    ttl : float
+        Seconds an answer is replayed.
+    """
+
     def __init__(self, directory: Path, ttl: float):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -86,6 +98,9 @@ class IdempotencyStore:
         os.replace(tmp, path)
 
     async def run(self, key: str, fp: str, produce: Callable[[], Awaitable[Response]]) -> Response:
+        """The stored answer for ``key`` (same fingerprint ``fp``), or ``produce()``'s,
+        stored when it is final; 422 when the key was used for another request.
+        """
         if not _KEY.match(key):
             raise Problem(
                 400,

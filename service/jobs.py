@@ -40,6 +40,16 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
 
 
 class JobStore:
+    """Jobs on disk, ``DIRECTORY/<id>/`` (request body, ``meta.json``, ``result.json``),
+    and the consumers that run them.
+
+    Parameters
+    ----------
+    directory : Path
+    ttl : float
+        Seconds a finished job is kept.
+    """
+
     def __init__(self, directory: Path, ttl: float):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -55,6 +65,7 @@ class JobStore:
         return self.directory / job_id
 
     def meta(self, job_id: str) -> dict[str, Any]:
+        """The job's metadata (status, model, times, ...); 404 for an unknown id."""
         path = self._dir(job_id) / "meta.json"
         try:
             return json.loads(path.read_text())
@@ -67,6 +78,7 @@ class JobStore:
         return meta
 
     def create(self, body: bytes, **meta: Any) -> dict[str, Any]:
+        """Store a request body with its metadata, queue it, and return the metadata."""
         job_id = uuid.uuid4().hex
         tmp = self.directory / f".{job_id}.tmp"
         tmp.mkdir()
@@ -81,19 +93,23 @@ class JobStore:
         return self.meta(job_id)
 
     def body(self, job_id: str) -> bytes:
+        """The stored request body."""
         return (self._dir(job_id) / "request.bin").read_bytes()
 
     def result(self, job_id: str) -> dict[str, Any] | None:
+        """The job's answer or problem, once finished (else ``None``)."""
         path = self._dir(job_id) / "result.json"
         return json.loads(path.read_text()) if path.exists() else None
 
     def finish(self, job_id: str, status: str, result: dict[str, Any]) -> None:
+        """Store a finished job's answer, unless it was cancelled meanwhile."""
         if self.meta(job_id)["status"] == "cancelled":
             return  # cancelled while running: the answer is discarded
         _write_json(self._dir(job_id) / "result.json", result)
         self._update(job_id, status=status)
 
     def cancel(self, job_id: str) -> dict[str, Any]:
+        """Cancel a queued or running job; a finished one is returned as it is."""
         meta = self.meta(job_id)
         if meta["status"] in FINAL:
             return meta
@@ -127,6 +143,10 @@ class JobStore:
         return n
 
     def start(self, run_one: Any, concurrency: int) -> None:
+        """Start ``concurrency`` consumers running ``run_one(job_id)``, and the sweep
+        that deletes expired finished jobs.
+        """
+
         async def consume() -> None:
             while True:
                 job_id = await self.queue.get()
@@ -164,6 +184,7 @@ class JobStore:
         self._tasks.add(asyncio.get_running_loop().create_task(sweep()))
 
     async def stop(self) -> None:
+        """Cancel the consumers, the sweep and the running jobs."""
         for t in list(self._tasks) + list(self._running.values()):
             t.cancel()
         for t in list(self._tasks):

@@ -13,7 +13,10 @@ _STANDARD = set(vars(logging.makeLogRecord({})))
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object per log line: time, level, logger, message and the record's extras."""
+
     def format(self, record: logging.LogRecord) -> str:
+        """The record as one line of JSON."""
         doc = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
@@ -30,6 +33,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(fmt: str = "json", level: str = "info") -> None:
+    """Send the ``bagserve`` loggers to stderr, as JSON lines (``fmt='json'``) or text."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         JsonFormatter()

@@ -20,6 +20,8 @@ STAGES = ("read", "parse", "validate", "queue", "transfer", "compute", "encode")
 
 
 class Metrics:
+    """The service's Prometheus metrics, in a registry of their own (see the module)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -68,11 +70,13 @@ class Metrics:
         )
 
     def observe_stages(self, timings: dict[str, float]) -> None:
+        """Record seconds per prediction stage (read, parse, validate, ...)."""
         for stage, seconds in timings.items():
             if stage in STAGES:
                 self.stage.labels(stage).observe(seconds)
 
     def render(self, pool_status: dict[str, Any], failures: int) -> bytes:
+        """The metrics in the Prometheus text format, with the pool's gauges updated."""
         self.queue_depth.set(pool_status["waiting"])
         self.busy.set(pool_status["busy"])
         self.alive.set(pool_status["alive"])

@@ -119,6 +119,7 @@ class PredictOptions:
 
     @classmethod
     def from_json(cls, spec: dict[str, Any] | None) -> PredictOptions:
+        """The options stored with a job (:meth:`to_json`)."""
         spec = spec or {}
         return cls(tuple(spec.get("quantiles", ())), tuple(spec.get("exceed", ())))
 
@@ -151,6 +152,7 @@ class Outcome:
 
     @property
     def sizes(self) -> list[int]:
+        """Points in each bag, in request order."""
         return [int(n) for n in self.result.sizes]
 
     def provenance(self, request_id: str) -> dict[str, Any]:

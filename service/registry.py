@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bagserve.core.artifacts import ArtifactError
-from bagserve.core.io import Panel, Preprocessing
+from bagserve.core.io import Panel
 from bagserve.core.runtime import ArtifactInfo, ModelKind
 
 __all__ = ["ModelEntry", "Registry"]
@@ -48,31 +48,23 @@ class ModelEntry:
         return f"{self.name}/{self.version}"
 
     @property
-    def path(self) -> Path:
-        return self.info.path
-
-    @property
     def sha256(self) -> str:
+        """The artifact's manifest digest (it covers every file)."""
         return self.info.sha256
 
     @property
-    def estimator(self) -> str:
-        return self.info.estimator
-
-    @property
     def kind(self) -> ModelKind:
+        """What the model answers (:class:`~bagserve.core.runtime.ModelKind`)."""
         return self.info.kind
 
     @property
     def panel(self) -> Panel | None:
+        """The model's markers, matched by name; ``None`` for models trained on arrays."""
         return self.info.panel
 
     @property
-    def preprocessing(self) -> Preprocessing:
-        return self.info.preprocessing
-
-    @property
     def n_features(self) -> int:
+        """Columns each bag must have."""
         return self.info.n_features
 
     def describe(self) -> dict[str, Any]:

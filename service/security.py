@@ -17,16 +17,26 @@ __all__ = ["ApiKeys", "key_id"]
 
 
 def key_id(key: str) -> str:
+    """A key's public id: the first 12 hex digits of its sha256 (logged, never the key)."""
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 class ApiKeys:
+    """The configured API keys, compared in constant time.
+
+    Parameters
+    ----------
+    keys : list of str
+        Accepted keys; empty turns authentication off.
+    """
+
     def __init__(self, keys: list[str]):
         self._keys = [k.encode() for k in keys if k]
         self._ids = [key_id(k) for k in keys if k]
 
     @property
     def enabled(self) -> bool:
+        """Keys are configured (requests need one)."""
         return bool(self._keys)
 
     def check(self, request: Request) -> str | None:

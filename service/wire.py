@@ -89,6 +89,7 @@ class SharedBuffer:
 
     def close(self) -> None:
         # The mapping itself goes when the last view of it does.
+        """Close the memory file's descriptor (the mapping goes with its last view)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -136,6 +137,7 @@ class BufferPool:
                 self._idle.pop(0).close()
 
     def close(self) -> None:
+        """Close every idle buffer."""
         with self._lock:
             for b in self._idle:
                 b.close()
