@@ -2,7 +2,9 @@
 
 Routes declare what they need (``services: ServicesDep``, ``entry: LatestEntry``, ...)
 instead of reaching into ``app.state``; the routers that need an API key carry
-:func:`authenticate` as a router-wide dependency.
+:func:`authenticate` as a router-wide dependency. Each dependency is a coroutine
+function, although none awaits: FastAPI runs plain functions in its thread pool, a
+thread hop per dependency per request.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Services:
     jobs: JobStore
 
 
-def services(request: Request) -> Services:
+async def services(request: Request) -> Services:
     """The app's :class:`Services` (503 while the app is starting or stopping)."""
     found = getattr(request.app.state, "services", None)
     if found is None:
@@ -76,7 +78,7 @@ def services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(services)]
 
 
-def authenticate(request: Request, svc: ServicesDep) -> str | None:
+async def authenticate(request: Request, svc: ServicesDep) -> str | None:
     """Check the API key (401 without a valid one); the key's id goes to the request's
     state, for the access log and the audit trail."""
     key_id = svc.auth.check(request)
@@ -84,7 +86,7 @@ def authenticate(request: Request, svc: ServicesDep) -> str | None:
     return key_id
 
 
-def caller(request: Request) -> Caller:
+async def caller(request: Request) -> Caller:
     """Who is asking, for the audit trail (after :func:`authenticate`)."""
     return Caller(
         request_id=request.state.request_id,
@@ -112,12 +114,12 @@ def lookup(registry: Registry, name: str, version: str | None) -> ModelEntry:
     return entry
 
 
-def latest_entry(svc: ServicesDep, name: str) -> ModelEntry:
+async def latest_entry(svc: ServicesDep, name: str) -> ModelEntry:
     """The latest version of the model named in the path."""
     return lookup(svc.registry, name, None)
 
 
-def version_entry(svc: ServicesDep, name: str, version: str) -> ModelEntry:
+async def version_entry(svc: ServicesDep, name: str, version: str) -> ModelEntry:
     """The model version named in the path."""
     return lookup(svc.registry, name, version)
 
