@@ -2,9 +2,30 @@
 
 One uvicorn process does I/O, parsing and validation; a fixed pool of worker
 processes (:mod:`bagserve.service.pool`) holds the models and does the math.
+
+``create_app`` and ``Settings`` are imported on first use, so that the parts a lab
+pipeline or an auditor needs alone (:mod:`.client`, :mod:`.audit`) do not load the web
+framework.
 """
 
-from .app import create_app
-from .settings import Settings
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .app import create_app
+    from .settings import Settings
 
 __all__ = ["Settings", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "create_app":
+        from .app import create_app
+
+        return create_app
+    if name == "Settings":
+        from .settings import Settings
+
+        return Settings
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,18 +40,30 @@ def test_core_imports_nothing_from_the_service():
     assert not offenders, offenders
 
 
-def test_importing_the_core_loads_no_web_framework():
+def _loaded_web_modules(imports: str) -> tuple[str, list[str]]:
     code = (
-        "import sys, bagserve, bagserve.core; "
-        "from bagserve.core import Bags; "
-        "print(bagserve.__version__); "
+        f"import sys, bagserve; {imports}; print(bagserve.__version__); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('fastapi', 'starlette', 'uvicorn') or m.startswith('bagserve.service')))"
+        "('fastapi', 'starlette', 'uvicorn') or m.startswith('bagserve.service.app')))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
     ).stdout.split("\n")
-    assert re.fullmatch(r"\d+\.\d+\.\d+", out[0]) and out[1] == "[]"
+    return out[0], ast.literal_eval(out[1])
+
+
+def test_importing_the_core_loads_no_web_framework():
+    version, loaded = _loaded_web_modules("import bagserve.core; from bagserve.core import Bags")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version) and loaded == []
+
+
+def test_the_client_and_the_audit_check_load_no_web_framework():
+    """A lab pipeline (the client) and an auditor (``bagserve audit verify``) need
+    neither FastAPI nor uvicorn."""
+    _, loaded = _loaded_web_modules(
+        "from bagserve.service.client import Client; from bagserve.service.audit import verify"
+    )
+    assert loaded == []
 
 
 def test_no_code_outside_the_runtime_decides_from_class_names():
