@@ -280,8 +280,8 @@ class Predictor:
             result, warnings = await self.compute(
                 entry, bags, decode_errors, options, timings, lent, hash_input
             )
-            outcome = Outcome(entry, [b.id for b in bags], result, warnings, "", timings)
-            outcome.input_sha256 = await input_hash()
+            ids = [b.id for b in bags]
+            outcome = Outcome(entry, ids, result, warnings, await input_hash(), timings)
             status = 200
             return outcome
         except Problem as exc:
