@@ -12,22 +12,28 @@ core, the exact mean embedding by default) and ``τ`` a share of pooling: ``τ =
 the pooled model (``k_P ≡ 1``), ``τ = 0`` the paper's kernel. Every point is weighted
 ``1 / (N n_i)`` so every task counts equally (eq. 7), and there is no bias term.
 
-Two solvers behind ``solver=``:
+Three solver strategies behind ``solver=`` and ``task_map=``, one module each, all
+behind :class:`~._transfer_strategy.SolverStrategy`:
 
-* ``"exact"``: the kernel matrix over all training points, with the paper's bias-free
-  weighted SVM / SVR (hinge / ε-insensitive) or weighted kernel ridge. Small data.
-* ``"random_features"``: explicit features, a weighted ridge, cost linear in the total
-  number of points. ``task_map="nystroem"`` (default) uses random Fourier features
-  ``z(x)`` for ``k_X`` and the *exact* Nyström map of ``k_P`` over the ``N`` training
-  tasks, ``ψ(P) = Λ^{-1/2} Uᵀ k_P(P_train, P)``, so the joint feature is
-  ``[√τ, √(1-τ) ψ(P)] ⊗ z(x)``: exact on the training tasks and vanishing for a task
-  unlike all of them, where the model falls back to its pooled part ``√τ w_0``.
-  ``task_map="rff"`` is the paper's §7.2 construction (an RFF mean embedding
-  concatenated with ``x``, a second RFF layer), kept for comparison: far from the
-  training tasks its features do not vanish and it predicts noise.
+* ``solver="exact"`` (:mod:`._transfer_exact`): the kernel matrix over all training
+  points, with the paper's bias-free weighted SVM / SVR (hinge / ε-insensitive) or
+  weighted kernel ridge. Small data.
+* ``solver="random_features"``: explicit features, a weighted ridge, cost linear in the
+  total number of points. ``task_map="nystroem"`` (default, :mod:`._transfer_nystroem`)
+  uses random Fourier features ``z(x)`` for ``k_X`` and the *exact* Nyström map of
+  ``k_P`` over the ``N`` training tasks, ``ψ(P) = Λ^{-1/2} Uᵀ k_P(P_train, P)``, so the
+  joint feature is ``[√τ, √(1-τ) ψ(P)] ⊗ z(x)``: exact on the training tasks and
+  vanishing for a task unlike all of them, where the model falls back to its pooled part
+  ``√τ w_0``. ``task_map="rff"`` (:mod:`._transfer_paper_rff`) is the paper's §7.2
+  construction (an RFF mean embedding concatenated with ``x``, a second RFF layer), kept
+  for comparison: far from the training tasks its features do not vanish and it
+  predicts noise.
 
-Each prediction reports, per new task, its similarity to the nearest training tasks and
-an out-of-range flag (:class:`TaskReport`).
+The estimator validates the parameters, resolves the hyperparameters (leave-tasks-out
+search in :mod:`._transfer_cv`), and keeps the fitted state under the attribute names
+model artifacts store; the strategy does the numerics. Each prediction reports, per new
+task, its similarity to the nearest training tasks and an out-of-range flag
+(:class:`TaskReport`).
 """
 
 from __future__ import annotations
@@ -43,25 +49,28 @@ from threadpoolctl import threadpool_limits
 
 from .._random import check_generator
 from ..bags import Bags, BagValidationError, as_bags, subsample_bags
-from ..kernels import (
-    batch_invariant_matmul,
-    get_kernel,
-    point_kernel,
-    random_fourier_features,
-)
-from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
-from ..representations.mean import MeanEmbedding, _median_distance
+from ..kernels import get_kernel
+from ..representations.base import BagRepresentation, Embedding
+from ..representations.mean import _median_distance
 from ..selection import leave_tasks_out_folds, median_heuristic_gamma
-from ._transfer_cv import FoldEvaluator
-from ._transfer_solvers import (
-    _CHUNK_POINTS,
-    _DUAL_MAX_POINTS,
-    TaskStatistics,
-    structured_ridge_path,
-    task_ridge_path,
-    weighted_kernel_ridge,
-    weighted_svm,
-    weighted_svr,
+from ._transfer_cv import (
+    FoldEvaluator,
+    SearchSetup,
+    coordinate_search,
+    mean_squared_error,
+    misclassification_rate,
+)
+from ._transfer_exact import ExactKernelStrategy
+from ._transfer_nystroem import NystroemFeatureStrategy
+from ._transfer_paper_rff import PaperRFFStrategy
+from ._transfer_strategy import (
+    FeatureMaps,
+    KernelParameters,
+    NewTasks,
+    SolverStrategy,
+    TrainingData,
+    TrainingProblem,
+    task_similarity,
 )
 
 __all__ = [
@@ -70,9 +79,6 @@ __all__ = [
     "TaskPrediction",
     "TaskReport",
 ]
-
-# Rows per block of the per-cell products: every cell's score depends on that cell only.
-_POINT_BLOCK = 256
 
 #: Default ridge grid ``λ`` of the weighted objective (per-task mean loss ~ 1).
 ALPHA_GRID = np.logspace(-6, -1, 6)
@@ -185,31 +191,33 @@ class _MarginalTransfer(BaseEstimator):
         self.random_state = random_state
 
     # ================================================================= validation
-    def _loss(self) -> str:
-        allowed = (
-            ("hinge", "squared") if self._is_classifier else ("epsilon_insensitive", "squared")
-        )
+    def _strategy(self) -> SolverStrategy:
+        """The solver strategy that ``solver`` and ``task_map`` name.
+
+        Derived from the parameters on every call, never stored: artifacts save the
+        fitted attributes only, and a loaded model derives the same strategy.
+        """
         if self.solver not in ("exact", "random_features"):
             raise ValueError(f"solver must be 'exact' or 'random_features', got {self.solver!r}")
         if self.task_map not in ("nystroem", "rff"):
             raise ValueError(f"task_map must be 'nystroem' or 'rff', got {self.task_map!r}")
+        if self.solver == "exact":
+            return ExactKernelStrategy()
+        return PaperRFFStrategy() if self.task_map == "rff" else NystroemFeatureStrategy()
+
+    def _loss(self, strategy: SolverStrategy) -> str:
+        # Default first: the paper's margin loss (§7.1), for the strategies that can fit it.
+        allowed = (
+            ("hinge", "squared") if self._is_classifier else ("epsilon_insensitive", "squared")
+        )
         if self.point_kernel not in ("gaussian", "linear"):
             raise ValueError(
                 f"point_kernel must be 'gaussian' or 'linear', got {self.point_kernel!r}"
             )
-        loss = self.loss or (allowed[0] if self.solver == "exact" else "squared")
+        loss = self.loss or strategy.default_loss(allowed)
         if loss not in allowed:
             raise ValueError(f"loss must be one of {allowed}, got {loss!r}")
-        if self.solver == "random_features" and loss != "squared":
-            raise ValueError(
-                "the random-feature solver fits a weighted ridge (loss='squared'); "
-                f"use solver='exact' for loss={loss!r}"
-            )
-        if self.solver == "random_features" and self.task_map == "rff":
-            if self.point_kernel != "gaussian":
-                raise ValueError("task_map='rff' (paper 004 §7.2) needs point_kernel='gaussian'")
-            if self.tau not in (None, 0, 0.0):
-                raise ValueError("task_map='rff' has no pooling share; leave tau=None")
+        strategy.check_parameters(loss, self.point_kernel, self.tau)
         return loss
 
     def _labels(self, y: ArrayLike, tasks: Bags) -> NDArray[np.float64]:
@@ -245,20 +253,16 @@ class _MarginalTransfer(BaseEstimator):
         y : array-like of shape (n_points,) or list of per-task arrays
             A label (or value) for every point, task after task.
         """
-        loss = self._loss()
+        strategy = self._strategy()
+        loss = self._loss(strategy)
         tasks, _ = _as_tasks(X)
         Y = self._labels(y, tasks)
         N = len(tasks)
         if _single_point_problems(tasks):
             raise BagValidationError(_single_point_problems(tasks))
-        if self.solver == "exact" and tasks.n_points > self.max_exact_points:
-            raise BagValidationError(
-                [
-                    f"the exact solver builds a {tasks.n_points} x {tasks.n_points} kernel "
-                    f"matrix (more than max_exact_points={self.max_exact_points}); use "
-                    "solver='random_features' or subsample the tasks"
-                ]
-            )
+        too_large = strategy.size_problems(tasks.n_points, self.max_exact_points)
+        if too_large:
+            raise BagValidationError(too_large)
         self.n_features_in_ = tasks.dim
         self.n_tasks_ = N
         self.loss_ = loss
@@ -270,70 +274,60 @@ class _MarginalTransfer(BaseEstimator):
         # Standard normal directions shared by every bandwidth candidate (smooth CV).
         half = max(1, int(self.n_components) // 2)
         self.point_frequencies_ = rng.standard_normal((half, tasks.dim))
-        self.joint_frequencies_ = None
-        if self.solver == "random_features" and self.task_map == "rff":
-            self.joint_frequencies_ = rng.standard_normal((half, 2 * half + tasks.dim))
+        self.joint_frequencies_ = strategy.draw_joint_frequencies(rng, half, tasks.dim)
 
+        data = TrainingData(tasks, Y, self._feature_maps(), loss, self.epsilon)
         emb_tasks = subsample_bags(tasks, self.embedding_points, self.seed_, canonical=True)
-        grid = self._grid(tasks)
+        grid, alphas = self._grid(strategy)
         sizes = [len(v) for v in grid.values()]
-        if max(sizes) > 1 or self._alpha_grid.size > 1:
+        if max(sizes) > 1 or alphas.size > 1:
             # The search is thousands of small products: BLAS threads only add
             # synchronisation (and spin badly when the cores are busy).
             with threadpool_limits(1):
-                best = self._search(tasks, emb_tasks, Y, grid)
+                best = self._search(strategy, data, emb_tasks, grid, alphas)
         else:
             best = {name: values[0] for name, values in grid.items()}
-            best["alpha"] = float(self._alpha_grid[0])
+            best["alpha"] = float(alphas[0])
             self.selection_ = {"evaluated": [], "folds": [], "best": best}
-        self._fit_final(tasks, emb_tasks, Y, best)
+        self._fit_final(strategy, data, emb_tasks, best)
         return self
 
     # ----------------------------------------------------------------- pieces
+    def _feature_maps(self) -> FeatureMaps:
+        """``k_X`` and the random draws of the fit."""
+        return FeatureMaps(self.point_kernel, self.point_frequencies_, self.joint_frequencies_)
+
+    def _point_features(self, pts: NDArray[np.float64], sigma: float) -> NDArray[np.float64]:
+        """Rows ``z(x)`` with ``z(x)ᵀz(x') ≈ k_X(x, x')`` (:meth:`FeatureMaps.point_features`)."""
+        return self._feature_maps().point_features(pts, sigma)
+
     def _make_embedding(self) -> BagRepresentation:
         if self.embedding is not None:
             rep = clone(self.embedding)
-        elif self.solver == "random_features" and self.task_map == "rff":
-            rep = MeanEmbedding(method="rff", n_components=2 * max(1, int(self.n_components) // 2))
         else:
-            rep = MeanEmbedding()
+            rep = self._strategy().default_embedding(self.n_components)
         params = rep.get_params(deep=False)
         if "random_state" in params and params["random_state"] is None:
             rep.set_params(random_state=self.seed_)
         return rep
 
     def _fit_embedding(self, emb_tasks: Bags, factor: float) -> tuple[BagRepresentation, Embedding]:
+        """The task representation fitted on ``emb_tasks``, its bandwidth scaled by ``factor``,
+        and their embedding."""
         rep = self._make_embedding().fit(emb_tasks)
         if factor != 1.0:
             rep = rep.set_params(bandwidth=factor * rep.bandwidth_).fit(emb_tasks)
         emb = rep.embed(emb_tasks)
-        paper = self.solver == "random_features" and self.task_map == "rff"
-        if paper and not (isinstance(emb, FeatureEmbedding) and emb.geometry == "euclidean"):
-            raise ValueError(
-                "task_map='rff' concatenates explicit embedding features with x (paper 004 "
-                "eq. 32); use an embedding with Euclidean feature vectors, e.g. "
-                "MeanEmbedding(method='rff')"
-            )
+        self._strategy().check_embedding(emb)
         return rep, emb
 
     def _searches_embedding_bandwidth(self) -> bool:
         rep = self._make_embedding()
         return "bandwidth" in rep.get_params(deep=False) and rep.get_params()["bandwidth"] is None
 
-    def _point_features(self, pts: NDArray[np.float64], sigma: float) -> NDArray[np.float64]:
-        if self.point_kernel == "linear":
-            return np.hstack([pts, np.ones((pts.shape[0], 1))])
-        return random_fourier_features(pts, self.point_frequencies_ / sigma)
-
-    def _point_gram(
-        self, A: NDArray[np.float64], B: NDArray[np.float64], sigma: float
-    ) -> NDArray[np.float64]:
-        if self.point_kernel == "linear":
-            return A @ B.T + 1.0
-        return point_kernel(A, B, "gaussian", sigma)
-
-    def _grid(self, tasks: Bags) -> dict[str, list[Any]]:
-        """Values the search may visit for each hyperparameter (first = default)."""
+    def _grid(self, strategy: SolverStrategy) -> tuple[dict[str, list[Any]], NDArray[np.float64]]:
+        """Values the search may visit for each hyperparameter (first = default), and the
+        ridge grid ``λ``."""
         # Relative values are resolved on the tasks at hand: a fold's training tasks
         # during the search, all training tasks in the final fit.
         if self.point_kernel == "linear":
@@ -347,11 +341,10 @@ class _MarginalTransfer(BaseEstimator):
         alphas = ALPHA_GRID if self.alpha is None else np.atleast_1d(np.asarray(self.alpha, float))
         if np.any(alphas <= 0):
             raise ValueError(f"alpha must be > 0, got {self.alpha!r}")
-        self._alpha_grid = alphas
         if self.pooling:
             taus: list[float] = [1.0]
-        elif self.task_map == "rff" and self.solver == "random_features":
-            taus = [0.0]
+        elif strategy.fixed_tau is not None:
+            taus = [strategy.fixed_tau]
         elif self.tau is None:
             taus = [*TAU_GRID, 1.0]
         else:
@@ -367,15 +360,17 @@ class _MarginalTransfer(BaseEstimator):
         embs = list(EMBEDDING_BANDWIDTH_FACTORS) if self._searches_embedding_bandwidth() else [1.0]
         if taus == [1.0]:
             embs = [1.0]
-        return {"sigma": sigmas, "tau": taus, "gamma": gammas, "emb": embs}
+        return {"sigma": sigmas, "tau": taus, "gamma": gammas, "emb": embs}, alphas
 
     def _sigma_value(self, spec: tuple[str, float], points: NDArray[np.float64]) -> float:
+        """The point bandwidth ``σ`` of a spec; relative ones scale the median distance."""
         kind, value = spec
         if kind == "absolute":
             return value
         return value * _median_distance(points, "gaussian", np.random.default_rng(self.seed_))
 
     def _gamma_value(self, spec: tuple[str, float] | None, sq: NDArray[np.float64]) -> float | None:
+        """``γ`` of ``k_P`` of a spec; relative ones scale the median heuristic on ``sq``."""
         if spec is None:
             return None
         kind, value = spec
@@ -383,63 +378,18 @@ class _MarginalTransfer(BaseEstimator):
             return value
         return value * median_heuristic_gamma(sq, self.task_kernel_) if sq.shape[0] > 1 else value
 
-    # ----------------------------------------------------------------- task maps
-    @staticmethod
-    def _nystroem(KP: NDArray[np.float64]) -> NDArray[np.float64]:
-        """``M = U Λ^{-1/2}`` over training tasks: ``ψ(P) = Mᵀ k_P(train, P)``."""
-        vals, vecs = np.linalg.eigh(KP)
-        keep = vals > max(vals.max(), 1e-300) * 1e-10
-        return vecs[:, keep] / np.sqrt(vals[keep])
-
-    def _task_coords(
-        self, kp_new: NDArray[np.float64], basis: NDArray[np.float64] | None, tau: float
-    ) -> NDArray[np.float64]:
-        """``s(P) = [√τ, √(1-τ) ψ(P)]`` for each row of ``kp_new`` (k_P to training tasks)."""
-        n = kp_new.shape[0]
-        if tau == 1.0 or basis is None:
-            return np.ones((n, 1))
-        psi = batch_invariant_matmul(kp_new, basis)
-        return np.hstack([np.full((n, 1), np.sqrt(tau)), np.sqrt(1.0 - tau) * psi])
-
-    # ----------------------------------------------------------------- statistics
-    def _task_statistics(self, tasks: Bags, Y: NDArray[np.float64], sigma: float) -> TaskStatistics:
-        """Per-task ``A_i = Σ_j z zᵀ / n_i`` and ``b_i = Σ_j z yᵀ / n_i``, one pass over
-        points; the features themselves are kept when there are few points (dual solver)."""
-        D = self._point_features(tasks.points[:1], sigma).shape[1]
-        N, k = len(tasks), Y.shape[1]
-        A = np.zeros((N, D, D))
-        B = np.zeros((N, D, k))
-        # Few points in all: keep their features for the dual solver (each task then
-        # fits in one chunk).
-        keep = tasks.n_points <= min(_DUAL_MAX_POINTS, _CHUNK_POINTS)
-        Zs: list[NDArray[np.float64]] = []
-        Ys: list[NDArray[np.float64]] = []
-        for t in range(N):
-            lo, hi = int(tasks.offsets[t]), int(tasks.offsets[t + 1])
-            for c0 in range(lo, hi, _CHUNK_POINTS):
-                c1 = min(hi, c0 + _CHUNK_POINTS)
-                Z = self._point_features(tasks.points[c0:c1], sigma)
-                A[t] += Z.T @ Z
-                B[t] += Z.T @ Y[c0:c1]
-                if keep:
-                    Zs.append(Z)
-                    Ys.append(Y[c0:c1])
-            A[t] /= hi - lo
-            B[t] /= hi - lo
-        return TaskStatistics(A, B, Zs, Ys) if keep else TaskStatistics(A, B)
-
     # ----------------------------------------------------------------- search
     def _search(
-        self, tasks: Bags, emb_tasks: Bags, Y: NDArray[np.float64], grid: dict[str, list[Any]]
+        self,
+        strategy: SolverStrategy,
+        data: TrainingData,
+        emb_tasks: Bags,
+        grid: dict[str, list[Any]],
+        alphas: NDArray[np.float64],
     ) -> dict[str, Any]:
-        """Leave-tasks-out CV, coordinate-wise as the authors' code does it.
-
-        (1) the pooled model (``τ = 1``) over the point bandwidths; (2) at that bandwidth,
-        ``(τ, γ_P)``; (3) the embedding bandwidth; (4) the point bandwidth again. Every
-        evaluation covers the whole ``λ`` grid (one eigendecomposition per fold). The
-        best configuration seen wins, the pooled model included.
-        """
-        N = len(tasks)
+        """Leave-tasks-out CV (:func:`~._transfer_cv.coordinate_search`); sets ``selection_``
+        and returns the best configuration."""
+        N = len(data.tasks)
         if N < 2:
             raise BagValidationError(
                 [
@@ -447,58 +397,27 @@ class _MarginalTransfer(BaseEstimator):
                     "point_bandwidth, task_gamma, tau and alpha to fit on one task"
                 ]
             )
-        folds = leave_tasks_out_folds(N, self.cv, self.cv_repeats, self.seed_)
-        evaluator = FoldEvaluator(self, tasks, emb_tasks, Y, folds)
-        seen: dict[tuple[Any, ...], NDArray[np.float64]] = {}
-
-        def errors(c: dict[str, Any]) -> float:
-            key = (c["sigma"], c["tau"], c["gamma"], c["emb"])
-            if c["tau"] == 1.0:
-                key = (c["sigma"], 1.0, None, 1.0)
-                c = {"sigma": c["sigma"], "tau": 1.0, "gamma": None, "emb": 1.0}
-            if key not in seen:
-                seen[key] = evaluator.score(c)
-            return float(seen[key].min())
-
-        def best_of(options: list[dict[str, Any]]) -> dict[str, Any]:
-            return min(options, key=errors)
-
-        current = {k: v[0] for k, v in grid.items()}
-        if 1.0 in grid["tau"]:
-            current = best_of([{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]])
-        others = [t for t in grid["tau"] if t != 1.0]
-        if others:
-            base = {**current}
-            current = best_of(
-                [
-                    {**base, "tau": t, "gamma": g, "emb": grid["emb"][len(grid["emb"]) // 2]}
-                    for t in others
-                    for g in grid["gamma"]
-                ]
-            )
-            current = best_of([{**current, "emb": e} for e in grid["emb"]])
-            current = best_of([{**current, "sigma": s} for s in grid["sigma"]])
-        if 1.0 in grid["tau"]:
-            pooled = best_of([{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]])
-            current = min([current, pooled], key=errors)
-        key = min(seen, key=lambda k: seen[k].min())
-        best = {"sigma": key[0], "tau": key[1], "gamma": key[2], "emb": key[3]}
-        best["alpha"] = float(self._alpha_grid[int(np.argmin(seen[key]))])
-        self.selection_ = {
-            "evaluated": [
-                {"sigma": k[0], "tau": k[1], "gamma": k[2], "emb": k[3], "cv_error": v.tolist()}
-                for k, v in seen.items()
-            ],
-            "alpha_grid": self._alpha_grid,
-            "folds": folds,
-            "best": best,
-        }
-        return best
+        setup = SearchSetup(
+            data=data,
+            emb_tasks=emb_tasks,
+            folds=leave_tasks_out_folds(N, self.cv, self.cv_repeats, self.seed_),
+            alphas=alphas,
+            task_kernel=self.task_kernel_,
+            fit_embedding=self._fit_embedding,
+            resolve_sigma=self._sigma_value,
+            resolve_gamma=self._gamma_value,
+            error=misclassification_rate if self._is_classifier else mean_squared_error,
+            cv_points=self.cv_points,
+            seed=self.seed_,
+        )
+        self.selection_ = coordinate_search(FoldEvaluator(setup, strategy), grid)
+        return self.selection_["best"]
 
     # ----------------------------------------------------------------- final fit
     def _fit_final(
-        self, tasks: Bags, emb_tasks: Bags, Y: NDArray[np.float64], best: dict[str, Any]
+        self, strategy: SolverStrategy, data: TrainingData, emb_tasks: Bags, best: dict[str, Any]
     ) -> None:
+        tasks = data.tasks
         N = len(tasks)
         self.point_bandwidth_ = self._sigma_value(best["sigma"], tasks.points)
         self.tau_ = best["tau"]
@@ -515,82 +434,24 @@ class _MarginalTransfer(BaseEstimator):
             self.range_threshold_ = float(self.range_factor * nn.max())
         else:
             self.range_threshold_ = 0.0
-        KP = (
-            np.ones((N, N)) if self.task_gamma_ is None else self.task_kernel_(sq, self.task_gamma_)
+        problem = TrainingProblem(
+            data=data,
+            params=self._kernel_parameters(),
+            alpha=self.alpha_,
+            task_gram=task_similarity(self.task_kernel_, sq, self.task_gamma_),
+            embedding=emb,
         )
-        w = 1.0 / (N * tasks.sizes)
-        if self.solver == "exact":
-            self.train_points_ = tasks.points.copy()
-            self.train_task_index_ = tasks.bag_index()
-            Kbar = self._joint_train_gram(tasks.points, self.train_task_index_, KP)
-            self.dual_coef_ = self._exact_solve(Kbar, Y, np.repeat(w, tasks.sizes), self.alpha_)
-        elif self.task_map == "nystroem":
-            stats = self._task_statistics(tasks, Y, self.point_bandwidth_)
-            self.task_basis_ = None if self.tau_ == 1.0 else self._nystroem(KP)
-            S = self._task_coords(KP, self.task_basis_, self.tau_)
-            (theta,) = task_ridge_path(S, stats, np.arange(N), np.array([self.alpha_]))
-            self.coef_ = theta
-        else:
-            self._fit_paper_rff(tasks, Y, emb)
-
-    def _joint_train_gram(
-        self, points: NDArray[np.float64], task_index: NDArray[np.int64], KP: NDArray[np.float64]
-    ) -> NDArray[np.float64]:
-        K = self._point_gram(points, points, self.point_bandwidth_)
-        K *= self.tau_ + (1.0 - self.tau_) * KP[np.ix_(task_index, task_index)]
-        return K
-
-    def _exact_solve(
-        self, K: NDArray[np.float64], Y: NDArray[np.float64], c: NDArray[np.float64], lam: float
-    ) -> NDArray[np.float64]:
-        if self.loss_ == "squared":
-            return weighted_kernel_ridge(K, Y, c, lam)
-        cols = []
-        for j in range(Y.shape[1]):
-            if self.loss_ == "hinge":
-                cols.append(weighted_svm(K, Y[:, j], c, lam))
-            else:
-                cols.append(weighted_svr(K, Y[:, j], c, lam, self.epsilon))
-        return np.stack(cols, axis=1)
-
-    # ----------------------------------------------------------------- paper's RFF map
-    @staticmethod
-    def _paper_inputs(
-        pts: NDArray[np.float64], zp: NDArray[np.float64], gamma: float | None, sigma: float
-    ) -> NDArray[np.float64]:
-        """``u = (√(2γ_P) Z_P, x / σ_X)``: one unit Gaussian on ``u`` is ``k_P · k_X``
-        (paper 004 eq. 32)."""
-        scale = 0.0 if gamma is None else np.sqrt(2.0 * gamma)
-        return np.hstack([np.broadcast_to(scale * zp, (pts.shape[0], zp.shape[0])), pts / sigma])
-
-    def _paper_features(self, u: NDArray[np.float64]) -> NDArray[np.float64]:
-        W = self.joint_frequencies_[:, : u.shape[1]]
-        return random_fourier_features(u, W)
-
-    def _fit_paper_rff(self, tasks: Bags, Y: NDArray[np.float64], emb: Embedding) -> None:
-        assert isinstance(emb, FeatureEmbedding)
-        N = len(tasks)
-        zp_all = emb.features
-        F = self._paper_features(
-            self._paper_inputs(tasks.points[:1], zp_all[0], self.task_gamma_, self.point_bandwidth_)
-        ).shape[1]
-        A = np.zeros((1, F, F))
-        B = np.zeros((1, F, Y.shape[1]))
-        for t in range(N):
-            lo, hi = int(tasks.offsets[t]), int(tasks.offsets[t + 1])
-            for c0 in range(lo, hi, _CHUNK_POINTS):
-                c1 = min(hi, c0 + _CHUNK_POINTS)
-                Z = self._paper_features(
-                    self._paper_inputs(
-                        tasks.points[c0:c1], zp_all[t], self.task_gamma_, self.point_bandwidth_
-                    )
-                )
-                A[0] += Z.T @ Z / ((hi - lo) * N)
-                B[0] += Z.T @ Y[c0:c1] / ((hi - lo) * N)
-        (theta,) = structured_ridge_path(np.ones((1, 1)), A, B, np.array([self.alpha_]))
-        self.coef_ = theta
+        for name, value in strategy.fit(problem).items():
+            setattr(self, name, value)
 
     # ================================================================= prediction
+    def _kernel_parameters(self) -> KernelParameters:
+        return KernelParameters(self.point_bandwidth_, self.tau_, self.task_gamma_)
+
+    def _fitted_state(self, strategy: SolverStrategy) -> dict[str, Any]:
+        # Read leniently, as task_basis_ always was: a missing attribute reads None.
+        return {name: getattr(self, name, None) for name in strategy.fitted_attributes}
+
     def _task_similarities(self, tasks: Bags) -> tuple[Embedding, NDArray[np.float64]]:
         problems = []
         if tasks.dim != self.n_features_in_:
@@ -605,12 +466,17 @@ class _MarginalTransfer(BaseEstimator):
         emb = self.embedding_.embed(sub)
         return emb, emb.sq_distances(self.train_embedding_)
 
-    def _reports(self, sq_new: NDArray[np.float64]) -> list[TaskReport]:
-        kp = (
-            np.ones_like(sq_new)
-            if self.task_gamma_ is None
-            else self.task_kernel_(sq_new, self.task_gamma_)
+    def _new_tasks(self, tasks: Bags, emb: Embedding, sq_new: NDArray[np.float64]) -> NewTasks:
+        return NewTasks(
+            tasks=tasks,
+            embedding=emb,
+            task_similarity=task_similarity(self.task_kernel_, sq_new, self.task_gamma_),
+            params=self._kernel_parameters(),
+            maps=self._feature_maps(),
         )
+
+    def _reports(self, sq_new: NDArray[np.float64]) -> list[TaskReport]:
+        kp = task_similarity(self.task_kernel_, sq_new, self.task_gamma_)
         dist = np.sqrt(np.maximum(sq_new, 0.0))
         out = []
         for row_k, row_d in zip(kp, dist, strict=True):
@@ -631,55 +497,10 @@ class _MarginalTransfer(BaseEstimator):
             raise BagValidationError(["empty task"])
         emb, sq_new = self._task_similarities(tasks)
         reports = self._reports(sq_new)
-        kp = (
-            np.ones_like(sq_new)
-            if self.task_gamma_ is None
-            else self.task_kernel_(sq_new, self.task_gamma_)
+        strategy = self._strategy()
+        scores = strategy.task_scores(
+            self._fitted_state(strategy), self._new_tasks(tasks, emb, sq_new)
         )
-        scores = []
-        if self.solver == "exact":
-            for t, pts in enumerate(tasks):
-                mix = self.tau_ + (1.0 - self.tau_) * kp[t][self.train_task_index_]
-                parts = []
-                for c0 in range(0, pts.shape[0], _CHUNK_POINTS // 8):
-                    K = self._point_gram(
-                        pts[c0 : c0 + _CHUNK_POINTS // 8], self.train_points_, self.point_bandwidth_
-                    )
-                    K *= mix
-                    parts.append(batch_invariant_matmul(K, self.dual_coef_, _POINT_BLOCK))
-                scores.append(np.concatenate(parts))
-        elif self.task_map == "nystroem":
-            S = self._task_coords(kp, getattr(self, "task_basis_", None), self.tau_)
-            V = np.einsum("ta,apk->tpk", S, self.coef_)
-            for t, pts in enumerate(tasks):
-                parts = [
-                    batch_invariant_matmul(
-                        self._point_features(pts[c0 : c0 + _CHUNK_POINTS], self.point_bandwidth_),
-                        V[t],
-                        _POINT_BLOCK,
-                    )
-                    for c0 in range(0, pts.shape[0], _CHUNK_POINTS)
-                ]
-                scores.append(np.concatenate(parts))
-        else:
-            assert isinstance(emb, FeatureEmbedding)
-            for t, pts in enumerate(tasks):
-                parts = [
-                    batch_invariant_matmul(
-                        self._paper_features(
-                            self._paper_inputs(
-                                pts[c0 : c0 + _CHUNK_POINTS],
-                                emb.features[t],
-                                self.task_gamma_,
-                                self.point_bandwidth_,
-                            )
-                        ),
-                        self.coef_[0],
-                        _POINT_BLOCK,
-                    )
-                    for c0 in range(0, pts.shape[0], _CHUNK_POINTS)
-                ]
-                scores.append(np.concatenate(parts))
         return scores, reports
 
     def task_report(self, X: Any) -> list[TaskReport]:
@@ -715,46 +536,28 @@ class _MarginalTransfer(BaseEstimator):
         """Random-feature map of every point of the tasks ``X``: rows ``φ(P, x)`` whose
         inner products approximate the product kernel ``k̄`` (random-feature solver)."""
         check_is_fitted(self, "tau_")
-        if self.solver != "random_features":
+        strategy = self._strategy()
+        if not strategy.explicit_features:
             raise TypeError("joint_features needs solver='random_features'")
         tasks, _ = _as_tasks(X)
         emb, sq_new = self._task_similarities(tasks)
-        out = []
-        if self.task_map == "nystroem":
-            kp = (
-                np.ones_like(sq_new)
-                if self.task_gamma_ is None
-                else self.task_kernel_(sq_new, self.task_gamma_)
+        return np.concatenate(
+            strategy.joint_features(
+                self._fitted_state(strategy), self._new_tasks(tasks, emb, sq_new)
             )
-            S = self._task_coords(kp, getattr(self, "task_basis_", None), self.tau_)
-            for t, pts in enumerate(tasks):
-                Z = self._point_features(pts, self.point_bandwidth_)
-                out.append(
-                    (S[t][:, None, None] * Z.T[None]).transpose(2, 0, 1).reshape(Z.shape[0], -1)
-                )
-        else:
-            assert isinstance(emb, FeatureEmbedding)
-            for t, pts in enumerate(tasks):
-                u = self._paper_inputs(
-                    pts, emb.features[t], self.task_gamma_, self.point_bandwidth_
-                )
-                out.append(self._paper_features(u))
-        return np.concatenate(out)
+        )
 
     def joint_kernel(self, X: Any, Y: Any = None) -> NDArray[np.float64]:
-        """The exact product kernel ``k̄`` between all points of tasks ``X`` and ``Y``."""
+        """The exact product kernel ``k̄`` between all points of tasks ``X`` and ``Y``
+        (paper 004 eq. 8)."""
         check_is_fitted(self, "tau_")
         ta, _ = _as_tasks(X)
         tb = ta if Y is None else _as_tasks(Y)[0]
         ea, _ = self._task_similarities(ta)
         eb = ea if Y is None else self._task_similarities(tb)[0]
         sq = ea.sq_distances() if Y is None else ea.sq_distances(eb)
-        kp = (
-            np.ones_like(sq)
-            if self.task_gamma_ is None
-            else self.task_kernel_(sq, self.task_gamma_)
-        )
-        K = self._point_gram(ta.points, tb.points, self.point_bandwidth_)
+        kp = task_similarity(self.task_kernel_, sq, self.task_gamma_)
+        K = self._feature_maps().point_gram(ta.points, tb.points, self.point_bandwidth_)
         K *= self.tau_ + (1.0 - self.tau_) * kp[np.ix_(ta.bag_index(), tb.bag_index())]
         return K
 
@@ -791,20 +594,20 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
     task_kernel : str, default="gaussian"
         Radial kernel ``k_P`` on embedding distances (:mod:`core.kernels`).
     task_gamma : float, array-like or None
-        ``None``: search ×{0.1 .. 10} around the median heuristic.
+        ``None``: search ×{0.3, 1, 3} around the median heuristic.
     point_kernel : {"gaussian", "linear"}, default="gaussian"
         ``k_X``: ``exp(-‖x - x'‖²/(2σ²))``, or ``xᵀx' + 1`` (the ``+1`` gives each task
         its own offset, as the model has no separate bias).
     point_bandwidth : float, array-like or None
-        ``σ``; ``None``: search ×{0.25, 0.5, 1, 2} around the median distance.
+        ``σ``; ``None``: search ×{0.5, 1, 2} around the median distance.
     tau : float, array-like or None
-        Share of pooling in ``[0, 1]``; ``None``: search {0, 0.1, 0.3} and the pooled
+        Share of pooling in ``[0, 1]``; ``None``: search {0, 0.2} and the pooled
         model ``τ = 1`` by leave-tasks-out CV.
     pooling : bool, default=False
         The pooling baseline: ``k_P ≡ 1`` (``τ = 1``). With equal task sizes it is a
         single model on all points pooled.
     alpha : float, array-like or None
-        Ridge ``λ`` of eq. 7 (weights ``1/(N n_i)``); ``None``: search 1e-7..1e-1.
+        Ridge ``λ`` of eq. 7 (weights ``1/(N n_i)``); ``None``: search 1e-6..1e-1.
     n_components : int, default=128
         Random Fourier features for ``k_X`` (and for each layer of ``task_map="rff"``).
     cv, cv_repeats : int
@@ -826,6 +629,13 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         Fitted task representation; ``train_embedding_`` its training-task embedding.
     selection_ : dict
         Candidates, their CV errors per ``λ``, and the folds.
+    coef_ : ndarray of shape (a, D, n_outputs)
+        Random-feature solver: ridge coefficients ``θ`` of the joint features (``a`` task
+        coordinates: ``1 + r`` for the Nyström map, 1 for the paper's map).
+        ``task_basis_`` is the Nyström basis ``U Λ^{-1/2}`` (``None`` when pooled).
+    dual_coef_ : ndarray of shape (n_train_points, n_outputs)
+        Exact solver: ``r`` of ``f = Σ_ij r_ij k̄(·, (P_i, x_ij))`` over
+        ``train_points_``, whose tasks are ``train_task_index_``.
 
     References
     ----------

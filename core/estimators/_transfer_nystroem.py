@@ -1,0 +1,160 @@
+"""Random features with the exact Nyström task map (``task_map="nystroem"``, the default).
+
+Random Fourier features ``z(x)`` for ``k_X`` and the Nyström map of ``k_P`` over the
+``N`` training tasks, ``ψ(P) = Λ^{-1/2} Uᵀ k_P(P_train, P)`` with ``U Λ Uᵀ = K_P``,
+make the joint feature
+
+    φ(P, x) = s(P) ⊗ z(x),      s(P) = [√τ, √(1-τ) ψ(P)],
+
+whose inner products are ``z(x)ᵀz(x') (τ + (1-τ) ψ(P)ᵀψ(P'))``: the product kernel of
+paper 004 eq. 8, exactly so in ``P`` on the training tasks. For a task unlike all of them
+``ψ(P) → 0`` and the model falls back to its pooled part ``√τ w_0``. The weighted ridge
+(eq. 7, squared loss) is solved from per-task statistics of ``z``, never forming ``φ``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ..bags import Bags
+from ..kernels import batch_invariant_matmul
+from ._transfer_solvers import _CHUNK_POINTS, _DUAL_MAX_POINTS, TaskStatistics, task_ridge_path
+from ._transfer_strategy import (
+    POINT_BLOCK,
+    FeatureMaps,
+    NewTasks,
+    RandomFeatureStrategy,
+    TrainingProblem,
+    ValidationFold,
+    held_out_error,
+)
+
+__all__ = ["NystroemFeatureStrategy", "nystroem_basis", "task_coordinates", "task_statistics"]
+
+
+def nystroem_basis(task_gram: NDArray[np.float64]) -> NDArray[np.float64]:
+    """``M = U Λ^{-1/2}`` over the training tasks, so that ``ψ(P) = Mᵀ k_P(train, P)``.
+
+    Eigenvalues below ``1e-10`` times the largest are dropped: near-duplicate tasks
+    would otherwise blow up ``Λ^{-1/2}``.
+    """
+    vals, vecs = np.linalg.eigh(task_gram)
+    keep = vals > max(vals.max(), 1e-300) * 1e-10
+    return vecs[:, keep] / np.sqrt(vals[keep])
+
+
+def task_coordinates(
+    kp: NDArray[np.float64], basis: NDArray[np.float64] | None, tau: float
+) -> NDArray[np.float64]:
+    """``s(P) = [√τ, √(1-τ) ψ(P)]`` for each row of ``kp`` (``k_P`` to the training tasks).
+
+    The pooled model (``τ = 1``, no basis) has the single coordinate 1.
+    """
+    n = kp.shape[0]
+    if tau == 1.0 or basis is None:
+        return np.ones((n, 1))
+    psi = batch_invariant_matmul(kp, basis)
+    return np.hstack([np.full((n, 1), np.sqrt(tau)), np.sqrt(1.0 - tau) * psi])
+
+
+def task_statistics(
+    maps: FeatureMaps, tasks: Bags, Y: NDArray[np.float64], sigma: float
+) -> TaskStatistics:
+    """Per-task ``A_i = Σ_j z zᵀ / n_i`` and ``b_i = Σ_j z yᵀ / n_i`` in one pass over points.
+
+    The features themselves are kept when there are few points in all, for the dual
+    solver (each task then fits in one chunk).
+    """
+    D = maps.point_features(tasks.points[:1], sigma).shape[1]
+    N, k = len(tasks), Y.shape[1]
+    A = np.zeros((N, D, D))
+    B = np.zeros((N, D, k))
+    keep = tasks.n_points <= min(_DUAL_MAX_POINTS, _CHUNK_POINTS)
+    Zs: list[NDArray[np.float64]] = []
+    Ys: list[NDArray[np.float64]] = []
+    for t in range(N):
+        lo, hi = int(tasks.offsets[t]), int(tasks.offsets[t + 1])
+        for c0 in range(lo, hi, _CHUNK_POINTS):
+            c1 = min(hi, c0 + _CHUNK_POINTS)
+            Z = maps.point_features(tasks.points[c0:c1], sigma)
+            A[t] += Z.T @ Z
+            B[t] += Z.T @ Y[c0:c1]
+            if keep:
+                Zs.append(Z)
+                Ys.append(Y[c0:c1])
+        A[t] /= hi - lo
+        B[t] /= hi - lo
+    return TaskStatistics(A, B, Zs, Ys) if keep else TaskStatistics(A, B)
+
+
+class NystroemFeatureStrategy(RandomFeatureStrategy):
+    """Weighted ridge on ``s(P) ⊗ z(x)``, coefficients ``θ`` of shape (1 + r, D, k)."""
+
+    fitted_attributes: ClassVar[tuple[str, ...]] = ("coef_", "task_basis_")
+
+    def fold_errors(
+        self, fold: ValidationFold, alphas: NDArray[np.float64], cache: dict[Hashable, Any]
+    ) -> NDArray[np.float64]:
+        data, params = fold.data, fold.params
+        # Statistics of all training tasks at one bandwidth serve every fold: a fold only
+        # picks its tasks' rows.
+        key = ("statistics", params.sigma)
+        if key not in cache:
+            cache[key] = task_statistics(data.maps, data.tasks, data.Y, params.sigma)
+        basis = None if params.tau == 1.0 else nystroem_basis(fold.kp_train)
+        S = task_coordinates(fold.kp_train, basis, params.tau)
+        Sv = task_coordinates(fold.kp_val, basis, params.tau)
+        # Validation errors do not need the final fit's precision.
+        thetas = task_ridge_path(S, cache[key], fold.train, alphas, rtol=1e-6)
+        Zv = [data.maps.point_features(pts, params.sigma) for pts, _ in fold.held_out]
+        errs = np.zeros(alphas.size)
+        for li, theta in enumerate(thetas):
+            # Per held-out task j its own weights V[j] = Σ_a s_a(P_j) θ_a.
+            V = np.einsum("ta,apk->tpk", Sv, theta)
+            errs[li] = held_out_error(fold, [Z @ V[j] for j, Z in enumerate(Zv)])
+        return errs
+
+    def fit(self, problem: TrainingProblem) -> dict[str, Any]:
+        data, params = problem.data, problem.params
+        N = len(data.tasks)
+        stats = task_statistics(data.maps, data.tasks, data.Y, params.sigma)
+        basis = None if params.tau == 1.0 else nystroem_basis(problem.task_gram)
+        S = task_coordinates(problem.task_gram, basis, params.tau)
+        (theta,) = task_ridge_path(S, stats, np.arange(N), np.array([problem.alpha]))
+        return {"coef_": theta, "task_basis_": basis}
+
+    def _task_weights(self, fitted: Mapping[str, Any], new: NewTasks) -> NDArray[np.float64]:
+        """``s(P)`` of each new task, shape (n_new, 1 + r)."""
+        return task_coordinates(new.task_similarity, fitted["task_basis_"], new.params.tau)
+
+    def task_scores(self, fitted: Mapping[str, Any], new: NewTasks) -> list[NDArray[np.float64]]:
+        S = self._task_weights(fitted, new)
+        # f(P, x) = z(x)ᵀ V(P) with V(P) = Σ_a s_a(P) θ_a: one small matrix per task.
+        V = np.einsum("ta,apk->tpk", S, fitted["coef_"])
+        sigma = new.params.sigma
+        return [
+            np.concatenate(
+                [
+                    batch_invariant_matmul(
+                        new.maps.point_features(pts[c0 : c0 + _CHUNK_POINTS], sigma),
+                        V[t],
+                        POINT_BLOCK,
+                    )
+                    for c0 in range(0, pts.shape[0], _CHUNK_POINTS)
+                ]
+            )
+            for t, pts in enumerate(new.tasks)
+        ]
+
+    def joint_features(self, fitted: Mapping[str, Any], new: NewTasks) -> list[NDArray[np.float64]]:
+        S = self._task_weights(fitted, new)
+        out = []
+        for t, pts in enumerate(new.tasks):
+            Z = new.maps.point_features(pts, new.params.sigma)
+            # Row-wise Kronecker product s(P) ⊗ z(x), ordered as θ's (a, D) axes.
+            out.append((S[t][:, None, None] * Z.T[None]).transpose(2, 0, 1).reshape(Z.shape[0], -1))
+        return out

@@ -1,0 +1,313 @@
+"""The interface of the marginal-transfer solver strategies, and what they are handed.
+
+Every strategy fits the same model of paper 004 (Blanchard et al., JMLR 2021): the
+weighted, bias-free regularised risk over the RKHS of the product kernel,
+
+    min_f  Σ_i Σ_j ℓ(f(P_i, x_ij), y_ij) / (N n_i) + λ ‖f‖²                  (eq. 7)
+
+    k̄((P, x), (P', x')) = k_X(x, x') · (τ + (1 - τ) k_P(P, P'))               (eq. 8)
+
+:class:`~._transfer_exact.ExactKernelStrategy` solves it on the kernel matrix,
+:class:`~._transfer_nystroem.NystroemFeatureStrategy` and
+:class:`~._transfer_paper_rff.PaperRFFStrategy` on explicit joint features. A strategy
+holds no state: the estimator derives it from ``solver`` and ``task_map`` whenever it
+needs it, and hands it everything it computes with — the tasks, the resolved kernel
+parameters, the fit's random feature maps and, at prediction, the fitted arrays under
+the estimator attribute names that model artifacts store.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ..bags import Bags
+from ..kernels import DistanceKernel, point_kernel, random_fourier_features
+from ..representations.base import BagRepresentation, Embedding
+from ..representations.mean import MeanEmbedding
+
+__all__ = [
+    "POINT_BLOCK",
+    "FeatureMaps",
+    "KernelParameters",
+    "NewTasks",
+    "RandomFeatureStrategy",
+    "SolverStrategy",
+    "TrainingData",
+    "TrainingProblem",
+    "ValidationFold",
+    "held_out_error",
+    "task_similarity",
+]
+
+#: Rows per block of the per-point products at prediction: with a fixed block, every
+#: point's score depends on that point only, whatever batch it arrives in.
+POINT_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class KernelParameters:
+    """Resolved parameters of the product kernel ``k̄`` (paper 004 eq. 8).
+
+    Attributes
+    ----------
+    sigma : float
+        Bandwidth ``σ`` of the point kernel ``k_X`` (1 for the linear kernel).
+    tau : float
+        Share of pooling ``τ`` in ``[0, 1]``.
+    gamma : float or None
+        ``γ`` of the task kernel ``k_P``; ``None`` when ``k_P ≡ 1`` (pooled model).
+    """
+
+    sigma: float
+    tau: float
+    gamma: float | None
+
+
+def task_similarity(
+    kernel: DistanceKernel, sq_distances: NDArray[np.float64], gamma: float | None
+) -> NDArray[np.float64]:
+    """``k_P`` from squared embedding distances; identically 1 for the pooled model."""
+    return np.ones_like(sq_distances) if gamma is None else kernel(sq_distances, gamma)
+
+
+@dataclass(frozen=True)
+class FeatureMaps:
+    """The point kernel ``k_X`` and the random draws of one fit.
+
+    The frequencies are standard normal and shared by every candidate bandwidth (they
+    are rescaled, not redrawn), so the validation error is smooth in ``σ``.
+
+    Attributes
+    ----------
+    point_kernel : {"gaussian", "linear"}
+    point_frequencies : ndarray of shape (m, d)
+        Directions of the random Fourier features of the Gaussian ``k_X``.
+    joint_frequencies : ndarray of shape (m, 2m + d) or None
+        Second-layer directions of the paper's two-layer map (§7.2) only.
+    """
+
+    point_kernel: str
+    point_frequencies: NDArray[np.float64]
+    joint_frequencies: NDArray[np.float64] | None = None
+
+    def point_features(self, points: NDArray[np.float64], sigma: float) -> NDArray[np.float64]:
+        """Rows ``z(x)`` with ``z(x)ᵀz(x') ≈ k_X(x, x')``.
+
+        Random Fourier features of ``exp(-‖x - x'‖²/(2σ²))``; for the linear kernel the
+        exact map ``[x, 1]``, whose constant gives each task its own offset (no bias).
+        """
+        if self.point_kernel == "linear":
+            return np.hstack([points, np.ones((points.shape[0], 1))])
+        return random_fourier_features(points, self.point_frequencies / sigma)
+
+    def point_gram(
+        self, A: NDArray[np.float64], B: NDArray[np.float64], sigma: float
+    ) -> NDArray[np.float64]:
+        """The exact ``k_X`` between the rows of ``A`` and ``B``."""
+        if self.point_kernel == "linear":
+            return A @ B.T + 1.0
+        return point_kernel(A, B, "gaussian", sigma)
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """Labelled training tasks and what every fit on them shares.
+
+    Attributes
+    ----------
+    tasks : Bags
+        One bag of points per training task.
+    Y : ndarray of shape (n_points, n_outputs)
+        Targets of every point, task after task (``±1`` codes for classes).
+    maps : FeatureMaps
+    loss : {"squared", "hinge", "epsilon_insensitive"}
+        ``ℓ`` of eq. 7; the random-feature strategies minimise the squared loss only.
+    epsilon : float
+        Width of the ε-insensitive loss.
+    """
+
+    tasks: Bags
+    Y: NDArray[np.float64]
+    maps: FeatureMaps
+    loss: str
+    epsilon: float
+
+
+@dataclass(frozen=True)
+class ValidationFold:
+    """One leave-tasks-out fold, at one candidate configuration.
+
+    Attributes
+    ----------
+    data : TrainingData
+        All training tasks; the fold selects from them by index.
+    train, val : ndarray of int
+        Tasks the fold fits on, and tasks it holds out.
+    params : KernelParameters
+        Resolved on the fold's training tasks only.
+    kp_train : ndarray of shape (n_train, n_train)
+        ``k_P`` among the training tasks.
+    kp_val : ndarray of shape (n_val, n_train)
+        ``k_P`` from each held-out task to the training tasks.
+    embeddings : tuple of Embedding or None
+        The fold's own embeddings (fitted on its training tasks) of its training and its
+        held-out tasks; ``None`` for the pooled model, which needs none.
+    held_out : list of (ndarray, ndarray)
+        Per held-out task, the points it is scored on (at most ``cv_points``) and their
+        targets; its embedding comes from all its points.
+    error : callable
+        Validation error of scores against targets (per task; tasks count equally).
+    """
+
+    data: TrainingData
+    train: NDArray[np.int64]
+    val: NDArray[np.int64]
+    params: KernelParameters
+    kp_train: NDArray[np.float64]
+    kp_val: NDArray[np.float64]
+    embeddings: tuple[Embedding, Embedding] | None
+    held_out: list[tuple[NDArray[np.float64], NDArray[np.float64]]]
+    error: Callable[[NDArray[np.float64], NDArray[np.float64]], float]
+
+
+def held_out_error(fold: ValidationFold, scores: list[NDArray[np.float64]]) -> float:
+    """Mean over the held-out tasks of each task's validation error."""
+    return np.mean(
+        [fold.error(s, y) for s, (_, y) in zip(scores, fold.held_out, strict=True)]
+    ).item()
+
+
+@dataclass(frozen=True)
+class TrainingProblem:
+    """The final fit: all training tasks at the selected configuration.
+
+    Attributes
+    ----------
+    data : TrainingData
+    params : KernelParameters
+    alpha : float
+        Ridge ``λ`` of eq. 7.
+    task_gram : ndarray of shape (N, N)
+        ``k_P`` among the training tasks (all ones for the pooled model).
+    embedding : Embedding
+        The training tasks' embedding.
+    """
+
+    data: TrainingData
+    params: KernelParameters
+    alpha: float
+    task_gram: NDArray[np.float64]
+    embedding: Embedding
+
+
+@dataclass(frozen=True)
+class NewTasks:
+    """Tasks to predict, seen through the fitted model.
+
+    Attributes
+    ----------
+    tasks : Bags
+    embedding : Embedding
+        Their embedding by the fitted representation.
+    task_similarity : ndarray of shape (n_new, N)
+        ``k_P`` from each new task to each training task.
+    params : KernelParameters
+        The fitted configuration.
+    maps : FeatureMaps
+        The fit's random draws.
+    """
+
+    tasks: Bags
+    embedding: Embedding
+    task_similarity: NDArray[np.float64]
+    params: KernelParameters
+    maps: FeatureMaps
+
+
+class SolverStrategy(ABC):
+    """One way to fit, validate and evaluate the marginal-transfer model.
+
+    The hooks before :meth:`fold_errors` say how the strategy constrains the estimator's
+    parameters; their defaults constrain nothing.
+    """
+
+    #: Estimator attributes :meth:`fit` sets and :meth:`task_scores` reads; model
+    #: artifacts store them under these names.
+    fitted_attributes: ClassVar[tuple[str, ...]]
+    #: Whether the model has explicit joint features ``φ(P, x)`` (:meth:`joint_features`).
+    explicit_features: ClassVar[bool] = False
+    #: The only share of pooling the strategy can fit besides the pooled model, if any.
+    fixed_tau: ClassVar[float | None] = None
+
+    # ------------------------------------------------------------ parameters
+    def default_loss(self, losses: tuple[str, str]) -> str:
+        """The loss when none is given; ``losses`` are the estimator's, default first."""
+        return losses[0]
+
+    def check_parameters(self, loss: str, point_kernel: str, tau: Any) -> None:
+        """Raise ``ValueError`` for parameters the strategy cannot fit."""
+        return None
+
+    def size_problems(self, n_points: int, max_exact_points: int) -> list[str]:
+        """Why the training tasks are too large for the strategy (empty if they are not)."""
+        return []
+
+    def draw_joint_frequencies(
+        self, rng: np.random.Generator, n_frequencies: int, dim: int
+    ) -> NDArray[np.float64] | None:
+        """Random directions of a second feature layer, drawn at fit if there is one."""
+        return None
+
+    def default_embedding(self, n_components: int) -> BagRepresentation:
+        """The task representation when none is given: the exact mean embedding."""
+        return MeanEmbedding()
+
+    def check_embedding(self, embedding: Embedding) -> None:
+        """Raise ``ValueError`` for task embeddings the strategy cannot use."""
+        return None
+
+    # ------------------------------------------------------------ numerics
+    @abstractmethod
+    def fold_errors(
+        self, fold: ValidationFold, alphas: NDArray[np.float64], cache: dict[Hashable, Any]
+    ) -> NDArray[np.float64]:
+        """Validation error of the fold for every ridge ``λ`` of ``alphas``.
+
+        ``cache`` lives as long as one search: what the strategy can reuse across folds
+        and candidates.
+        """
+
+    @abstractmethod
+    def fit(self, problem: TrainingProblem) -> dict[str, Any]:
+        """The fitted arrays, by the estimator attribute names of :attr:`fitted_attributes`."""
+
+    @abstractmethod
+    def task_scores(self, fitted: Mapping[str, Any], new: NewTasks) -> list[NDArray[np.float64]]:
+        """Scores of shape (n_points, n_outputs) of every point, one array per task."""
+
+    def joint_features(self, fitted: Mapping[str, Any], new: NewTasks) -> list[NDArray[np.float64]]:
+        """Rows ``φ(P, x)`` whose inner products approximate ``k̄``, one array per task."""
+        raise TypeError("joint_features needs solver='random_features'")
+
+
+class RandomFeatureStrategy(SolverStrategy):
+    """``solver="random_features"``: a weighted ridge on explicit joint features."""
+
+    explicit_features: ClassVar[bool] = True
+
+    def default_loss(self, losses: tuple[str, str]) -> str:
+        # The ridge's closed form is what makes the cost linear in the number of points.
+        return "squared"
+
+    def check_parameters(self, loss: str, point_kernel: str, tau: Any) -> None:
+        if loss != "squared":
+            raise ValueError(
+                "the random-feature solver fits a weighted ridge (loss='squared'); "
+                f"use solver='exact' for loss={loss!r}"
+            )
