@@ -383,6 +383,10 @@ def test_clear_errors(ellipses, rng):
         MarginalTransferClassifier(loss="hinge").fit(tasks, y)
     with pytest.raises(BagValidationError, match="max_exact_points"):
         MarginalTransferClassifier(solver="exact", max_exact_points=100, **FIXED).fit(tasks, y)
+    # The paper's two-layer map has no pooling share, whether as tau or as pooling=True.
+    for pooled in ({"tau": 0.5}, {"pooling": True}):
+        with pytest.raises(ValueError, match="task_map='rff' has no pooling share"):
+            MarginalTransferClassifier(task_map="rff", **pooled).fit(tasks, y)
 
 
 def test_any_representation_embeds_tasks(ellipses):

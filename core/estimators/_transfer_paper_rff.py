@@ -99,7 +99,10 @@ class PaperRFFStrategy(RandomFeatureStrategy):
         if point_kernel != "gaussian":
             raise ValueError("task_map='rff' (paper 004 §7.2) needs point_kernel='gaussian'")
         if tau not in (None, 0, 0.0):
-            raise ValueError("task_map='rff' has no pooling share; leave tau=None")
+            raise ValueError(
+                "task_map='rff' has no pooling share: leave tau=None and pooling=False "
+                "(the pooled baseline is task_map='nystroem', pooling=True)"
+            )
 
     def draw_joint_frequencies(
         self, rng: np.random.Generator, n_frequencies: int, dim: int

@@ -217,7 +217,8 @@ class _MarginalTransfer(BaseEstimator):
         loss = self.loss or strategy.default_loss(allowed)
         if loss not in allowed:
             raise ValueError(f"loss must be one of {allowed}, got {loss!r}")
-        strategy.check_parameters(loss, self.point_kernel, self.tau)
+        # The pooling baseline is the model at τ = 1.
+        strategy.check_parameters(loss, self.point_kernel, 1.0 if self.pooling else self.tau)
         return loss
 
     def _labels(self, y: ArrayLike, tasks: Bags) -> NDArray[np.float64]:
