@@ -131,26 +131,27 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 def list_models(directory: str | Path) -> list[dict[str, Any]]:
     """Every artifact under ``directory`` (``<name>/<version>/manifest.json``), verified."""
-    from .core.artifacts import ArtifactError, read_manifest
+    from .core.artifacts import ArtifactError
+    from .core.runtime import ArtifactInfo
 
     rows = []
     for mpath in sorted(Path(directory).glob("*/*/manifest.json")):
         path = mpath.parent
         row: dict[str, Any] = {"name": path.parent.name, "version": path.name, "path": str(path)}
         try:
-            manifest = read_manifest(path)
+            info = ArtifactInfo.read(path)
+            kind = str(info.kind)
         except ArtifactError as exc:
             row.update(status=f"FAILED: {exc}")
         else:
-            meta = manifest["metadata"]
-            panel = meta.get("panel") or {}
             row.update(
                 status="ok",
-                estimator=manifest["estimator"]["class"],
-                panel=panel.get("markers"),
-                metrics=meta.get("metrics"),
-                created=manifest.get("created"),
-                manifest_sha256=manifest["manifest_sha256"],
+                estimator=info.estimator,
+                kind=kind,
+                panel=info.markers or None,
+                metrics=info.metadata.get("metrics"),
+                created=info.manifest.get("created"),
+                manifest_sha256=info.sha256,
             )
         rows.append(row)
     return rows
