@@ -313,10 +313,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``bagserve`` command."""
-    from .core.artifacts import ArtifactError
-    from .core.bags import BagValidationError
-    from .core.io import DataError
-    from .core.training import ConfigError
+    from .core.errors import CoreError
 
     args = _parser().parse_args(argv)
     try:
@@ -333,15 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"error: out of memory{hint}", file=sys.stderr)
         return 1
-    except (
-        ConfigError,
-        DataError,
-        ArtifactError,
-        BagValidationError,
-        OSError,
-        ValueError,
-        ImportError,
-    ) as exc:
+    except (CoreError, OSError, ValueError, ImportError) as exc:
         message = " ".join(str(exc).split())
         print(f"error: {message}", file=sys.stderr)
         return 1

@@ -6,11 +6,15 @@ Public API (DESIGN.md section 4)::
     from bagserve.core import DistributionRidge, DistributionRidgeClassifier
     from bagserve.core import MarginalTransferClassifier, MarginalTransferRegressor
     from bagserve.core import save, load
+
+Every error the core raises on purpose derives from :class:`CoreError` (and from
+``ValueError``): see :mod:`core.errors`.
 """
 
 from .. import __version__
 from .artifacts import ArtifactError, load, read_manifest, save
 from .bags import Bags, BagValidationError, as_bags
+from .errors import CoreError
 from .estimators import (
     ConditionalMeanEmbedding,
     DistributionRidge,
@@ -35,6 +39,7 @@ __all__ = [
     "BagValidationError",
     "Bags",
     "ConditionalMeanEmbedding",
+    "CoreError",
     "DensityFeatures",
     "DistanceKernel",
     "DistributionRidge",

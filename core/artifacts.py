@@ -15,8 +15,9 @@ tampered, truncated or newer-format artifact with :class:`ArtifactError`. Arrays
 stored bit for bit, so a loaded model reproduces the saved model's predictions exactly;
 with ``mmap=True`` they are memory-mapped read-only (worker processes share the pages).
 
-Writes are atomic: the artifact is assembled in a temporary sibling directory and
-renamed into place; an existing artifact is never half-overwritten.
+Writes are atomic and durable (:func:`core.atomic.atomic_directory`): the artifact is
+assembled in a temporary sibling directory, synced to disk and renamed into place; an
+existing artifact is never half-overwritten.
 
 A pickle (joblib) export exists for models outside the registry, behind an explicit
 ``trusted`` flag on both ends: loading a pickle can run arbitrary code.
@@ -25,14 +26,11 @@ A pickle (joblib) export exists for models outside the registry, behind an expli
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 import math
 import os
 import platform
 import re
-import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,8 +38,10 @@ from typing import Any
 import numpy as np
 from sklearn.base import BaseEstimator
 
+from .atomic import atomic_directory
 from .bags import Bags
-from .io import file_sha256
+from .errors import ArtifactError
+from .hashing import canonical_json, file_sha256, json_sha256
 from .kernels import DistanceKernel
 from .representations.base import FeatureEmbedding
 from .representations.mean import SetKernelEmbedding
@@ -53,10 +53,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 ARRAY_DIR = "arrays"
 PICKLE_FILE = "model.joblib"
-
-
-class ArtifactError(ValueError):
-    """A model artifact is missing, tampered with, truncated, or of a newer format."""
 
 
 def _registry() -> dict[str, type]:
@@ -239,8 +235,13 @@ class _Decoder:
 
 # ----------------------------------------------------------------------- files
 def _canonical(manifest: dict[str, Any]) -> bytes:
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    """The bytes the manifest's own hash covers: all of it but that hash."""
+    return canonical_json(manifest, exclude=("manifest_sha256",))
+
+
+def _manifest_sha256(manifest: dict[str, Any]) -> str:
+    """The hash a manifest carries of itself (``manifest_sha256``)."""
+    return json_sha256(manifest, exclude=("manifest_sha256",))
 
 
 def _libraries() -> dict[str, str]:
@@ -315,10 +316,7 @@ def save(
     meta = {k: _json_safe(v, k) for k, v in metadata.items()}
     if pickle and not trusted:
         raise ArtifactError("pickle export runs code at load time: pass trusted=True to confirm")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
+    with atomic_directory(path, overwrite=overwrite) as tmp:
         files: dict[str, str] = {}
         if pickle:
             import joblib
@@ -361,21 +359,12 @@ def save(
             "libraries": _libraries(),
             "files": files,
         }
-        manifest["manifest_sha256"] = hashlib.sha256(_canonical(manifest)).hexdigest()
-        with open(tmp / MANIFEST, "w") as fh:
-            json.dump(manifest, fh, indent=1, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        manifest["manifest_sha256"] = _manifest_sha256(manifest)
+        # Inside the temporary directory a plain write suffices: atomic_directory syncs
+        # every file before the directory is renamed into place.
+        (tmp / MANIFEST).write_text(
+            json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8"
+        )
     return path
 
 
@@ -406,7 +395,7 @@ def read_manifest(path: str | os.PathLike[str], *, verify: bool = True) -> dict[
         )
     if verify:
         expected = manifest.get("manifest_sha256")
-        if expected != hashlib.sha256(_canonical(manifest)).hexdigest():
+        if expected != _manifest_sha256(manifest):
             raise ArtifactError(f"{mpath}: manifest was modified after it was written")
         for rel, digest in manifest.get("files", {}).items():
             f = path / rel

@@ -17,30 +17,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from .errors import BagValidationError
+
 __all__ = ["BagValidationError", "Bags", "as_bags", "segment_sum", "subsample_bags"]
-
-# At most this many problems are listed in one error message; the count of the
-# rest is still reported.
-_MAX_LISTED_PROBLEMS = 20
-
-
-class BagValidationError(ValueError):
-    """Raised when bags are malformed; lists every problem found, not only the first.
-
-    Attributes
-    ----------
-    problems : list of str
-        One sentence per problem, each naming the bag (by position) it concerns.
-    """
-
-    def __init__(self, problems: Sequence[str]):
-        self.problems = list(problems)
-        shown = self.problems[:_MAX_LISTED_PROBLEMS]
-        extra = len(self.problems) - len(shown)
-        text = "; ".join(shown)
-        if extra:
-            text += f"; and {extra} more problem(s)"
-        super().__init__(text)
 
 
 def _describe_nonfinite(values: NDArray[np.float64]) -> str:

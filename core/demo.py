@@ -13,7 +13,6 @@ training data, and hold-out metrics, like models trained from a configuration.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from .artifacts import save
 from .bags import Bags
 from .datasets import make_cytometry_tasks, make_dose_response_bags
 from .estimators import DistributionRidge, MarginalTransferClassifier
+from .hashing import chunks_sha256
 from .io import Panel, Preprocessing
 from .representations import MeanEmbedding, SlicedWasserstein
 
@@ -33,11 +33,14 @@ POPULATIONS = np.array(["T helper", "T cytotoxic", "B", "NK"])
 
 
 def _fingerprint(bags: Bags, y: np.ndarray) -> str:
-    h = hashlib.sha256()
-    h.update(np.ascontiguousarray(bags.points).tobytes())
-    h.update(np.ascontiguousarray(bags.offsets).tobytes())
-    h.update(np.asarray(y).astype(str).astype("S").tobytes())
-    return h.hexdigest()
+    """sha256 of the generated training data (cells, bag boundaries, labels)."""
+    return chunks_sha256(
+        [
+            np.ascontiguousarray(bags.points).tobytes(),
+            np.ascontiguousarray(bags.offsets).tobytes(),
+            np.asarray(y).astype(str).astype("S").tobytes(),
+        ]
+    )
 
 
 def demo_samples(kind: str, n: int, seed: int) -> tuple[Bags, np.ndarray, list[str]]:

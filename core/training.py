@@ -39,6 +39,7 @@ from sklearn.model_selection import KFold, ParameterGrid, StratifiedKFold
 from . import report
 from .artifacts import save
 from .bags import Bags
+from .errors import ConfigError
 from .estimators import (
     DistributionRidge,
     DistributionRidgeClassifier,
@@ -73,10 +74,6 @@ ESTIMATORS: dict[str, type[BaseEstimator]] = {
     )
 }
 CELL_LEVEL = (MarginalTransferClassifier, MarginalTransferRegressor)
-
-
-class ConfigError(ValueError):
-    """The training configuration is invalid (names the table and key)."""
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
