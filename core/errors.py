@@ -65,3 +65,8 @@ class BagValidationError(CoreError, ValueError):
         if extra:
             text += f"; and {extra} more problem(s)"
         super().__init__(text)
+
+    def __reduce__(self) -> tuple[type[BagValidationError], tuple[list[str]]]:
+        # Rebuilt from its problems, not its message: the error crosses process
+        # boundaries (Dask workers, streamed training) with every problem intact.
+        return (type(self), (self.problems,))

@@ -11,7 +11,6 @@ by :func:`verify` (``bagserve audit verify FILE``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -20,16 +19,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bagserve.core.atomic import atomic_write_json
+from bagserve.core.hashing import json_sha256
+
 __all__ = ["GENESIS", "AuditLog", "VerifyResult", "verify"]
 
 GENESIS = "0" * 64
 
 
 def _digest(record: dict[str, Any]) -> str:
-    body = {k: v for k, v in record.items() if k != "hash"}
-    return hashlib.sha256(
-        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    ).hexdigest()
+    return json_sha256(record, exclude=("hash",))
 
 
 class AuditLog:
@@ -62,9 +61,7 @@ class AuditLog:
             self._count += 1
             self._last = record["hash"]
             head = self.path.with_name(self.path.name + ".head")
-            tmp = head.with_name(head.name + ".tmp")
-            tmp.write_text(json.dumps({"lines": self._count, "last_hash": self._last}))
-            os.replace(tmp, head)
+            atomic_write_json(head, {"lines": self._count, "last_hash": self._last})
             return record
 
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import json
-import os
 import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from bagserve.core.atomic import atomic_write_json
+from bagserve.core.hashing import chunks_sha256, text_sha256
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -41,17 +41,14 @@ def fingerprint(request: Request, body: bytes | memoryview) -> str:
     """sha256 of what makes a request the same request: method, path, query,
     content type, accept, and the body.
     """
-    h = hashlib.sha256()
-    for part in (
+    parts = (
         request.method,
         request.url.path,
         str(request.url.query),
         request.headers.get("content-type", ""),
         request.headers.get("accept", ""),
-    ):
-        h.update(part.encode() + b"\0")
-    h.update(body)
-    return h.hexdigest()
+    )
+    return chunks_sha256([*(f"{part}\0" for part in parts), body])
 
 
 class IdempotencyStore:
@@ -71,7 +68,7 @@ class IdempotencyStore:
         self._locks: dict[str, asyncio.Lock] = {}
 
     def _path(self, key: str) -> Path:
-        return self.directory / (hashlib.sha256(key.encode()).hexdigest() + ".json")
+        return self.directory / (text_sha256(key) + ".json")
 
     def _load(self, key: str) -> dict | None:
         path = self._path(key)
@@ -92,10 +89,7 @@ class IdempotencyStore:
             "headers": {k: v for k, v in response.headers.items() if k.lower() in _KEPT_HEADERS},
             "body": base64.b64encode(response.body).decode(),
         }
-        path = self._path(key)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        atomic_write_json(self._path(key), record)
 
     async def run(self, key: str, fp: str, produce: Callable[[], Awaitable[Response]]) -> Response:
         """The stored answer for ``key`` (same fingerprint ``fp``), or ``produce()``'s,

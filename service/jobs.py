@@ -15,12 +15,13 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import shutil
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from bagserve.core.atomic import atomic_directory, atomic_write_json
 
 from .errors import Problem
 
@@ -28,15 +29,6 @@ __all__ = ["JobStore"]
 
 log = logging.getLogger("bagserve.jobs")
 FINAL = ("succeeded", "failed", "cancelled")
-
-
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 class JobStore:
@@ -74,21 +66,18 @@ class JobStore:
 
     def _update(self, job_id: str, **fields: Any) -> dict[str, Any]:
         meta = {**self.meta(job_id), **fields, "updated": time.time()}
-        _write_json(self._dir(job_id) / "meta.json", meta)
+        atomic_write_json(self._dir(job_id) / "meta.json", meta)
         return meta
 
     def create(self, body: bytes, **meta: Any) -> dict[str, Any]:
         """Store a request body with its metadata, queue it, and return the metadata."""
         job_id = uuid.uuid4().hex
-        tmp = self.directory / f".{job_id}.tmp"
-        tmp.mkdir()
-        (tmp / "request.bin").write_bytes(body)
         now = time.time()
-        _write_json(
-            tmp / "meta.json",
-            {"id": job_id, "status": "queued", "created": now, "updated": now, **meta},
-        )
-        os.rename(tmp, self.directory / job_id)
+        # Published whole or not at all: recover() drops the hidden build directories.
+        with atomic_directory(self.directory / job_id) as tmp:
+            (tmp / "request.bin").write_bytes(body)
+            first = {"id": job_id, "status": "queued", "created": now, "updated": now, **meta}
+            (tmp / "meta.json").write_text(json.dumps(first))
         self.queue.put_nowait(job_id)
         return self.meta(job_id)
 
@@ -105,7 +94,7 @@ class JobStore:
         """Store a finished job's answer, unless it was cancelled meanwhile."""
         if self.meta(job_id)["status"] == "cancelled":
             return  # cancelled while running: the answer is discarded
-        _write_json(self._dir(job_id) / "result.json", result)
+        atomic_write_json(self._dir(job_id) / "result.json", result)
         self._update(job_id, status=status)
 
     def cancel(self, job_id: str) -> dict[str, Any]:

@@ -17,13 +17,13 @@ the steps in between and their errors:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from bagserve.core.hashing import bytes_sha256
 from bagserve.core.io import DataError
 from bagserve.core.runtime import CellPrediction, ModelKind, Prediction, prediction_from_arrays
 
@@ -263,7 +263,7 @@ class Predictor:
             # as it took (a few ms for 8 MB on two cores).
             nonlocal hashing
             if hashing is None and input_sha256 is None:
-                hashing = loop.run_in_executor(None, lambda: hashlib.sha256(body).hexdigest())
+                hashing = loop.run_in_executor(None, bytes_sha256, body)
 
         async def input_hash() -> str:
             if input_sha256 is not None:

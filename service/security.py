@@ -6,9 +6,9 @@ of the key's sha256.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 
+from bagserve.core.hashing import text_sha256
 from fastapi import Request
 
 from .errors import Problem
@@ -18,7 +18,7 @@ __all__ = ["ApiKeys", "key_id"]
 
 def key_id(key: str) -> str:
     """A key's public id: the first 12 hex digits of its sha256 (logged, never the key)."""
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+    return text_sha256(key)[:12]
 
 
 class ApiKeys:

@@ -61,3 +61,14 @@ def test_the_core_raises_them(tmp_path):
     with pytest.raises(CoreError) as info:
         Bags.from_arrays([[[1.0, 2.0]], [[1.0]]])
     assert info.value.problems  # BagValidationError keeps its list of problems
+
+
+def test_bag_validation_errors_survive_pickling_with_every_problem():
+    import pickle
+
+    from bagserve.core.errors import BagValidationError
+
+    problems = [f"bag {i} is empty" for i in range(25)]
+    back = pickle.loads(pickle.dumps(BagValidationError(problems)))
+    assert isinstance(back, BagValidationError)
+    assert back.problems == problems and str(back) == str(BagValidationError(problems))

@@ -5,10 +5,10 @@ The computation itself is :class:`~bagserve.service.job_runner.JobRunner`'s.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import orjson
+from bagserve.core.hashing import bytes_sha256
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
@@ -74,7 +74,7 @@ async def submit(request: Request, svc: ServicesDep) -> Response:
             options=options.to_json(),
             request_id=request.state.request_id,
             api_key_id=request.state.key_id,
-            input_sha256=hashlib.sha256(body).hexdigest(),
+            input_sha256=bytes_sha256(body),
         )
         return Response(
             orjson.dumps(_view(svc.jobs, meta)),
