@@ -34,6 +34,7 @@ from sklearn.base import ClassifierMixin
 
 from .artifacts import ArtifactError, estimator_class, load, read_manifest
 from .bags import Bags
+from .domain import DomainReport
 from .estimators import ConditionalMeanEmbedding
 from .estimators.transfer import _MarginalTransfer
 from .io import Panel, Preprocessing, Sample
@@ -55,8 +56,6 @@ __all__ = [
 #: Bag-level models predict chunks of bags of at most this many points in all (a bag
 #: larger than that is a chunk of its own): it bounds the memory of one call.
 CHUNK_POINTS = 2_000_000
-#: Nearest training tasks reported per bag by per-cell models.
-NEAREST = 3
 
 
 class ModelKind(enum.StrEnum):
@@ -85,40 +84,6 @@ def kind_of(cls: type) -> ModelKind:
 
 
 # ----------------------------------------------------------------------------- results
-@dataclass(frozen=True)
-class DomainReport:
-    """How far each bag lies from the training data (its applicability domain).
-
-    Attributes
-    ----------
-    score : ndarray of shape (n_bags,)
-        Distance of the bag's embedding to the nearest training bag (or task).
-    out_of_range : ndarray of bool, shape (n_bags,)
-        The score exceeds the model's threshold: the bag is unlike the training data,
-        and the answer deserves less trust.
-    nearest : ndarray of int, shape (n_bags, k)
-        Indices of the nearest training bags, nearest first; ``-1`` pads rows when
-        there are fewer than ``k`` training bags.
-    similarities : ndarray of shape (n_bags, k)
-        The model's kernel between the bag and each of ``nearest`` (0 where padded).
-    """
-
-    score: NDArray[np.float64]
-    out_of_range: NDArray[np.bool_]
-    nearest: NDArray[np.int64]
-    similarities: NDArray[np.float64]
-
-    def nearest_of(self, i: int) -> list[int]:
-        """The nearest training bags of bag ``i``, padding dropped."""
-        return [int(t) for t in self.nearest[i] if t >= 0]
-
-    def similarities_of(self, i: int) -> list[float]:
-        """The similarities of bag ``i`` to :meth:`nearest_of`."""
-        return [
-            float(s) for s, t in zip(self.similarities[i], self.nearest[i], strict=True) if t >= 0
-        ]
-
-
 @dataclass(frozen=True)
 class Prediction(abc.ABC):
     """What every model answers, besides its own values.
@@ -504,49 +469,61 @@ class ModelRuntime:
         sizes = np.asarray(bags.sizes, dtype=np.int64)
         if self.kind is ModelKind.CELL:
             return self._predict_cells(bags, sizes)
-        chunks = [bags[a:b] for a, b in _chunks(sizes, CHUNK_POINTS)]
-        extra: dict[str, Any] = {"sizes": sizes, "clipped": self._clipped(bags)}
+        parts = [self._predict_chunk(bags[a:b], quantiles, exceed) for a, b in _chunks(sizes)]
+        merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k != "domain"}
+        extra: dict[str, Any] = {
+            "sizes": sizes,
+            "clipped": self._clipped(bags),
+            "domain": _concat_domains([p["domain"] for p in parts]),
+        }
         if self.kind is ModelKind.CONDITIONAL:
-            levels = np.asarray(quantiles, dtype=np.float64)
-            thresholds = np.asarray(exceed, dtype=np.float64)
-            # One embedding and one kernel evaluation for the mean and every quantity.
-            parts = [self.model.summary(c, levels, thresholds) for c in chunks]
             return ConditionalPrediction(
-                mean=np.concatenate([p[0] for p in parts]),
-                levels=levels,
-                quantiles=np.concatenate([p[1] for p in parts]),
-                thresholds=thresholds,
-                exceedance=np.concatenate([p[2] for p in parts]),
+                mean=merged["mean"],
+                levels=np.asarray(quantiles, dtype=np.float64),
+                quantiles=merged["quantiles"],
+                thresholds=np.asarray(exceed, dtype=np.float64),
+                exceedance=merged["exceedance"],
                 **extra,
             )
-        values = np.concatenate([np.asarray(self.model.predict(c)) for c in chunks])
         if self.kind is ModelKind.CLASSIFICATION:
-            scores = np.concatenate([np.asarray(self.model.decision_function(c)) for c in chunks])
-            scores = scores[:, None] if scores.ndim == 1 else scores
+            scores = merged["scores"]
             if scores.shape[1] == 1:  # binary: one margin for classes[1]
                 scores = np.hstack([-scores, scores])
             return ClassificationPrediction(
-                labels=values, classes=np.asarray(self.model.classes_), scores=scores, **extra
+                labels=merged["values"],
+                classes=np.asarray(self.model.classes_),
+                scores=scores,
+                **extra,
             )
-        return RegressionPrediction(values=values, **extra)
+        return RegressionPrediction(values=merged["values"], **extra)
+
+    def _predict_chunk(
+        self, bags: Bags, quantiles: Sequence[float], exceed: Sequence[float]
+    ) -> dict[str, Any]:
+        """One chunk of bags, embedded once for the answer and the domain check."""
+        model = self.model
+        emb = model.representation_.embed(bags)
+        out: dict[str, Any] = {"domain": model.domain_check(emb)}
+        if self.kind is ModelKind.CONDITIONAL:
+            levels = np.asarray(quantiles, dtype=np.float64)
+            thresholds = np.asarray(exceed, dtype=np.float64)
+            # One kernel evaluation for the mean and every quantity.
+            out["mean"], out["quantiles"], out["exceedance"] = model.summary(
+                emb, levels, thresholds
+            )
+            return out
+        out["values"] = np.asarray(model.predict(emb))
+        if self.kind is ModelKind.CLASSIFICATION:
+            scores = np.asarray(model.decision_function(emb))
+            out["scores"] = scores[:, None] if scores.ndim == 1 else scores
+        return out
 
     def _predict_cells(self, bags: Bags, sizes: NDArray[np.int64]) -> CellPrediction:
         results = self.model.predict_tasks(bags)
-        reports = [r.report for r in results]
-        width = NEAREST
-        nearest = np.full((len(reports), width), -1, dtype=np.int64)
-        sims = np.zeros((len(reports), width))
-        for i, r in enumerate(reports):
-            nearest[i, : r.nearest_tasks.size] = r.nearest_tasks[:width]
-            sims[i, : r.similarities.size] = r.similarities[:width]
-        domain = DomainReport(
-            score=np.array([r.distance for r in reports], dtype=np.float64),
-            out_of_range=np.array([r.out_of_range for r in reports], dtype=bool),
-            nearest=nearest,
-            similarities=sims,
-        )
         return CellPrediction(
-            labels=np.concatenate([r.predictions for r in results]), sizes=sizes, domain=domain
+            labels=np.concatenate([r.predictions for r in results]),
+            sizes=sizes,
+            domain=self.model.domain_report([r.report for r in results]),
         )
 
     def _clipped(self, bags: Bags) -> NDArray[np.int64] | None:
@@ -558,7 +535,16 @@ class ModelRuntime:
         return None
 
 
-def _chunks(sizes: NDArray[np.int64], limit: int) -> list[tuple[int, int]]:
+def _concat_domains(parts: list[DomainReport | None]) -> DomainReport | None:
+    if any(p is None for p in parts):
+        return None
+    fields = [f.name for f in dataclasses.fields(DomainReport)]
+    return DomainReport(
+        **{f: np.concatenate([getattr(p, f) for p in parts]) for f in fields}  # type: ignore[arg-type]
+    )
+
+
+def _chunks(sizes: NDArray[np.int64], limit: int = CHUNK_POINTS) -> list[tuple[int, int]]:
     """Consecutive ranges of bags with at most ``limit`` points each (a larger bag
     alone); a loop over bags, never over points."""
     out = []

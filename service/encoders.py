@@ -69,7 +69,7 @@ def _bag(result: Prediction, i: int, bag_id: str) -> dict[str, Any]:
             "labels": result.labels_of(i).tolist(),
             "report": {
                 "out_of_range": bool(domain.out_of_range[i]),
-                "distance_to_nearest": float(domain.score[i]),
+                "distance_to_nearest": float(domain.distance[i]),
                 "nearest_training_tasks": domain.nearest_of(i),
                 "similarities": domain.similarities_of(i),
             },

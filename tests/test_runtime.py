@@ -111,7 +111,7 @@ def test_typed_answers_equal_the_estimators_own(artifacts):
     for i, task in enumerate(expected):
         np.testing.assert_array_equal(result.labels_of(i), task.predictions)
         assert result.domain.out_of_range[i] == task.report.out_of_range
-        assert result.domain.score[i] == task.report.distance
+        assert result.domain.distance[i] == task.report.distance
         assert result.domain.nearest_of(i) == task.report.nearest_tasks.tolist()
         assert result.domain.similarities_of(i) == task.report.similarities.tolist()
 

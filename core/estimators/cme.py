@@ -46,6 +46,7 @@ from ..kernels import get_kernel
 from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
 from ..representations.sliced import _rowwise_searchsorted
 from ..selection import as_grid, median_heuristic_gamma
+from ._domain import DomainCheckMixin
 
 __all__ = ["ConditionalMeanEmbedding", "incomplete_cholesky"]
 
@@ -72,7 +73,7 @@ def _outputs(Y: ArrayLike) -> NDArray[np.float64]:
     return Y
 
 
-class ConditionalMeanEmbedding(RegressorMixin, BaseEstimator):
+class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
     """Conditional distribution of an output given a point or a bag, as an embedding.
 
     Parameters
@@ -252,7 +253,11 @@ class ConditionalMeanEmbedding(RegressorMixin, BaseEstimator):
         self.train_embedding_ = emb
         # K and L are recomputed if sparsify/restrict need them: not kept alive here.
         self._gram_cache = None
+        self._fit_domain(emb)
         return self
+
+    def _embedding(self, X: Any) -> Embedding:
+        return X if isinstance(X, Embedding) else self._embed(X)
 
     def _cv_losses(
         self, K: NDArray[np.float64], L: NDArray[np.float64], alphas: NDArray[np.float64]

@@ -25,6 +25,7 @@ from ..kernels import batch_invariant_matmul, get_kernel, random_fourier_feature
 from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
 from ..representations.sliced import SlicedWasserstein
 from ..selection import DEFAULT_ALPHA_GRID, as_grid, gamma_grid, ridge_selection_scores
+from ._domain import DomainCheckMixin
 
 __all__ = ["DistributionRidge", "DistributionRidgeClassifier"]
 
@@ -32,7 +33,7 @@ __all__ = ["DistributionRidge", "DistributionRidgeClassifier"]
 _MEDIAN_BAGS = 1000
 
 
-class _DistributionKernelRidge(BaseEstimator):
+class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
     """Shared fit/predict of :class:`DistributionRidge` and its classifier.
 
     Subclasses define ``_targets(y, n_bags)``, which validates the targets and
@@ -200,6 +201,7 @@ class _DistributionKernelRidge(BaseEstimator):
             "alpha": alphas,
             "score": scores,
         }
+        self._fit_domain(emb)
         return self
 
     def _rff(self, F: NDArray[np.float64], gamma: float) -> NDArray[np.float64]:
@@ -223,7 +225,7 @@ class _DistributionKernelRidge(BaseEstimator):
 
     def _decision(self, X: Any) -> NDArray[np.float64]:
         check_is_fitted(self, "intercept_")
-        return self._decision_embedded(self.representation_.embed(X))
+        return self._decision_embedded(self._embedding(X))
 
     def _decision_embedded(self, emb: Embedding) -> NDArray[np.float64]:
         check_is_fitted(self, "intercept_")
@@ -367,9 +369,10 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
         return self._fit(X, y)
 
     def predict(self, X: Any) -> NDArray[np.float64]:
-        """Predicted values, shape ``(n_bags,)`` or ``(n_bags, n_outputs)``."""
+        """Predicted values, shape ``(n_bags,)`` or ``(n_bags, n_outputs)``; ``X`` may be
+        bags or their embedding by ``representation_``."""
         check_is_fitted(self, "intercept_")
-        return self.predict_embedded(self.representation_.embed(X))
+        return self.predict_embedded(self._embedding(X))
 
     def predict_embedded(self, embedding: Embedding) -> NDArray[np.float64]:
         """:meth:`predict` for bags already embedded by ``representation_``."""
@@ -414,9 +417,9 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
         return scores
 
     def predict(self, X: Any) -> NDArray[Any]:
-        """The class with the largest score for each bag."""
+        """The class with the largest score for each bag (``X``: bags or their embedding)."""
         check_is_fitted(self, "intercept_")
-        return self.predict_embedded(self.representation_.embed(X))
+        return self.predict_embedded(self._embedding(X))
 
     def predict_embedded(self, embedding: Embedding) -> NDArray[Any]:
         """:meth:`predict` for bags already embedded by ``representation_``."""

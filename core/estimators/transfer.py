@@ -49,6 +49,7 @@ from threadpoolctl import threadpool_limits
 
 from .._random import check_generator
 from ..bags import Bags, BagValidationError, as_bags, subsample_bags
+from ..domain import NEAREST, DomainReport
 from ..kernels import get_kernel
 from ..representations.base import BagRepresentation, Embedding
 from ..representations.mean import _median_distance
@@ -503,6 +504,38 @@ class _MarginalTransfer(BaseEstimator):
             self._fitted_state(strategy), self._new_tasks(tasks, emb, sq_new)
         )
         return scores, reports
+
+    def domain_report(self, reports: list[TaskReport]) -> DomainReport:
+        """The :class:`~core.domain.DomainReport` of tasks from their :class:`TaskReport`.
+
+        The score is the distance to the nearest training task in units of the median
+        such distance among the training tasks (each to its nearest other one), as the
+        bag-level models' scores are; the out-of-range flag is the task report's
+        (``range_factor`` times the largest of those distances).
+        """
+        sq = np.asarray(self.task_sq_distances_, dtype=np.float64)
+        if sq.shape[0] > 1:
+            d = np.sqrt(np.maximum(sq, 0.0) + np.diag(np.full(sq.shape[0], np.inf)))
+            scale = float(np.median(d.min(axis=1))) or 1.0
+        else:
+            scale = 1.0
+        nearest = np.full((len(reports), NEAREST), -1, dtype=np.int64)
+        sims = np.zeros((len(reports), NEAREST))
+        for i, r in enumerate(reports):
+            nearest[i, : r.nearest_tasks.size] = r.nearest_tasks[:NEAREST]
+            sims[i, : r.similarities.size] = r.similarities[:NEAREST]
+        distance = np.array([r.distance for r in reports], dtype=np.float64)
+        return DomainReport(
+            score=distance / scale,
+            out_of_range=np.array([r.out_of_range for r in reports], dtype=bool),
+            nearest=nearest,
+            similarities=sims,
+            distance=distance,
+        )
+
+    def domain_check(self, X: Any) -> DomainReport:
+        """How far each new task lies from the training tasks (see :meth:`domain_report`)."""
+        return self.domain_report(self.task_report(X))
 
     def task_report(self, X: Any) -> list[TaskReport]:
         """Similarity of each new task to the training tasks, and the out-of-range flag."""
