@@ -318,7 +318,11 @@ class Bags:
         return self.take(idx)
 
     def take(self, indices: NDArray[np.integer]) -> Bags:
-        """A new :class:`Bags` with the bags at ``indices`` (in that order)."""
+        """A new :class:`Bags` with the bags at ``indices`` (in that order).
+
+        Weights are carried over bit for bit, not normalised again, so a bag selected
+        alone or with others has exactly the weights it had in ``self``.
+        """
         indices = np.asarray(indices, dtype=np.int64)
         if indices.size == 0:
             raise BagValidationError(["selection contains no bags"])
@@ -327,8 +331,18 @@ class Bags:
         # Point positions of every selected bag, built without a loop over points.
         new_offsets = np.concatenate([[0], np.cumsum(sizes)])
         rows = np.repeat(starts - new_offsets[:-1], sizes) + np.arange(new_offsets[-1])
-        w = None if self._weights is None else self._weights[rows]
-        return Bags(self._points[rows], new_offsets, w, validate=False)
+        out = Bags(self._points[rows], new_offsets, validate=False)
+        if self._weights is not None:
+            # Whole bags keep their weights as they are: they are normalised per bag
+            # already, and normalising again is not idempotent in floating point (a
+            # bag's sum is 1 only to within an ulp, and dividing by it can move every
+            # weight by an ulp, again at the next selection). Renormalising here made a
+            # bag's weights, and so its embedding and prediction, differ in the last
+            # bits between ``bags`` and ``bags[[t]]``.
+            w = self._weights[rows]
+            w.flags.writeable = False
+            out._weights = w
+        return out
 
 
 def _check_stacked(points: NDArray[np.float64], offsets: NDArray[np.int64]) -> None:

@@ -7,6 +7,8 @@ import pytest
 from bagserve.core import Bags, BagValidationError, as_bags
 from sklearn.utils import _safe_indexing
 
+from .conftest import random_bags
+
 
 def test_from_arrays_stacks_points_and_offsets(rng):
     arrays = [rng.normal(size=(n, 4)) for n in (3, 1, 7)]
@@ -59,6 +61,19 @@ def test_subset_by_slice_array_and_mask_keeps_weights(weighted_bags):
     assert len(weighted_bags[1:5]) == 4
     with pytest.raises(IndexError):
         weighted_bags[len(weighted_bags)]
+
+
+def test_selecting_bags_keeps_their_weights_bit_for_bit():
+    # Normalising weights is not idempotent in floating point (a bag's sum is 1 only to
+    # within an ulp), so a selection that renormalised them would move a bag's weights,
+    # and its embedding and prediction, by the last bits each time it is selected.
+    bags = random_bags(np.random.default_rng(0), n_bags=40, sizes=(1, 60), weighted=True)
+    for t in range(len(bags)):
+        w = bags.bag_weights(t)
+        np.testing.assert_array_equal(bags[[t]].weights, w)
+        np.testing.assert_array_equal(bags[[t, 0]][[0]].weights, w)
+        np.testing.assert_array_equal(bags[t : t + 1].weights, w)
+    assert not bags[[3, 1]].weights.flags.writeable
 
 
 def test_sklearn_safe_indexing_returns_weighted_bags(weighted_bags):

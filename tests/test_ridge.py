@@ -117,20 +117,92 @@ def test_gcv_equals_direct_formula(rng):
     assert got[0] == pytest.approx(direct, rel=1e-10)
 
 
-def test_automatic_search_picks_the_grid_minimum(rng):
+def test_automatic_grid_is_centred_on_the_median_heuristic(rng):
     train = random_bags(rng, n_bags=25)
     y = targets(train)
     model = DistributionRidge(REPS["sw2"]()).fit(train, y)
     sel = model.selection_
     assert sel["score"].shape == (13, DEFAULT_ALPHA_GRID.size)
-    gi, ai = np.unravel_index(np.argmin(sel["score"]), sel["score"].shape)
-    assert model.gamma_ == sel["gamma"][gi] and model.alpha_ == sel["alpha"][ai]
     # The grid is centred on the median heuristic 1 / median(SW_2²).
     D2 = REPS["sw2"]().fit(train).embed(train).sq_distances()
     g0 = 1 / np.median(np.sqrt(D2[~np.eye(25, dtype=bool)])) ** 2
     assert sel["gamma"][6] == pytest.approx(g0)
     gcv = DistributionRidge(REPS["sw2"](), selection="gcv").fit(train, y)
     assert np.isfinite(gcv.selection_["score"]).all()
+
+
+# Searched models whose representation is fitted without looking at the bags (SW
+# directions and levels, RFF frequencies at a fixed bandwidth are draws from the seed),
+# so a refit on T - 1 bags embeds every bag exactly as the full model does: the
+# condition under which one Gram of all bags gives the leave-one-bag-out error.
+_LOO_GAMMAS = [0.001, 0.004, 0.016, 0.064]
+_LOO_ALPHAS = [1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]
+LOO_SEARCHES = {
+    "dual": lambda: DistributionRidge(
+        SlicedWasserstein(n_directions=10, n_levels=10, random_state=0),
+        gamma=_LOO_GAMMAS,
+        alpha=_LOO_ALPHAS,
+    ),
+    "random_features": lambda: DistributionRidge(
+        SlicedWasserstein(n_directions=10, n_levels=10, random_state=0),
+        gamma=_LOO_GAMMAS,
+        alpha=_LOO_ALPHAS,
+        n_components=40,
+        random_state=0,
+    ),
+    "linear_primal": lambda: DistributionRidge(
+        MeanEmbedding(method="rff", n_components=8, bandwidth=2.0, random_state=0),
+        kernel="linear",
+        alpha=_LOO_ALPHAS,
+    ),
+}
+
+
+@pytest.mark.parametrize("fit_intercept", [True, False])
+@pytest.mark.parametrize("search", sorted(LOO_SEARCHES))
+def test_search_picks_the_brute_force_leave_one_bag_out_minimum(search, fit_intercept):
+    """The chosen (gamma, alpha) minimise the leave-one-bag-out error of real refits.
+
+    The oracle never reads the model's closed form: for every grid pair and every bag
+    it fits a fresh estimator with that pair on the other ``T - 1`` bags and predicts
+    the bag left out. The model claims the exact LOO error with the *effective* ridge
+    ``λT`` held fixed (and, with an intercept, re-centred on the other bags' mean),
+    so the refit on ``T - 1`` bags, which scales its ridge by ``T - 1``, is given
+    ``alpha = λT / (T - 1)``.
+    """
+    rng = np.random.default_rng(0)
+    T = 18
+    train = random_bags(rng, n_bags=T, sizes=(10, 30))
+    y = targets(train)
+    # Noise makes the best ridge and kernel scale interior points of the grid.
+    y = y + 0.5 * np.std(y) * rng.normal(size=T)
+    model = LOO_SEARCHES[search]().set_params(fit_intercept=fit_intercept).fit(train, y)
+    # Precondition of the oracle: refitting the representation on fewer bags
+    # changes nothing.
+    np.testing.assert_array_equal(
+        clone(model.representation).fit(train[1:]).transform(train),
+        model.representation_.transform(train),
+    )
+
+    gammas = _LOO_GAMMAS if model.kernel != "linear" else [None]
+    brute = np.empty((len(gammas), len(_LOO_ALPHAS)))
+    for gi, gamma in enumerate(gammas):
+        for ai, lam in enumerate(_LOO_ALPHAS):
+            sq = []
+            for i in range(T):
+                rest = np.arange(T) != i
+                refit = clone(model).set_params(gamma=gamma, alpha=lam * T / (T - 1))
+                refit.fit(train[rest], y[rest])
+                sq.append((refit.predict(train[[i]])[0] - y[i]) ** 2)
+            brute[gi, ai] = np.mean(sq)
+
+    gi, ai = np.unravel_index(np.argmin(brute), brute.shape)
+    # A unique minimum, by far more than the 1e-8 agreement below: the argmin is
+    # well defined.
+    assert np.sort(brute, axis=None)[1] > brute[gi, ai] * (1 + 1e-4)
+    assert model.gamma_ == gammas[gi] and model.alpha_ == _LOO_ALPHAS[ai]
+    # The closed form is the brute-force error itself, not just ordered like it.
+    np.testing.assert_allclose(model.selection_["score"], brute, rtol=1e-8)
 
 
 def test_tiny_ridge_interpolates(rng):

@@ -20,6 +20,7 @@ from bagserve.core.estimators._transfer_solvers import (
     weighted_svr,
 )
 from bagserve.core.selection import leave_tasks_out_folds
+from sklearn.base import clone
 from sklearn.kernel_ridge import KernelRidge
 from sklearn.linear_model import Ridge
 
@@ -261,20 +262,123 @@ def test_validation_tasks_never_reach_the_fold_training_side(ellipses, monkeypat
         assert (value > 500) == (7 in folds[j % len(folds)][0])
 
 
-def test_search_picks_the_smallest_cv_error(ellipses):
-    tasks, y = ellipses
-    model = MarginalTransferClassifier(
-        point_bandwidth=[0.15, 0.3],
-        alpha=[1e-5, 1e-2],
-        tau=[0.0, 1.0],
-        task_gamma=[2.0],
-        cv=4,
-        random_state=0,
-    ).fit(tasks, y)
-    evaluated = model.selection_["evaluated"]
-    best = min(evaluated, key=lambda e: min(e["cv_error"]))
-    assert model.point_bandwidth_ == best["sigma"][1] and model.tau_ == best["tau"]
-    assert model.alpha_ == [1e-5, 1e-2][int(np.argmin(best["cv_error"]))]
+def regression_tasks(n_tasks: int = 10, n_points: int = 30) -> tuple[Bags, np.ndarray]:
+    """Tasks whose target depends on the point and on where its task sits."""
+    rng = np.random.default_rng(0)
+    arrays, targets = [], []
+    for _ in range(n_tasks):
+        shift = rng.uniform(-1.0, 1.0)
+        x = rng.normal(size=(n_points, 2)) * rng.uniform(0.5, 1.5) + shift
+        targets.append(
+            shift * np.sin(2.0 * x[:, 0]) + 0.5 * x[:, 1] + 0.3 * rng.normal(size=n_points)
+        )
+        arrays.append(x)
+    return Bags.from_arrays(arrays), np.concatenate(targets)
+
+
+def coordinate_search_visits(
+    sigmas: list[float], taus: list[float], gammas: list[float]
+) -> set[tuple[float, float, float | None]]:
+    """Configurations the coordinate-wise search evaluates *whatever wins each step*.
+
+    The documented order (``_search``): (1) the pooled model (``τ = 1``) at every point
+    bandwidth; (2) at the winner's bandwidth, every ``(τ, γ_P)`` pair; (3) the embedding
+    bandwidth (fixed here); (4) every point bandwidth at the winning ``(τ, γ_P)``. The
+    intersection over every possible winner of steps 1 and 2 is what is surely visited.
+    Pooled configurations have no ``γ_P`` (``None``).
+    """
+    others = [t for t in taus if t != 1.0]
+    pooled = {(s, 1.0, None) for s in sigmas}
+    surely: set[tuple[float, float, float | None]] | None = None
+    for s1 in sigmas:
+        for t2 in others:
+            for g2 in gammas:
+                seen = pooled | {(s1, t, g) for t in others for g in gammas}
+                seen |= {(s, t2, g2) for s in sigmas}
+                surely = seen if surely is None else surely & seen
+    assert surely is not None
+    return surely
+
+
+# Grids the coordinate-wise search covers whole: several point bandwidths but one
+# (τ, γ_P) pair besides pooling, or one bandwidth and every (τ, γ_P) pair.
+SEARCH_GRIDS = {
+    "bandwidths": {"point_bandwidth": [0.15, 0.3, 0.6], "tau": [0.2, 1.0], "task_gamma": [2.0]},
+    "task_kernel": {"point_bandwidth": [0.3], "tau": [0.0, 0.3, 1.0], "task_gamma": [0.5, 4.0]},
+}
+SEARCH_ALPHAS = [1e-5, 1e-3, 1e-1]
+SEARCH_MODELS = {
+    "regressor_exact": lambda: MarginalTransferRegressor(solver="exact", loss="squared"),
+    "regressor_random_features": lambda: MarginalTransferRegressor(n_components=16),
+    "classifier_random_features": lambda: MarginalTransferClassifier(n_components=16),
+}
+
+
+@pytest.mark.parametrize("grid", sorted(SEARCH_GRIDS))
+@pytest.mark.parametrize("estimator", sorted(SEARCH_MODELS))
+def test_search_picks_the_brute_force_leave_tasks_out_minimum(ellipses, estimator, grid):
+    """The chosen configuration minimises the leave-tasks-out error of real refits.
+
+    The oracle uses the public API only: for every configuration of the grid, every
+    ``λ`` and every fold (rebuilt from the documented fold maker and the model's
+    ``seed_``), a fresh estimator with those fixed hyperparameters is fitted on the
+    fold's training tasks (so its embedding is fitted on them alone) and scores each
+    held-out task on all its points, as the search does when ``cv_points`` exceeds
+    every task: mean squared error (regression) or the share of points whose score
+    has the wrong sign (classification), averaged over the fold's held-out tasks and
+    then over folds.
+    """
+    tasks, y = regression_tasks() if estimator.startswith("regressor") else ellipses
+    spec = SEARCH_GRIDS[grid]
+    model = (
+        SEARCH_MODELS[estimator]()
+        .set_params(
+            # A fixed embedding bandwidth: no embedding-bandwidth search (step 3).
+            embedding=MeanEmbedding(bandwidth=0.5),
+            alpha=SEARCH_ALPHAS,
+            cv=4,
+            random_state=0,
+            **spec,
+        )
+        .fit(tasks, y)
+    )
+    # Held-out tasks are scored on all their points: no validation subsample.
+    assert tasks.sizes.max() <= model.cv_points
+    sigmas, taus, gammas = spec["point_bandwidth"], spec["tau"], spec["task_gamma"]
+    configs = {(s, t, None if t == 1.0 else g) for s in sigmas for t in taus for g in gammas}
+    assert coordinate_search_visits(sigmas, taus, gammas) == configs
+
+    folds = leave_tasks_out_folds(len(tasks), model.cv, model.cv_repeats, model.seed_)
+    brute = {}
+    for sigma, tau, gamma in configs:
+        for alpha in SEARCH_ALPHAS:
+            fold_errors = []
+            for train, val in folds:
+                refit = clone(model).set_params(
+                    point_bandwidth=sigma,
+                    tau=tau,
+                    # Pooled configurations ignore the task kernel.
+                    task_gamma=gammas[0] if gamma is None else gamma,
+                    alpha=alpha,
+                )
+                refit.fit(tasks[train], np.concatenate([task_labels(tasks, y, t) for t in train]))
+                task_errors = []
+                for v in val:
+                    yv = task_labels(tasks, y, v)
+                    if estimator.startswith("regressor"):
+                        task_errors.append(np.mean((refit.predict(tasks[[v]]) - yv) ** 2))
+                    else:
+                        sign = np.where(yv == refit.classes_[1], 1.0, -1.0)
+                        wrong = np.sign(refit.decision_function(tasks[[v]])) != sign
+                        task_errors.append(np.mean(wrong))
+                fold_errors.append(np.mean(task_errors))
+            brute[(sigma, tau, gamma, alpha)] = np.mean(fold_errors)
+
+    lowest = min(brute.values())
+    assert lowest < max(brute.values()), "the grid must tell configurations apart"
+    winners = {k for k, e in brute.items() if e <= lowest * (1 + 1e-9)}
+    chosen = (model.point_bandwidth_, model.tau_, model.task_gamma_, model.alpha_)
+    assert chosen in winners, (chosen, sorted(winners), lowest)
 
 
 # ----------------------------------------------------------------- behaviour
