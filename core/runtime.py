@@ -290,6 +290,13 @@ class ArtifactInfo:
         """The model answers classes (per bag, or per point for per-cell models)."""
         return issubclass(estimator_class(self.estimator), ClassifierMixin)
 
+    @cached_property
+    def training_names(self) -> list[str]:
+        """Names of the training bags (file names), in the model's order; empty for a
+        model trained from arrays or before names were recorded."""
+        bags = self.metadata.get("training_bags") or []
+        return [str(b.get("name", "")) if isinstance(b, Mapping) else str(b) for b in bags]
+
     @property
     def metadata(self) -> dict[str, Any]:
         return dict(self.manifest.get("metadata") or {})

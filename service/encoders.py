@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -44,19 +45,57 @@ def negotiate(accept: str | None) -> str:
     raise Problem(406, f"cannot answer {accept!r}; available: {', '.join(FORMATS)}")
 
 
-def encode(result: Prediction, ids: list[str], fmt: str, meta: dict[str, Any]) -> bytes:
-    """The answer in ``fmt`` (one of :data:`FORMATS`); ``meta`` heads a JSON answer."""
+def encode(
+    result: Prediction,
+    ids: list[str],
+    fmt: str,
+    meta: dict[str, Any],
+    training_names: Sequence[str] = (),
+) -> bytes:
+    """The answer in ``fmt`` (one of :data:`FORMATS`); ``meta`` heads a JSON answer.
+
+    ``training_names`` name the training bags, so that the domain report's nearest
+    training bags are named, not numbered.
+    """
     if fmt == NPY:
         return npy_bytes(np.asarray(_table(result)))
     if fmt == CSV_OUT:
         return _csv(result, ids)
-    return orjson.dumps(encode_document(result, ids, meta))
+    return orjson.dumps(encode_document(result, ids, meta, training_names))
 
 
-def encode_document(result: Prediction, ids: list[str], meta: dict[str, Any]) -> dict[str, Any]:
+def encode_document(
+    result: Prediction, ids: list[str], meta: dict[str, Any], training_names: Sequence[str] = ()
+) -> dict[str, Any]:
     """The JSON answer as a document: ``meta`` and one entry per bag under
     ``predictions`` (stored as such for jobs)."""
-    return {**meta, "predictions": [_bag(result, i, bag_id) for i, bag_id in enumerate(ids)]}
+    return {
+        **meta,
+        "predictions": [
+            {**_bag(result, i, bag_id), **_trust(result, i, training_names)}
+            for i, bag_id in enumerate(ids)
+        ],
+    }
+
+
+def training_name(names: Sequence[str], index: int) -> str:
+    """The name of training bag ``index`` (its file name), or ``#index`` if unnamed."""
+    return str(names[index]) if 0 <= index < len(names) else f"#{index}"
+
+
+def _trust(result: Prediction, i: int, names: Sequence[str]) -> dict[str, Any]:
+    """How far to trust bag ``i``'s answer: its domain report and interval, if any."""
+    out: dict[str, Any] = {}
+    domain = result.domain
+    if domain is not None:
+        out["domain"] = {
+            "score": float(domain.score[i]),
+            "out_of_range": bool(domain.out_of_range[i]),
+            "nearest": [training_name(names, t) for t in domain.nearest_of(i)],
+        }
+    if result.interval is not None:
+        out["interval"] = result.interval[i].tolist()
+    return out
 
 
 def _bag(result: Prediction, i: int, bag_id: str) -> dict[str, Any]:
@@ -107,20 +146,38 @@ def _table(result: Prediction) -> np.ndarray:
     return result.estimate
 
 
+def _trust_columns(result: Prediction) -> tuple[list[str], list[list[Any]]]:
+    """CSV columns of the domain report and interval, and their values per bag."""
+    header: list[str] = []
+    rows: list[list[Any]] = [[] for _ in range(result.n_bags)]
+    if result.domain is not None:
+        header += ["domain_score", "out_of_range"]
+        for row, score, flag in zip(
+            rows, result.domain.score.tolist(), result.domain.out_of_range.tolist(), strict=True
+        ):
+            row += [score, int(flag)]
+    if result.interval is not None:
+        header += ["interval_lo", "interval_hi"]
+        for row, bounds in zip(rows, result.interval.tolist(), strict=True):
+            row += bounds
+    return header, rows
+
+
 def _csv(result: Prediction, ids: list[str]) -> bytes:
     buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
+    trust_header, trust = _trust_columns(result)
+    w = _TrustWriter(csv.writer(buf, lineterminator="\n"), trust_header, trust)
     if isinstance(result, CellPrediction):
-        w.writerow(["id", "cell", "label"])
+        w.header(["id", "cell", "label"])
         for i, bag_id in enumerate(ids):
             for j, label in enumerate(result.labels_of(i).tolist()):
-                w.writerow([bag_id, j, label])
+                w.row(i, [bag_id, j, label])
     elif isinstance(result, ClassificationPrediction):
-        w.writerow(["id", "prediction", *[f"score_{c}" for c in result.classes.tolist()]])
+        w.header(["id", "prediction", *[f"score_{c}" for c in result.classes.tolist()]])
         for i, bag_id in enumerate(ids):
-            w.writerow([bag_id, result.labels[i], *result.scores[i].tolist()])
+            w.row(i, [bag_id, result.labels[i], *result.scores[i].tolist()])
     elif isinstance(result, ConditionalPrediction):
-        w.writerow(
+        w.header(
             [
                 "id",
                 "prediction",
@@ -129,19 +186,35 @@ def _csv(result: Prediction, ids: list[str]) -> bytes:
             ]
         )
         for i, bag_id in enumerate(ids):
-            w.writerow(
+            w.row(
+                i,
                 [
                     bag_id,
                     result.mean[i].item(),
                     *result.quantiles[i].tolist(),
                     *result.exceedance[i].tolist(),
-                ]
+                ],
             )
     else:
         values = result.estimate
         multi = values.ndim == 2
         columns = [f"prediction_{j}" for j in range(values.shape[1])] if multi else ["prediction"]
-        w.writerow(["id", *columns])
+        w.header(["id", *columns])
         for i, bag_id in enumerate(ids):
-            w.writerow([bag_id, *(values[i].tolist() if multi else [values[i].item()])])
+            w.row(i, [bag_id, *(values[i].tolist() if multi else [values[i].item()])])
     return buf.getvalue().encode()
+
+
+class _TrustWriter:
+    """A CSV writer that ends every row with its bag's domain and interval columns."""
+
+    def __init__(self, writer: Any, header: list[str], rows: list[list[Any]]) -> None:
+        self.writer = writer
+        self.trust_header = header
+        self.trust = rows
+
+    def header(self, columns: list[Any]) -> None:
+        self.writer.writerow([*columns, *self.trust_header])
+
+    def row(self, bag: int, values: list[Any]) -> None:
+        self.writer.writerow([*values, *self.trust[bag]])

@@ -59,6 +59,9 @@ class JobRunner:
             )
             return
         document = encode_document(
-            outcome.result, outcome.ids, outcome.provenance(meta["request_id"])
+            outcome.result,
+            outcome.ids,
+            outcome.provenance(meta["request_id"]),
+            entry.info.training_names,
         )
         store.finish(job_id, "succeeded", {"status": 200, **document})

@@ -5,6 +5,9 @@
 * ``bagserve_queue_depth``, ``bagserve_busy_workers``, ``bagserve_alive_workers``
 * ``bagserve_points_per_bag``: histogram of the size of predicted bags
 * ``bagserve_model_load_failures``: artifacts that failed verification at start-up
+* ``bagserve_domain_score{model}``: histogram of the applicability-domain score of each
+  predicted bag (about 1 for bags like the training data: a shift shows as drift)
+* ``bagserve_out_of_range_total{model}``: bags answered outside the model's domain
 """
 
 from __future__ import annotations
@@ -65,6 +68,19 @@ class Metrics:
         )
         self.busy = Gauge("bagserve_busy_workers", "workers computing", registry=self.registry)
         self.alive = Gauge("bagserve_alive_workers", "workers running", registry=self.registry)
+        self.domain_score = Histogram(
+            "bagserve_domain_score",
+            "applicability-domain score of each predicted bag (about 1 in the training data)",
+            ["model"],
+            buckets=(0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 5, 10, 100),
+            registry=self.registry,
+        )
+        self.out_of_range = Counter(
+            "bagserve_out_of_range",
+            "predicted bags outside their model's applicability domain",
+            ["model"],
+            registry=self.registry,
+        )
         self.load_failures = Gauge(
             "bagserve_model_load_failures", "artifacts refused at start-up", registry=self.registry
         )

@@ -155,6 +155,16 @@ class Outcome:
         """Points in each bag, in request order."""
         return [int(n) for n in self.result.sizes]
 
+    def warning_header(self) -> str | None:
+        """An HTTP ``Warning`` (code 299) when a bag is out of the applicability domain."""
+        domain = self.result.domain
+        if domain is None or not domain.out_of_range.any():
+            return None
+        out = [self.ids[i] for i in np.flatnonzero(domain.out_of_range)]
+        shown = ", ".join(out[:5]) + (f" and {len(out) - 5} more" if len(out) > 5 else "")
+        text = f"out of the model's applicability domain: {shown}".replace('"', "'")
+        return f'299 bagserve "{text}"'
+
     def provenance(self, request_id: str) -> dict[str, Any]:
         """What heads every answer: model, request id, input hash, warnings."""
         e = self.entry
@@ -360,6 +370,17 @@ class Predictor:
         except InputRejected as exc:
             raise Problem(422, str(exc), errors=[str(exc)], slug="invalid-bags") from None
         result = prediction_from_arrays(out_header["kind"], out_arrays)
+        self._observe_domain(entry, result)
+        if result.domain is not None:
+            for bag, score, flag in zip(
+                bags, result.domain.score.tolist(), result.domain.out_of_range.tolist(), strict=True
+            ):
+                if flag:
+                    warnings.append(
+                        f"bag {bag.id!r} lies outside the model's applicability domain (domain "
+                        f"score {score:.3g}; the training bags score about 1): do not trust "
+                        "this answer without review"
+                    )
         if result.clipped is not None:
             for bag, n in zip(bags, result.clipped.tolist(), strict=True):
                 if n:
@@ -368,6 +389,16 @@ class Predictor:
                         "model's training range and were clipped into it"
                     )
         return result, warnings
+
+    def _observe_domain(self, entry: ModelEntry, result: Prediction) -> None:
+        """Domain scores and out-of-range answers per model, so drift shows on a dashboard."""
+        if result.domain is None:
+            return
+        for score in result.domain.score.tolist():
+            self.metrics.domain_score.labels(entry.key).observe(score)
+        flagged = int(result.domain.out_of_range.sum())
+        if flagged:
+            self.metrics.out_of_range.labels(entry.key).inc(flagged)
 
     def record(
         self,

@@ -402,3 +402,67 @@ def test_logs_are_json_with_request_ids(url, models):
     assert any(
         r.get("request_id") == "trace-abc" and r.get("path") == "/v1/models" for r in records
     )
+
+
+# ----------------------------------------------------------------- applicability domain
+def test_every_answer_says_whether_the_bag_is_in_the_models_domain(url, models):
+    """v1 JSON, v2 tensors and parameters, and jobs carry the domain report; a bag unlike
+    the training data is flagged, warned about (header and body) and counted."""
+    from bagserve.core.runtime import ModelRuntime
+
+    bags, markers = dose_bags(3, seed=21)
+    foreign = bags[0] * 40.0 + 25.0  # same markers, another instrument's scale
+    body = {
+        "bags": [
+            {"id": "usual", "markers": markers, "points": bags[1].tolist()},
+            {"id": "foreign", "markers": markers, "points": foreign.tolist()},
+        ]
+    }
+    r = httpx.post(f"{url}/v1/models/demo-dose/predict", json=body, timeout=60)
+    assert r.status_code == 200
+    usual, odd = r.json()["predictions"]
+    assert usual["domain"]["out_of_range"] is False and odd["domain"]["out_of_range"] is True
+    assert odd["domain"]["score"] > 5 * usual["domain"]["score"]
+    # The same report as the runtime's, in process.
+    runtime = ModelRuntime.open(models / "demo-dose" / "1")
+    from bagserve.core import Bags
+
+    local = runtime.predict(Bags.from_arrays([bags[1], foreign])).domain
+    assert [usual["domain"]["score"], odd["domain"]["score"]] == local.score.tolist()
+    assert len(odd["domain"]["nearest"]) == 3 and all(
+        isinstance(n, str) for n in odd["domain"]["nearest"]
+    )
+    assert r.headers["warning"].startswith('299 bagserve "') and "foreign" in r.headers["warning"]
+    assert "usual" not in r.headers["warning"]
+    assert any("'foreign'" in w and "applicability domain" in w for w in r.json()["warnings"])
+    quiet = httpx.post(
+        f"{url}/v1/models/demo-dose/predict", json={"bags": body["bags"][:1]}, timeout=60
+    )
+    assert "warning" not in quiet.headers
+    # Open Inference Protocol: tensors per bag, the report in the parameters.
+    v2 = oip_infer(
+        url,
+        "demo-dose",
+        [
+            ("points", np.vstack([bags[1], foreign]), {"markers": markers}),
+            ("bag_sizes", np.array([len(bags[1]), len(foreign)]), {}),
+        ],
+    )
+    out = oip_outputs(v2)
+    assert out["outputs"]["out_of_range"].tolist() == [False, True]
+    np.testing.assert_array_equal(out["outputs"]["domain_score"], local.score)
+    assert [d["out_of_range"] for d in out["doc"]["parameters"]["domain"]] == [False, True]
+    assert "warning" in v2.headers
+    # Jobs store the same answer.
+    r = httpx.post(f"{url}/v1/jobs", params={"model": "demo-dose"}, json=body)
+    job = poll(url, r.headers["location"])
+    assert [p["domain"] for p in job["result"]["predictions"]] == [usual["domain"], odd["domain"]]
+    # Drift shows on a dashboard.
+    text = httpx.get(f"{url}/metrics").text
+    assert 'bagserve_domain_score_count{model="demo-dose/1"}' in text
+    flagged = [
+        line
+        for line in text.splitlines()
+        if line.startswith('bagserve_out_of_range_total{model="demo-dose/1"}')
+    ]
+    assert flagged and float(flagged[0].split()[-1]) >= 3  # v1, v2 and the job

@@ -287,7 +287,14 @@ def test_accept_csv_and_npy_answers(http):
     }
     r = http.post("/v1/models/demo-dose/predict", json=body, headers={"accept": "text/csv"})
     assert r.headers["content-type"].startswith("text/csv")
-    assert r.text.splitlines()[0] == "id,prediction" and len(r.text.splitlines()) == 3
+    lines = r.text.splitlines()
+    assert lines[0] == "id,prediction,domain_score,out_of_range" and len(lines) == 3
+    # The domain columns are the JSON answer's, bag by bag.
+    answer = http.post("/v1/models/demo-dose/predict", json=body).json()["predictions"]
+    for line, p in zip(lines[1:], answer, strict=True):
+        bag_id, _, score, flag = line.split(",")
+        assert bag_id == p["id"] and float(score) == p["domain"]["score"]
+        assert flag == str(int(p["domain"]["out_of_range"]))
     r = http.post(
         "/v1/models/demo-dose/predict", json=body, headers={"accept": "application/x-npy"}
     )
@@ -315,7 +322,8 @@ def test_marginal_transfer_model_labels_every_cell(http, models):
     )
     r = http.post("/v1/models/demo-gating/predict", json=body, headers={"accept": "text/csv"})
     assert (
-        r.text.splitlines()[0] == "id,cell,label" and len(r.text.splitlines()) == 1 + tasks.n_points
+        r.text.splitlines()[0] == "id,cell,label,domain_score,out_of_range"
+        and len(r.text.splitlines()) == 1 + tasks.n_points
     )
 
 
@@ -376,7 +384,7 @@ def test_conditional_model_answers_quantiles_and_exceedance(http, models):
         files=files_body,
         headers={"accept": "text/csv"},
     )
-    assert r.text.splitlines()[0] == "id,prediction,q_0.5"
+    assert r.text.splitlines()[0] == "id,prediction,q_0.5,domain_score,out_of_range"
     for params, needle in [
         ({"quantiles": "1.5"}, "levels must lie in [0, 1]"),
         ({"exceed": "abc"}, "comma-separated numbers"),

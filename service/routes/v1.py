@@ -210,7 +210,13 @@ async def _predict(
             timings=read,
         )
         t1 = time.perf_counter()
-        content = encode(outcome.result, outcome.ids, fmt, outcome.provenance(caller.request_id))
+        content = encode(
+            outcome.result,
+            outcome.ids,
+            fmt,
+            outcome.provenance(caller.request_id),
+            entry.info.training_names,
+        )
         timings = {**outcome.timings, "encode": time.perf_counter() - t1}
         svc.metrics.observe_stages({"encode": timings["encode"]})
         headers = provenance_headers(entry, outcome.input_sha256)
@@ -220,6 +226,9 @@ async def _predict(
             for stage in ("read", "parse", "validate", "queue", "transfer", "compute", "encode")
             if stage in timings
         )
+        warning = outcome.warning_header()
+        if warning is not None:
+            headers["Warning"] = warning
         return Response(content, media_type=fmt, headers=headers)
 
     try:

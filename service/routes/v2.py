@@ -25,8 +25,9 @@ from bagserve import __version__
 
 from ..codecs import IncomingBag
 from ..deps import CallerDep, LatestEntry, ServicesDep, VersionEntry, authenticate
+from ..encoders import training_name
 from ..errors import Problem
-from ..prediction import Caller, provenance_headers
+from ..prediction import Caller, Outcome, provenance_headers
 from ..registry import ModelEntry
 from ..uploads import read_limited
 
@@ -64,29 +65,60 @@ async def ready(svc: ServicesDep) -> Response:
     )
 
 
+#: Every model's applicability domain, one value per bag.
+_DOMAIN_OUTPUTS = [
+    {"name": "out_of_range", "datatype": "BOOL", "shape": [-1]},
+    {"name": "domain_score", "datatype": "FP64", "shape": [-1]},
+]
 #: The outputs of each kind of model, with their datatype and shape.
 _OUTPUTS: dict[ModelKind, list[dict[str, Any]]] = {
-    ModelKind.REGRESSION: [{"name": "prediction", "datatype": "FP64", "shape": [-1]}],
-    ModelKind.CONDITIONAL: [{"name": "prediction", "datatype": "FP64", "shape": [-1]}],
+    ModelKind.REGRESSION: [
+        {"name": "prediction", "datatype": "FP64", "shape": [-1]},
+        *_DOMAIN_OUTPUTS,
+    ],
+    ModelKind.CONDITIONAL: [
+        {"name": "prediction", "datatype": "FP64", "shape": [-1]},
+        *_DOMAIN_OUTPUTS,
+    ],
     ModelKind.CLASSIFICATION: [
         {"name": "prediction", "datatype": "BYTES", "shape": [-1]},
         {"name": "scores", "datatype": "FP64", "shape": [-1, -1]},
+        *_DOMAIN_OUTPUTS,
     ],
-    ModelKind.CELL: [
-        {"name": "labels", "datatype": "BYTES", "shape": [-1]},
-        {"name": "out_of_range", "datatype": "BOOL", "shape": [-1]},
-    ],
+    ModelKind.CELL: [{"name": "labels", "datatype": "BYTES", "shape": [-1]}, *_DOMAIN_OUTPUTS],
 }
 
 
 def _produced(result: Prediction) -> dict[str, np.ndarray]:
     """The output tensors of a typed result, by name (see :data:`_OUTPUTS`)."""
     if result.kind is ModelKind.CELL:
-        assert result.domain is not None
-        return {"labels": result.estimate, "out_of_range": result.domain.out_of_range}
-    if isinstance(result, ClassificationPrediction):
-        return {"prediction": result.labels, "scores": result.scores}
-    return {"prediction": result.estimate}
+        out = {"labels": result.estimate}
+    elif isinstance(result, ClassificationPrediction):
+        out = {"prediction": result.labels, "scores": result.scores}
+    else:
+        out = {"prediction": result.estimate}
+    if result.domain is not None:
+        out.update(out_of_range=result.domain.out_of_range, domain_score=result.domain.score)
+    return out
+
+
+def _trust(outcome: Outcome, entry: ModelEntry) -> dict[str, Any]:
+    """The domain report of every bag, as request-level parameters (the tensors carry
+    scores and flags; names of the nearest training bags only fit here)."""
+    domain = outcome.result.domain
+    if domain is None:
+        return {}
+    names = entry.info.training_names
+    return {
+        "domain": [
+            {
+                "score": float(domain.score[i]),
+                "out_of_range": bool(domain.out_of_range[i]),
+                "nearest": [training_name(names, t) for t in domain.nearest_of(i)],
+            }
+            for i in range(outcome.result.n_bags)
+        ]
+    }
 
 
 def _metadata(svc: ServicesDep, entry: ModelEntry) -> dict[str, Any]:
@@ -333,11 +365,15 @@ async def _infer(request: Request, svc: ServicesDep, caller: Caller, entry: Mode
             "model_sha256": entry.sha256,
             "bag_sizes": outcome.sizes,
             "warnings": outcome.warnings,
+            **_trust(outcome, entry),
         },
         "outputs": outputs,
     }
     head = orjson.dumps(answer)
     headers = provenance_headers(entry, outcome.input_sha256)
+    warning = outcome.warning_header()
+    if warning is not None:
+        headers["Warning"] = warning
     if blobs:
         headers["Inference-Header-Content-Length"] = str(len(head))
         return Response(
