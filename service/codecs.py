@@ -1,4 +1,4 @@
-"""Request bodies to bags, and predictions to response bodies.
+"""Request bodies to bags: JSON, NPY, CSV/TSV, FCS and multipart (and arrays to NPY bytes).
 
 Accepted bodies (``Content-Type``):
 
