@@ -77,6 +77,8 @@ def predict_files(model_path: str | Path, files: Sequence[str | Path]) -> dict[s
             )
         else:
             row["prediction"] = result.estimate[i].tolist()
+        if result.domain is not None:
+            row["domain"] = info.domain_of(result.domain, i)
         out["results"].append(row)
     return out
 

@@ -297,6 +297,20 @@ class ArtifactInfo:
         bags = self.metadata.get("training_bags") or []
         return [str(b.get("name", "")) if isinstance(b, Mapping) else str(b) for b in bags]
 
+    def nearest_names(self, domain: DomainReport, i: int) -> list[str]:
+        """The nearest training bags of bag ``i`` of a domain report, by name (file
+        name), or ``#index`` where the artifact records no names."""
+        names = self.training_names
+        return [names[t] if t < len(names) else f"#{t}" for t in domain.nearest_of(i)]
+
+    def domain_of(self, domain: DomainReport, i: int) -> dict[str, Any]:
+        """Bag ``i``'s domain report as JSON: ``score``, ``out_of_range``, ``nearest``."""
+        return {
+            "score": float(domain.score[i]),
+            "out_of_range": bool(domain.out_of_range[i]),
+            "nearest": self.nearest_names(domain, i),
+        }
+
     @property
     def metadata(self) -> dict[str, Any]:
         return dict(self.manifest.get("metadata") or {})

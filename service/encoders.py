@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import orjson
 from bagserve.core.runtime import (
+    ArtifactInfo,
     CellPrediction,
     ClassificationPrediction,
     ConditionalPrediction,
@@ -50,49 +50,37 @@ def encode(
     ids: list[str],
     fmt: str,
     meta: dict[str, Any],
-    training_names: Sequence[str] = (),
+    info: ArtifactInfo,
 ) -> bytes:
     """The answer in ``fmt`` (one of :data:`FORMATS`); ``meta`` heads a JSON answer.
 
-    ``training_names`` name the training bags, so that the domain report's nearest
-    training bags are named, not numbered.
+    ``info`` is the model's: it names the training bags of the domain report.
     """
     if fmt == NPY:
         return npy_bytes(np.asarray(_table(result)))
     if fmt == CSV_OUT:
         return _csv(result, ids)
-    return orjson.dumps(encode_document(result, ids, meta, training_names))
+    return orjson.dumps(encode_document(result, ids, meta, info))
 
 
 def encode_document(
-    result: Prediction, ids: list[str], meta: dict[str, Any], training_names: Sequence[str] = ()
+    result: Prediction, ids: list[str], meta: dict[str, Any], info: ArtifactInfo
 ) -> dict[str, Any]:
     """The JSON answer as a document: ``meta`` and one entry per bag under
     ``predictions`` (stored as such for jobs)."""
     return {
         **meta,
         "predictions": [
-            {**_bag(result, i, bag_id), **_trust(result, i, training_names)}
-            for i, bag_id in enumerate(ids)
+            {**_bag(result, i, bag_id), **_trust(result, i, info)} for i, bag_id in enumerate(ids)
         ],
     }
 
 
-def training_name(names: Sequence[str], index: int) -> str:
-    """The name of training bag ``index`` (its file name), or ``#index`` if unnamed."""
-    return str(names[index]) if 0 <= index < len(names) else f"#{index}"
-
-
-def _trust(result: Prediction, i: int, names: Sequence[str]) -> dict[str, Any]:
+def _trust(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
     """How far to trust bag ``i``'s answer: its domain report and interval, if any."""
     out: dict[str, Any] = {}
-    domain = result.domain
-    if domain is not None:
-        out["domain"] = {
-            "score": float(domain.score[i]),
-            "out_of_range": bool(domain.out_of_range[i]),
-            "nearest": [training_name(names, t) for t in domain.nearest_of(i)],
-        }
+    if result.domain is not None:
+        out["domain"] = info.domain_of(result.domain, i)
     if result.interval is not None:
         out["interval"] = result.interval[i].tolist()
     return out

@@ -62,6 +62,6 @@ class JobRunner:
             outcome.result,
             outcome.ids,
             outcome.provenance(meta["request_id"]),
-            entry.info.training_names,
+            entry.info,
         )
         store.finish(job_id, "succeeded", {"status": 200, **document})

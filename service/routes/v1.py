@@ -215,7 +215,7 @@ async def _predict(
             outcome.ids,
             fmt,
             outcome.provenance(caller.request_id),
-            entry.info.training_names,
+            entry.info,
         )
         timings = {**outcome.timings, "encode": time.perf_counter() - t1}
         svc.metrics.observe_stages({"encode": timings["encode"]})

@@ -25,7 +25,6 @@ from bagserve import __version__
 
 from ..codecs import IncomingBag
 from ..deps import CallerDep, LatestEntry, ServicesDep, VersionEntry, authenticate
-from ..encoders import training_name
 from ..errors import Problem
 from ..prediction import Caller, Outcome, provenance_headers
 from ..registry import ModelEntry
@@ -108,17 +107,7 @@ def _trust(outcome: Outcome, entry: ModelEntry) -> dict[str, Any]:
     domain = outcome.result.domain
     if domain is None:
         return {}
-    names = entry.info.training_names
-    return {
-        "domain": [
-            {
-                "score": float(domain.score[i]),
-                "out_of_range": bool(domain.out_of_range[i]),
-                "nearest": [training_name(names, t) for t in domain.nearest_of(i)],
-            }
-            for i in range(outcome.result.n_bags)
-        ]
-    }
+    return {"domain": [entry.info.domain_of(domain, i) for i in range(outcome.result.n_bags)]}
 
 
 def _metadata(svc: ServicesDep, entry: ModelEntry) -> dict[str, Any]:
