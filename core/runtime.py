@@ -163,12 +163,24 @@ class ClassificationPrediction(Prediction):
     scores : ndarray of shape (n_bags, n_classes)
         Decision scores (higher means more likely); for two classes the binary margin
         ``s`` is given as ``[-s, s]``.
+    probabilities : ndarray of shape (n_bags, n_classes) or None
+        Calibrated class probabilities, where the model gives them.
+    sets : ndarray of bool, shape (n_bags, n_classes), or None
+        Conformal prediction sets (``True``: the class is in the bag's set), when a
+        coverage was asked for.
     """
 
     kind: ClassVar[ModelKind] = ModelKind.CLASSIFICATION
     labels: NDArray[Any] = field(kw_only=True)
     classes: NDArray[Any] = field(kw_only=True)
     scores: NDArray[np.float64] = field(kw_only=True)
+    probabilities: NDArray[np.float64] | None = field(default=None, kw_only=True)
+    sets: NDArray[np.bool_] | None = field(default=None, kw_only=True)
+
+    def set_of(self, i: int) -> list[Any]:
+        """The classes in bag ``i``'s prediction set."""
+        assert self.sets is not None
+        return self.classes[self.sets[i]].tolist()
 
     @property
     def estimate(self) -> NDArray[Any]:
@@ -383,6 +395,28 @@ class ArtifactInfo:
             return f"quantiles and exceed need a scalar output; the model has {self.n_outputs}"
         return None
 
+    @property
+    def calibrated(self) -> bool:
+        """The model stores what intervals, prediction sets and calibrated probabilities
+        need (the leave-one-bag-out residuals of bag-level ridge models)."""
+        return "loo_residuals_" in self._state or self.kind is ModelKind.CONDITIONAL
+
+    def interval_problem(self, coverage: float) -> str | None:
+        """Why an interval (or set) of ``coverage`` cannot be asked of this model
+        (``None`` when it can)."""
+        if not 0.0 < coverage < 1.0:
+            return f"interval coverage must lie strictly between 0 and 1, got {coverage!r}"
+        if self.kind is ModelKind.CELL:
+            return "per-cell models give labels and a domain report, no interval"
+        if not self.calibrated:
+            return (
+                f"this {self.estimator} was saved before intervals existed (no "
+                "leave-one-bag-out residuals): retrain it to get intervals"
+            )
+        if self.n_outputs != 1 and self.kind is not ModelKind.CLASSIFICATION:
+            return f"intervals need a scalar output; the model has {self.n_outputs}"
+        return None
+
     def describe(self) -> dict[str, Any]:
         """A JSON summary: estimator, kind, panel, preprocessing, metrics, hashes."""
         meta = self.metadata
@@ -463,6 +497,7 @@ class ModelRuntime:
         *,
         quantiles: Sequence[float] = (),
         exceed: Sequence[float] = (),
+        coverage: float | None = None,
         preprocessed: bool = False,
     ) -> Prediction:
         """The model's typed answer for aligned bags.
@@ -473,6 +508,10 @@ class ModelRuntime:
             Columns in the model's panel order (:meth:`align`).
         quantiles, exceed : sequence of float
             Quantile levels and exceedance thresholds (conditional models only).
+        coverage : float in (0, 1), optional
+            Add a prediction interval of this coverage to each bag's answer (conformal
+            jackknife+ for regressors, the conditional quantiles ``(1 ∓ coverage) / 2``
+            for conditional models) or a conformal prediction set (classifiers).
         preprocessed : bool, default=False
             The bags already went through :meth:`preprocess`.
 
@@ -483,6 +522,8 @@ class ModelRuntime:
             :class:`ConditionalPrediction` or :class:`RegressionPrediction`.
         """
         problem = self.info.distribution_query_problem() if quantiles or exceed else None
+        if problem is None and coverage is not None:
+            problem = self.info.interval_problem(coverage)
         if problem is not None:
             raise ValueError(problem)
         if not preprocessed:
@@ -490,12 +531,15 @@ class ModelRuntime:
         sizes = np.asarray(bags.sizes, dtype=np.int64)
         if self.kind is ModelKind.CELL:
             return self._predict_cells(bags, sizes)
-        parts = [self._predict_chunk(bags[a:b], quantiles, exceed) for a, b in _chunks(sizes)]
+        parts = [
+            self._predict_chunk(bags[a:b], quantiles, exceed, coverage) for a, b in _chunks(sizes)
+        ]
         merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0] if k != "domain"}
         extra: dict[str, Any] = {
             "sizes": sizes,
             "clipped": self._clipped(bags),
             "domain": _concat_domains([p["domain"] for p in parts]),
+            "interval": merged.get("interval"),
         }
         if self.kind is ModelKind.CONDITIONAL:
             return ConditionalPrediction(
@@ -514,29 +558,46 @@ class ModelRuntime:
                 labels=merged["values"],
                 classes=np.asarray(self.model.classes_),
                 scores=scores,
+                probabilities=merged.get("probabilities"),
+                sets=merged.get("sets"),
                 **extra,
             )
         return RegressionPrediction(values=merged["values"], **extra)
 
     def _predict_chunk(
-        self, bags: Bags, quantiles: Sequence[float], exceed: Sequence[float]
+        self,
+        bags: Bags,
+        quantiles: Sequence[float],
+        exceed: Sequence[float],
+        coverage: float | None,
     ) -> dict[str, Any]:
-        """One chunk of bags, embedded once for the answer and the domain check."""
+        """One chunk of bags, embedded once for the answer, its interval or set, and
+        the domain check."""
         model = self.model
         emb = model.representation_.embed(bags)
         out: dict[str, Any] = {"domain": model.domain_check(emb)}
         if self.kind is ModelKind.CONDITIONAL:
-            levels = np.asarray(quantiles, dtype=np.float64)
-            thresholds = np.asarray(exceed, dtype=np.float64)
+            levels = list(quantiles)
+            if coverage is not None:
+                levels += [(1.0 - coverage) / 2.0, (1.0 + coverage) / 2.0]
             # One kernel evaluation for the mean and every quantity.
-            out["mean"], out["quantiles"], out["exceedance"] = model.summary(
-                emb, levels, thresholds
+            mean, q, out["exceedance"] = model.summary(
+                emb, np.asarray(levels, dtype=np.float64), np.asarray(exceed, dtype=np.float64)
             )
+            out["mean"], out["quantiles"] = mean, q[:, : len(quantiles)]
+            if coverage is not None:
+                out["interval"] = q[:, len(quantiles) :]
             return out
         out["values"] = np.asarray(model.predict(emb))
+        if self.kind is ModelKind.REGRESSION and coverage is not None:
+            out["interval"] = np.asarray(model.predict_interval(emb, coverage))
         if self.kind is ModelKind.CLASSIFICATION:
             scores = np.asarray(model.decision_function(emb))
             out["scores"] = scores[:, None] if scores.ndim == 1 else scores
+            if self.info.calibrated:
+                out["probabilities"] = np.asarray(model.predict_proba(emb))
+            if coverage is not None:
+                out["sets"] = np.asarray(model.predict_set(emb, coverage))
         return out
 
     def _predict_cells(self, bags: Bags, sizes: NDArray[np.int64]) -> CellPrediction:

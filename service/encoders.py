@@ -83,6 +83,8 @@ def _trust(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
         out["domain"] = info.domain_of(result.domain, i)
     if result.interval is not None:
         out["interval"] = result.interval[i].tolist()
+    if isinstance(result, ClassificationPrediction) and result.sets is not None:
+        out["set"] = result.set_of(i)
     return out
 
 
@@ -103,11 +105,14 @@ def _bag(result: Prediction, i: int, bag_id: str) -> dict[str, Any]:
         }
     if isinstance(result, ClassificationPrediction):
         classes = [str(c) for c in result.classes.tolist()]
-        return {
+        out = {
             "id": bag_id,
             "prediction": result.labels[i].item(),
             "scores": dict(zip(classes, result.scores[i].tolist(), strict=True)),
         }
+        if result.probabilities is not None:
+            out["probabilities"] = dict(zip(classes, result.probabilities[i].tolist(), strict=True))
+        return out
     out: dict[str, Any] = {"id": bag_id, "prediction": result.estimate[i].tolist()}
     if isinstance(result, ConditionalPrediction):
         if result.levels.size:
@@ -148,6 +153,10 @@ def _trust_columns(result: Prediction) -> tuple[list[str], list[list[Any]]]:
         header += ["interval_lo", "interval_hi"]
         for row, bounds in zip(rows, result.interval.tolist(), strict=True):
             row += bounds
+    if isinstance(result, ClassificationPrediction) and result.sets is not None:
+        header.append("set")
+        for i, row in enumerate(rows):
+            row.append("|".join(str(c) for c in result.set_of(i)))
     return header, rows
 
 

@@ -78,16 +78,36 @@ class PredictOptions:
         Quantile levels in ``[0, 1]`` (conditional models with a scalar output).
     exceed : tuple of float
         Thresholds ``t`` for ``P(outcome > t)`` (same models).
+    coverage : float or None
+        ``?interval=``: the coverage of a prediction interval (regressors, conditional
+        models) or of a conformal prediction set (classifiers).
     """
 
     quantiles: tuple[float, ...] = ()
     exceed: tuple[float, ...] = ()
+    coverage: float | None = None
 
     @classmethod
-    def parse(cls, entry: ModelEntry, quantiles: str | None, exceed: str | None) -> PredictOptions:
-        """The ``quantiles`` / ``exceed`` query parameters, checked against the model (422)."""
-        parsed: dict[str, tuple[float, ...]] = {}
+    def parse(
+        cls,
+        entry: ModelEntry,
+        quantiles: str | None,
+        exceed: str | None,
+        interval: str | None = None,
+    ) -> PredictOptions:
+        """The ``quantiles`` / ``exceed`` / ``interval`` query parameters, checked against
+        the model (422)."""
+        parsed: dict[str, Any] = {}
         problems = []
+        if interval is not None and interval.strip():
+            try:
+                parsed["coverage"] = float(interval)
+            except ValueError:
+                problems.append(f"interval must be a coverage such as 0.9, got {interval!r}")
+            else:
+                unavailable = entry.info.interval_problem(parsed["coverage"])
+                if unavailable is not None:
+                    problems.append(f"{entry.key}: {unavailable}")
         for name, text in (("quantiles", quantiles), ("exceed", exceed)):
             if text is None or not text.strip():
                 continue
@@ -111,17 +131,21 @@ class PredictOptions:
             raise Problem(422, problems[0], errors=problems, slug="invalid-request")
         return cls(**parsed)
 
-    def to_json(self) -> dict[str, list[float]]:
+    def to_json(self) -> dict[str, Any]:
         """As stored with a job (only what was asked)."""
-        return {
-            k: list(v) for k, v in (("quantiles", self.quantiles), ("exceed", self.exceed)) if v
-        }
+        asked = (("quantiles", self.quantiles), ("exceed", self.exceed))
+        out: dict[str, Any] = {k: list(v) for k, v in asked if v}
+        if self.coverage is not None:
+            out["coverage"] = self.coverage
+        return out
 
     @classmethod
     def from_json(cls, spec: dict[str, Any] | None) -> PredictOptions:
         """The options stored with a job (:meth:`to_json`)."""
         spec = spec or {}
-        return cls(tuple(spec.get("quantiles", ())), tuple(spec.get("exceed", ())))
+        return cls(
+            tuple(spec.get("quantiles", ())), tuple(spec.get("exceed", ())), spec.get("coverage")
+        )
 
 
 @dataclass
@@ -286,7 +310,8 @@ class Predictor:
         try:
             t0 = time.perf_counter()
             bags, decode_errors = await decode()
-            timings["parse"] = time.perf_counter() - t0
+            # Added to what the caller parsed itself before (a /v2 document).
+            timings["parse"] = timings.get("parse", 0.0) + time.perf_counter() - t0
             result, warnings = await self.compute(
                 entry, bags, decode_errors, options, timings, lent, hash_input
             )
@@ -340,7 +365,12 @@ class Predictor:
         try:
             t1 = time.perf_counter()
             out_header, out_arrays, queued = await self.pool.submit(
-                {"model": entry.key, "quantiles": options.quantiles, "exceed": options.exceed},
+                {
+                    "model": entry.key,
+                    "quantiles": options.quantiles,
+                    "exceed": options.exceed,
+                    "coverage": options.coverage,
+                },
                 payload,
                 settings.request_timeout,
                 lent=() if lent is None else (lent,),

@@ -37,7 +37,10 @@ def predict_message(
 
     bags = Bags(arrays["points"], arrays["offsets"], arrays.get("weights"), validate=False)
     result = runtime.predict(
-        bags, quantiles=header.get("quantiles") or (), exceed=header.get("exceed") or ()
+        bags,
+        quantiles=header.get("quantiles") or (),
+        exceed=header.get("exceed") or (),
+        coverage=header.get("coverage"),
     )
     return {"kind": str(result.kind)}, result.to_arrays()
 

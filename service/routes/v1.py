@@ -113,6 +113,20 @@ _PREDICT_DOC: dict[str, Any] = {
                 "`exceedance` {t: P(outcome > t)} (CSV: columns p_gt_<t>; NPY: last columns)."
             ),
         },
+        {
+            "name": "interval",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+            "example": 0.9,
+            "description": (
+                "A coverage such as 0.9. Regressors: each prediction gains `interval` [lo, hi] "
+                "(conformal jackknife+ on the leave-one-bag-out residuals; conditional "
+                "models: the conditional quantiles); classifiers: `set`, the conformal "
+                "prediction set (CSV: columns interval_lo, interval_hi or set). Every "
+                "prediction carries `domain` {score, out_of_range, nearest} whatever is asked."
+            ),
+        },
     ],
 }
 _IDEMPOTENCY = {
@@ -192,7 +206,7 @@ async def _predict(
     accepted_content_type(request)
     qp = request.query_params
     # Bad query parameters are refused before the body is read.
-    options = PredictOptions.parse(entry, qp.get("quantiles"), qp.get("exceed"))
+    options = PredictOptions.parse(entry, qp.get("quantiles"), qp.get("exceed"), qp.get("interval"))
     t0 = time.perf_counter()
     body, lent = await read_body(request, svc.settings.max_body_bytes, svc.pool.buffers)
     read = {"read": time.perf_counter() - t0}

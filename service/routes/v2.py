@@ -26,7 +26,7 @@ from bagserve import __version__
 from ..codecs import IncomingBag
 from ..deps import CallerDep, LatestEntry, ServicesDep, VersionEntry, authenticate
 from ..errors import Problem
-from ..prediction import Caller, Outcome, provenance_headers
+from ..prediction import Caller, Outcome, PredictOptions, provenance_headers
 from ..registry import ModelEntry
 from ..uploads import read_limited
 
@@ -69,20 +69,27 @@ _DOMAIN_OUTPUTS = [
     {"name": "out_of_range", "datatype": "BOOL", "shape": [-1]},
     {"name": "domain_score", "datatype": "FP64", "shape": [-1]},
 ]
+#: With the request parameter ``interval`` (a coverage): the interval of each bag.
+_INTERVAL = {"name": "interval", "datatype": "FP64", "shape": [-1, 2]}
 #: The outputs of each kind of model, with their datatype and shape.
 _OUTPUTS: dict[ModelKind, list[dict[str, Any]]] = {
     ModelKind.REGRESSION: [
         {"name": "prediction", "datatype": "FP64", "shape": [-1]},
         *_DOMAIN_OUTPUTS,
+        _INTERVAL,
     ],
     ModelKind.CONDITIONAL: [
         {"name": "prediction", "datatype": "FP64", "shape": [-1]},
         *_DOMAIN_OUTPUTS,
+        _INTERVAL,
     ],
     ModelKind.CLASSIFICATION: [
         {"name": "prediction", "datatype": "BYTES", "shape": [-1]},
         {"name": "scores", "datatype": "FP64", "shape": [-1, -1]},
+        {"name": "probabilities", "datatype": "FP64", "shape": [-1, -1]},
         *_DOMAIN_OUTPUTS,
+        # With ``interval``: True where the class (a column) is in the bag's set.
+        {"name": "prediction_set", "datatype": "BOOL", "shape": [-1, -1]},
     ],
     ModelKind.CELL: [{"name": "labels", "datatype": "BYTES", "shape": [-1]}, *_DOMAIN_OUTPUTS],
 }
@@ -94,10 +101,16 @@ def _produced(result: Prediction) -> dict[str, np.ndarray]:
         out = {"labels": result.estimate}
     elif isinstance(result, ClassificationPrediction):
         out = {"prediction": result.labels, "scores": result.scores}
+        if result.probabilities is not None:
+            out["probabilities"] = result.probabilities
     else:
         out = {"prediction": result.estimate}
     if result.domain is not None:
         out.update(out_of_range=result.domain.out_of_range, domain_score=result.domain.score)
+    if result.interval is not None:
+        out["interval"] = result.interval
+    if isinstance(result, ClassificationPrediction) and result.sets is not None:
+        out["prediction_set"] = result.sets
     return out
 
 
@@ -235,6 +248,21 @@ def _parse(body: bytes, header_length: str | None) -> tuple[dict[str, Any], dict
     return doc, tensors
 
 
+def _options(doc: dict[str, Any], entry: ModelEntry) -> PredictOptions:
+    """The request's outputs must exist; its ``interval`` parameter is a coverage."""
+    wanted = {o.get("name") for o in doc.get("outputs") or []}
+    available = [o["name"] for o in _OUTPUTS[entry.kind]]
+    unknown = wanted - set(available)
+    if unknown:
+        raise Problem(
+            400,
+            f"unknown output(s) {sorted(unknown)}; available: {sorted(available)}",
+            slug="invalid-request",
+        )
+    interval = (doc.get("parameters") or {}).get("interval")
+    return PredictOptions.parse(entry, None, None, None if interval is None else str(interval))
+
+
 def _bags(doc: dict[str, Any], tensors: dict[str, np.ndarray]) -> list[IncomingBag]:
     if "points" not in tensors:
         raise Problem(
@@ -312,25 +340,27 @@ async def _infer(request: Request, svc: ServicesDep, caller: Caller, entry: Mode
     """Decode tensors → predict → encode tensors."""
     t0 = time.perf_counter()
     body = await read_limited(request, svc.settings.max_body_bytes)
-    read = {"read": time.perf_counter() - t0}
-    parsed: list[dict[str, Any]] = []
+    timings = {"read": time.perf_counter() - t0}
+    # The document is parsed here, before the use-case, because it also carries the
+    # options (``interval``); a problem in it is raised inside the use-case, so that
+    # it is audited like any other.
+    t1 = time.perf_counter()
+    try:
+        doc, tensors = _parse(body, request.headers.get(HEADER_LENGTH))
+        options = _options(doc, entry)
+        problem = None
+    except Problem as exc:
+        problem = exc
+    timings["parse"] = time.perf_counter() - t1
 
     async def decode() -> tuple[list[IncomingBag], list[str]]:
-        doc, tensors = _parse(body, request.headers.get(HEADER_LENGTH))
-        wanted = {o.get("name"): (o.get("parameters") or {}) for o in doc.get("outputs") or []}
-        available = [o["name"] for o in _OUTPUTS[entry.kind]]
-        unknown = set(wanted) - set(available)
-        if unknown:
-            raise Problem(
-                400,
-                f"unknown output(s) {sorted(unknown)}; available: {sorted(available)}",
-                slug="invalid-request",
-            )
-        parsed.append(doc)
+        if problem is not None:
+            raise problem
         return _bags(doc, tensors), []
 
-    outcome = await svc.predictor.run(caller, entry, body, decode, timings=read)
-    (doc,) = parsed
+    outcome = await svc.predictor.run(
+        caller, entry, body, decode, PredictOptions() if problem else options, timings=timings
+    )
     wanted = {o.get("name"): (o.get("parameters") or {}) for o in doc.get("outputs") or []}
     binary_all = bool((doc.get("parameters") or {}).get("binary_data_output"))
     produced = _produced(outcome.result)
