@@ -83,6 +83,8 @@ def describe_edge(edge: Mapping[str, Any]) -> str:
             )
         return f"{head}; widened once to {wider}, which chose {after} inside it"
     reason = edge.get("note") or "not widened"
+    if not edge["still_on_edge"]:
+        return f"{head}; not widened: {reason}"
     return f"{head}; the best value may lie beyond it ({reason})"
 
 

@@ -718,19 +718,27 @@ def _run_search(
         reason, at_bound = stuck.get(c.parameter, (None, False))
         if a is None and reason is None:
             reason = _WIDENING_OFF if not widen else refit_failure
-        edges.append(
-            _edge_record(
-                c.parameter,
-                "estimator",
-                side,
-                c.grid,
-                c.chosen,
-                None if a is None else a.grid,
-                None if a is None else a.chosen,
-                note=reason,
-                at_bound=at_bound,
-            )
+        record = _edge_record(
+            c.parameter,
+            "estimator",
+            side,
+            c.grid,
+            c.chosen,
+            None if a is None else a.grid,
+            None if a is None else a.chosen,
+            note=reason,
+            at_bound=at_bound,
         )
+        moved = after.get(c.parameter)
+        if a is None and moved is not None:
+            # Not widened itself, but the refit that widened other grids chose again on
+            # this grid: what the kept model has is that choice.
+            record["note"] = (
+                f"{reason}; the refit that widened other grids chose {moved.chosen:.4g}"
+            )
+            if not at_bound:
+                record["still_on_edge"] = grid_edge(moved.grid, moved.chosen) is not None
+        edges.append(record)
     # A choice that reached an edge only in the refit (another grid moved) is recorded
     # too, not widened again: widening happens once, so training time stays bounded.
     hit = {c.parameter for c, _ in own}

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bagserve.core import (
+    ConditionalMeanEmbedding,
     DistributionRidge,
     MarginalTransferRegressor,
     MeanEmbedding,
@@ -299,13 +300,35 @@ def test_streaming_training_widens_and_records_the_same(synthetic, widened, tmp_
     )
 
 
-def test_marginal_transfer_choices_are_its_searched_grids():
+def test_conditional_mean_embedding_choices_are_its_searched_grids():
     rng = np.random.default_rng(0)
-    tasks, y = [], []
+    x = rng.uniform(-3, 3, size=(60, 1))
+    y = np.sin(2 * x[:, 0]) + 0.1 * rng.normal(size=60)
+    gammas = [0.1, 1.0, 10.0]
+    model = ConditionalMeanEmbedding(gamma=gammas, random_state=0).fit(x, y)
+    choices = {c.parameter: c for c in estimator_grid_choices(model)}
+    # alpha=None searches the documented default, logspace(-7, 1, 17).
+    np.testing.assert_allclose(choices["alpha"].grid, np.logspace(-7, 1, 17), rtol=1e-12)
+    np.testing.assert_allclose(choices["gamma"].grid, gammas, rtol=1e-12)
+    assert choices["alpha"].chosen == model.alpha_ and choices["gamma"].chosen == model.gamma_
+    # Nothing searched (both fixed): no choices.
+    fixed = ConditionalMeanEmbedding(gamma=1.0, alpha=1e-3).fit(x, y)
+    assert estimator_grid_choices(fixed) == []
+
+
+def _transfer_tasks(seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    tasks, labels = [], []
     for t in range(6):
         x = rng.normal(size=(40, 2)) + 0.3 * t
         tasks.append(x)
-        y.append(np.sin(x[:, 0]) + 0.1 * t)
+        labels.append(np.sin(x[:, 0]) + 0.1 * t)
+    return tasks, labels
+
+
+def test_marginal_transfer_choices_are_its_searched_grids():
+    tasks, labels = _transfer_tasks()
+    y = np.concatenate(labels)
     grids = {
         "point_bandwidth": [0.25, 0.5, 1.0],
         "tau": [0.0, 0.3, 1.0],
@@ -314,7 +337,7 @@ def test_marginal_transfer_choices_are_its_searched_grids():
     }
     model = MarginalTransferRegressor(
         n_components=16, embedding=MeanEmbedding(bandwidth=0.5), cv=3, random_state=0, **grids
-    ).fit(tasks, np.concatenate(y))
+    ).fit(tasks, y)
     choices = {c.parameter: c for c in estimator_grid_choices(model)}
     pooled = model.tau_ == 1.0
     assert set(choices) == set(grids) - ({"task_gamma"} if pooled else set())
@@ -328,6 +351,96 @@ def test_marginal_transfer_choices_are_its_searched_grids():
         np.testing.assert_allclose(c.grid, grids[name], rtol=1e-12)
         assert c.chosen == pytest.approx(fitted[name], rel=1e-12) and c.widen_as == name
     assert (choices["tau"].lower, choices["tau"].upper) == (0.0, 1.0)
+    # Default grids are factors of a median: reported as the absolute values searched
+    # by the final fit, so the fitted value is one of them and the ratios are the
+    # factors' (0.5, 1, 2 for the point bandwidth; 0.3, 1, 3 for the task gamma).
+    model = MarginalTransferRegressor(
+        n_components=16, cv=3, random_state=0, tau=[0.0, 0.3], alpha=[1e-4, 1e-2, 1.0]
+    ).fit(tasks, y)
+    choices = {c.parameter: c for c in estimator_grid_choices(model)}
+    for name, fitted_value, factors in (
+        ("point_bandwidth", model.point_bandwidth_, [0.5, 1.0, 2.0]),
+        ("task_gamma", model.task_gamma_, [0.3, 1.0, 3.0]),
+    ):
+        grid = np.asarray(choices[name].grid)
+        assert np.min(np.abs(grid / fitted_value - 1.0)) < 1e-12
+        np.testing.assert_allclose(grid / grid[1], np.divide(factors, factors[1]), rtol=1e-12)
+    emb = choices["embedding_bandwidth_factor"]
+    assert emb.grid == [0.5, 1.0, 2.0] and emb.widen_as is None and emb.note
+
+
+def test_marginal_transfer_training_widens_its_own_grids(tmp_path):
+    """Cell-level training: relative grids are widened as absolute values, the embedding
+    bandwidth factor cannot be widened, and the cross-validation is the same protocol
+    (recomputed here by refitting on each fold's training tasks)."""
+    from bagserve.core.selection import leave_tasks_out_folds
+
+    tasks, labels = _transfer_tasks()
+    (tmp_path / "data").mkdir()
+    for t, (x, lab) in enumerate(zip(tasks, labels, strict=True)):
+        table = np.column_stack([x, lab])
+        rows = "\n".join(",".join(repr(float(v)) for v in row) for row in table)
+        (tmp_path / "data" / f"t{t}.csv").write_text(f"A,B,y\n{rows}\n")
+    cfg = tmp_path / "transfer.toml"
+    cfg.write_text(
+        textwrap.dedent(
+            """
+            [model]
+            name = "transfer"
+            output = "models"
+            [data]
+            files = "data/*.csv"
+            cell_label_column = "y"
+            [panel]
+            markers = ["A", "B"]
+            [estimator]
+            class = "MarginalTransferRegressor"
+            n_components = 16
+            cv = 3
+            random_state = 0
+            tau = [0.0, 0.3]
+            alpha = [1e-4, 1e-2, 1.0]
+            [cv]
+            n_splits = 3
+            seed = 0
+            """
+        )
+    )
+    result, caught = _train(cfg)
+    edges = {e["parameter"]: e for e in result.metrics["grid_edges"]}
+    model = load(result.path)
+    widened = [e for e in edges.values() if e["widened"]]
+    # On these tasks the task gamma (a grid of factors of the median heuristic) and
+    # alpha are chosen at their smallest values, the embedding bandwidth factor at its
+    # largest.
+    assert {"task_gamma", "alpha"} <= {e["parameter"] for e in widened}, edges
+    assert edges["embedding_bandwidth_factor"]["side"] == "high"
+    for e in widened:
+        # The widened grid went to the estimator as an explicit parameter.
+        np.testing.assert_allclose(model.get_params()[e["parameter"]], e["widened_grid"])
+        assert e["chosen_after_widening"] == pytest.approx(
+            {"point_bandwidth": model.point_bandwidth_, "task_gamma": model.task_gamma_,
+             "alpha": model.alpha_, "tau": model.tau_}[e["parameter"]], rel=1e-12
+        )  # fmt: skip
+    emb = edges["embedding_bandwidth_factor"]
+    assert not emb["widened"] and "not an estimator parameter" in emb["note"]
+    assert any("embedding_bandwidth_factor" in str(w.message) for w in caught)
+    assert len(caught) == sum(not e["at_domain_bound"] for e in edges.values())
+
+    def cv_rmse(**params) -> float:
+        pred, y = [], []
+        for train_idx, val in leave_tasks_out_folds(len(tasks), 3, 1, 0):
+            m = MarginalTransferRegressor(n_components=16, cv=3, random_state=0, **params)
+            m.fit([tasks[i] for i in train_idx], np.concatenate([labels[i] for i in train_idx]))
+            pred.append(m.predict([tasks[i] for i in val]))
+            y.append(np.concatenate([labels[i] for i in val]))
+        return float(np.sqrt(np.mean((np.concatenate(pred) - np.concatenate(y)) ** 2)))
+
+    base = {"tau": [0.0, 0.3], "alpha": [1e-4, 1e-2, 1.0]}
+    at_edge = cv_rmse(**base)
+    after = cv_rmse(**{**base, **{e["parameter"]: e["widened_grid"] for e in widened}})
+    assert result.metrics["widening"]["cv_at_edge"]["rmse"] == pytest.approx(at_edge, rel=1e-9)
+    assert result.metrics["cv"]["rmse"] == pytest.approx(after, rel=1e-9)
 
 
 # ----------------------------------------------------------------- evaluation
