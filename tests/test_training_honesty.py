@@ -300,6 +300,26 @@ def test_streaming_training_widens_and_records_the_same(synthetic, widened, tmp_
     )
 
 
+def test_streaming_widens_a_search_grid_that_needs_new_features(synthetic, tmp_path):
+    """A widened number of directions is a new representation: streaming reads the
+    files once more for it and gives what training in memory gives."""
+    root, _, _, bags = synthetic
+    search = '[search]\n"representation__n_directions" = [2, 4, 8]'
+    cfg = _config(root, search=search, name="directions")
+    memory, _ = _train(cfg, output=tmp_path / "memory")
+    streamed, _ = _train(cfg, output=tmp_path / "streamed", streaming=True)
+    edge = memory.metrics["grid_edges"][0]
+    assert edge["source"] == "search" and edge["chosen"] == 8 and edge["widened"]
+    assert edge["widened_grid"] == [4, 8, 16]
+    directions = [s["params"]["representation__n_directions"] for s in memory.metrics["search"]]
+    assert directions[:4] == [2, 4, 8, 16]  # then the refit widening the ridge's own gamma
+    for key in ("grid_edges", "search", "cv", "best_params"):
+        assert streamed.metrics[key] == memory.metrics[key], key
+    np.testing.assert_array_equal(
+        load(memory.path).predict(bags), load(streamed.path).predict(bags)
+    )
+
+
 def test_conditional_mean_embedding_choices_are_its_searched_grids():
     rng = np.random.default_rng(0)
     x = rng.uniform(-3, 3, size=(60, 1))
