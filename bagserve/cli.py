@@ -43,7 +43,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from .core.training import evaluate
 
-    print(json.dumps(evaluate(args.model, args.data, progress=not args.quiet), default=str))
+    result = evaluate(
+        args.model, args.data, include_training=args.include_training, progress=not args.quiet
+    )
+    # Which bags the metrics cover goes to stderr too, so that a reader of the numbers
+    # alone (a script keeping stdout) is not the only one told.
+    print(f"evaluate: {result['note']}", file=sys.stderr)
+    print(json.dumps(result, default=str))
     return 0
 
 
@@ -267,9 +273,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(func=_cmd_train)
 
-    e = sub.add_parser("evaluate", help="metrics of a model on the data of a configuration")
+    e = sub.add_parser(
+        "evaluate",
+        help="metrics of a model on the data of a configuration (its unseen bags only)",
+    )
     e.add_argument("model")
     e.add_argument("data", help="a TOML file with a [data] table (labels included)")
+    e.add_argument(
+        "--include-training",
+        action="store_true",
+        help="also count the bags the model was trained on (optimistic); the unseen bags' "
+        "metrics are then under unseen_only",
+    )
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=_cmd_evaluate)
 

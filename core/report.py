@@ -1,8 +1,10 @@
-"""Training reports: cross-validated metrics and PNG plots (matplotlib, no display)."""
+"""Training reports: cross-validated metrics, PNG plots (matplotlib, no display), and the
+sentences that describe a hyperparameter chosen at the edge of its grid."""
 
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,7 @@ from sklearn.metrics import (
     r2_score,
 )
 
-__all__ = ["metrics", "render"]
+__all__ = ["describe_edge", "format_grid", "metrics", "render"]
 
 
 def metrics(y: np.ndarray, pred: np.ndarray, classifier: bool) -> dict[str, Any]:
@@ -34,6 +36,64 @@ def metrics(y: np.ndarray, pred: np.ndarray, classifier: bool) -> dict[str, Any]
         "mae": float(mean_absolute_error(y, p)),
         "r2": float(r2_score(y, p)) if y.size > 1 else float("nan"),
     }
+
+
+def _number(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def format_grid(grid: Sequence[Any], limit: int = 6) -> str:
+    """A grid for a message: every value when there are at most ``limit``, else the
+    first two, the last, and the count (a 25-value ``λ`` grid stays one line)."""
+    values = list(grid)
+    if len(values) <= limit:
+        return "[" + ", ".join(_number(v) for v in values) + "]"
+    head = ", ".join(_number(v) for v in values[:2])
+    return f"[{head}, ..., {_number(values[-1])}] ({len(values)} values)"
+
+
+def describe_edge(edge: Mapping[str, Any]) -> str:
+    """One sentence for a ``grid_edges`` record of :mod:`core.training`: the parameter,
+    the grid, the value, and what widening did.
+
+    Parameters
+    ----------
+    edge : mapping
+        ``parameter``, ``source``, ``side``, ``grid``, ``chosen``, ``widened``,
+        ``widened_grid``, ``chosen_after_widening``, ``still_on_edge``, ``note``.
+
+    Returns
+    -------
+    str
+    """
+    where = "[search] grid" if edge["source"] == "search" else "the estimator's own grid"
+    end = "smallest" if edge["side"] == "low" else "largest"
+    head = (
+        f"{edge['parameter']} = {_number(edge['chosen'])} is the {end} value of {where} "
+        f"{format_grid(edge['grid'])}"
+    )
+    if edge["widened"]:
+        after = _number(edge["chosen_after_widening"])
+        wider = format_grid(edge["widened_grid"])
+        if edge["still_on_edge"]:
+            return (
+                f"{head}; widened once to {wider}, the choice {after} is still on its edge: "
+                "the best value may lie further out (kept; give a wider grid explicitly to "
+                "look further)"
+            )
+        return f"{head}; widened once to {wider}, which chose {after} inside it"
+    reason = edge.get("note") or "not widened"
+    if not edge["still_on_edge"]:
+        return f"{head}; not widened: {reason}"
+    return f"{head}; the best value may lie beyond it ({reason})"
+
+
+def _curve_label(params: Mapping[str, Any]) -> str:
+    """A tick label: lists (widened grids passed as parameters) shortened."""
+    return ", ".join(
+        f"{k}={format_grid(v, limit=3) if isinstance(v, list | tuple) else v}"
+        for k, v in params.items()
+    )
 
 
 def _png(fig: Any) -> bytes:
@@ -86,7 +146,7 @@ def render(
         files["report/predicted_vs_true.png"] = _png(fig)
     if len(curve) > 1:
         fig, ax = plt.subplots(figsize=(max(4.5, 0.5 * len(curve)), 3.5))
-        names = [", ".join(f"{k}={v}" for k, v in params.items()) for params, _ in curve]
+        names = [_curve_label(params) for params, _ in curve]
         ax.plot(range(len(curve)), [v for _, v in curve], marker="o")
         ax.set_xticks(range(len(curve)), names, rotation=60, ha="right", fontsize=7)
         ax.set_ylabel(f"cross-validated {key}")

@@ -10,6 +10,7 @@ per ``λ`` after the ``O(T³)`` decomposition. One distance matrix serves every
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -21,9 +22,11 @@ from .kernels import DistanceKernel
 __all__ = [
     "DEFAULT_ALPHA_GRID",
     "gamma_grid",
+    "grid_edge",
     "leave_tasks_out_folds",
     "median_heuristic_gamma",
     "ridge_selection_scores",
+    "widen_grid",
 ]
 
 #: ``λ`` grid of paper 000 Appendix F: 25 log-spaced values from 1e-8 to 1e2.
@@ -178,3 +181,133 @@ def leave_tasks_out_folds(
             val = np.sort(part)
             folds.append((np.setdiff1d(np.arange(n_tasks), val), val))
     return folds
+
+
+def _numeric_values(grid: Sequence[Any]) -> NDArray[np.float64] | None:
+    """The grid as finite floats, or ``None`` when it is not a list of real numbers
+    (strings, booleans, ``None``, nested values: nothing has an order to run off)."""
+    values = list(grid)
+    if not all(
+        isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool | np.bool_)
+        for v in values
+    ):
+        return None
+    out = np.asarray(values, dtype=np.float64)
+    return out if out.ndim == 1 and np.all(np.isfinite(out)) else None
+
+
+def grid_edge(grid: Sequence[Any] | ArrayLike, chosen: Any) -> Literal["low", "high"] | None:
+    """Which end of a numeric grid the chosen value sits at, if any.
+
+    A choice at the smallest or largest value of a grid says only that the optimum may
+    lie beyond it: the search never looked further. Only grids where that question
+    makes sense count: real numbers (not booleans or strings) with at least 3
+    distinct values. With 2 values every choice is an edge and says nothing; a value
+    given alone was not searched at all.
+
+    Parameters
+    ----------
+    grid : sequence of numbers
+        The values searched, in any order (the edges are the smallest and largest).
+    chosen : number
+        The value the search chose; compared with a relative tolerance of 1e-9, since
+        grids pass through float conversions (TOML, JSON, ``np.logspace``).
+
+    Returns
+    -------
+    {"low", "high"} or None
+        ``"low"`` for the smallest value, ``"high"`` for the largest, ``None`` when
+        the choice is inside the grid or the grid does not qualify.
+    """
+    values = _numeric_values(np.asarray(grid).tolist() if isinstance(grid, np.ndarray) else grid)
+    if values is None or np.unique(values).size < 3:
+        return None
+    if isinstance(chosen, bool | np.bool_) or not isinstance(
+        chosen, int | float | np.integer | np.floating
+    ):
+        return None
+    c = float(chosen)
+    if np.isclose(c, values.min(), rtol=1e-9, atol=0.0):
+        return "low"
+    if np.isclose(c, values.max(), rtol=1e-9, atol=0.0):
+        return "high"
+    return None
+
+
+def widen_grid(
+    grid: Sequence[Any] | ArrayLike,
+    side: Literal["low", "high"],
+    *,
+    lower: float | None = None,
+    upper: float | None = None,
+) -> list[Any] | None:
+    """The grid moved past its ``side`` edge so that the old edge sits in its middle.
+
+    The ``n // 2`` values nearest the far end are dropped and as many new values are
+    added past the edge, mirror images of the dropped side's spacing: the new grid
+    keeps the old edge, the ``n - n // 2 - 1`` values next to it, and the same steps
+    beyond it. For a regular grid this is a shift by ``n // 2`` steps (13 half-decade
+    ``γ`` values around the median heuristic become 13 values centred on the old edge,
+    3 more decades out). Why a shift rather than appending values: the search costs the
+    same as the first one, and the old edge, the best value seen so far, stays in the
+    grid, so the criterion that chose it can only find something at least as good; the
+    values dropped were all worse than it.
+
+    Positive grids are mirrored in log space (the library's positive hyperparameters,
+    bandwidths, ridge parameters and counts, are scales, and a log mirror stays
+    positive); grids holding zero or negative values are mirrored linearly. Grids of
+    integers stay integers (rounded; duplicates and values no longer beyond the edge
+    are dropped).
+
+    Parameters
+    ----------
+    grid : sequence of numbers
+        The grid searched (at least 3 distinct values; any order).
+    side : {"low", "high"}
+        The edge the choice sat at (:func:`grid_edge`).
+    lower, upper : float, optional
+        Bounds of the parameter's domain (e.g. 0 and 1 for a share); new values beyond
+        them are clipped to the bound (and dropped if they repeat it).
+
+    Returns
+    -------
+    list or None
+        The widened grid in ascending order, or ``None`` when no new value fits past
+        the edge (the edge is the domain's bound, or integers have no room left).
+    """
+    if side not in ("low", "high"):
+        raise ValueError(f"side must be 'low' or 'high', got {side!r}")
+    raw = np.asarray(grid).tolist() if isinstance(grid, np.ndarray) else list(grid)
+    values = _numeric_values(raw)
+    if values is None:
+        raise ValueError(f"cannot widen a non-numeric grid {raw!r}")
+    integer = all(isinstance(v, int | np.integer) for v in raw)
+    values = np.unique(values)
+    if values.size < 3:
+        raise ValueError(f"cannot widen a grid of fewer than 3 distinct values: {raw!r}")
+    log = bool(np.all(values > 0))
+    n = values.size
+    k = n // 2
+    if side == "high":
+        edge, kept, mirror = values[-1], values[k:], values[n - 1 - k : n - 1]
+    else:
+        edge, kept, mirror = values[0], values[: n - k], values[1 : k + 1]
+    # The mirror image of v about the edge: e·(e/v) in log space, 2e - v otherwise.
+    new = edge * (edge / mirror) if log else 2.0 * edge - mirror
+    if lower is not None:
+        new = np.maximum(new, lower)
+    if upper is not None:
+        new = np.minimum(new, upper)
+    if integer:
+        new = np.round(new)
+        if log:
+            new = new[new >= 1]  # a count rounded to 0 left the positive domain
+    beyond = new > edge if side == "high" else new < edge
+    new = np.unique(new[beyond])
+    if new.size == 0:
+        return None
+    out = np.concatenate([kept, new])
+    out = np.unique(out)
+    if integer:
+        return [int(v) for v in out]
+    return [float(v) for v in out]

@@ -23,6 +23,12 @@ fit draws only random quantities (:meth:`~core.representations.base.BagRepresent
 .data_dependence`): sliced Wasserstein, and random Fourier mean embeddings with a fixed
 bandwidth.
 
+Grid edges are checked and widened as in memory (see "Grid edges" in
+:mod:`core.training`): a widened ``[search]`` value or a widened grid of the ridge's own
+``gamma``/``alpha`` is one more candidate of step 3, on the same features; a widened
+value that changes the representation (e.g. its number of directions) needs its
+features, so step 2 runs once more, for the new representations only.
+
 The executor is a local thread pool (:class:`LocalExecutor`; memory bounded by the
 number of threads times the largest bag) or a ``dask.distributed`` cluster
 (:class:`DaskExecutor`), whose workers must see the data files at the same paths and
@@ -43,6 +49,7 @@ from numpy.typing import NDArray
 from sklearn.base import BaseEstimator, clone
 
 from .bags import Bags
+from .hashing import bytes_sha256
 from .io import BagMoments, Panel, Preprocessing, read_file
 from .representations.base import BagRepresentation, FeatureEmbedding
 
@@ -58,6 +65,7 @@ __all__ = [
     "cross_validate",
     "fitted_representations",
     "fold_predictions",
+    "points_sha256",
     "scalings",
     "stream_features",
     "stream_summaries",
@@ -66,17 +74,36 @@ __all__ = [
 
 @dataclass(frozen=True)
 class BagSummary:
-    """What the client keeps of one bag after the first pass."""
+    """What the client keeps of one bag after the first pass.
+
+    Attributes
+    ----------
+    n_cells : int
+    sha256 : str
+        Of the file's bytes.
+    moments : BagMoments or None
+        For the standard scaling (``None`` without it).
+    points_sha256 : str or None
+        Of the bag's cells in panel order as C-ordered float64 bytes: with ``sha256``,
+        the fingerprint the manifest records of each training bag, so that evaluation
+        recognises the bag in another file (:func:`core.training.bag_fingerprints`).
+    """
 
     n_cells: int
     sha256: str
     moments: BagMoments | None
+    points_sha256: str | None = None
 
 
 def _read_bag(path: str, panel: Panel) -> tuple[NDArray[np.float64], str]:
     """One file's cells in panel order, and the sha256 of its bytes (one read)."""
     sample, digest = read_file(path)
     return panel.select(sample), digest
+
+
+def points_sha256(points: NDArray[np.float64]) -> str:
+    """sha256 of one bag's cells as C-ordered float64 bytes (a view when they already are)."""
+    return bytes_sha256(memoryview(np.ascontiguousarray(points, dtype=np.float64)).cast("B"))
 
 
 def bag_summary(path: str, panel: Panel, preprocessing: Preprocessing) -> BagSummary:
@@ -87,7 +114,7 @@ def bag_summary(path: str, panel: Panel, preprocessing: Preprocessing) -> BagSum
         if preprocessing.scale == "standard"
         else None
     )
-    return BagSummary(int(points.shape[0]), digest, moments)
+    return BagSummary(int(points.shape[0]), digest, moments, points_sha256(points))
 
 
 def bag_features(

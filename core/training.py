@@ -11,7 +11,8 @@ A configuration (see ``examples/``) has these tables; paths are relative to the 
                      ("none" | "standard"), max_points, seed
     [estimator]      class and parameters; nested tables with a "class" key build the
                      representation / embedding
-    [search]         optional grid: parameter name -> list of values
+    [search]         optional grid: parameter name -> list of values; widen_edges
+                     (default true, see "Grid edges" below)
     [cv]             n_splits (default 5), repeats (default 1), seed
     [compute]        streaming (read bags a few at a time), scheduler (a Dask scheduler
                      address); see :mod:`core.streaming`
@@ -20,32 +21,83 @@ Training reads the data, fits the preprocessing on the training cells, runs the
 cross-validation (leave-bags-out for one label per bag, leave-tasks-out for one label
 per cell), refits on everything, and saves the artifact with its report
 (``report/metrics.json`` and PNG plots) under ``output/name/version``.
+
+Grid edges
+----------
+A hyperparameter chosen at the first or last value of its grid (a numeric grid of at
+least 3 values) says only that the optimum may lie beyond what was searched. Training
+checks every such choice: the ``[search]`` grid of the configuration (chosen by the
+cross-validation) and the grids the estimator searches itself, as its fitted model
+records them (``gamma`` and ``alpha`` of :class:`~core.DistributionRidge` and its
+classifier, and of :class:`~core.ConditionalMeanEmbedding`; the point bandwidth,
+``tau``, task ``gamma``, embedding bandwidth factor and ``alpha`` of marginal
+transfer). With ``[search] widen_edges = true`` (the default) each edge is widened
+once (:func:`core.selection.widen_grid`: the grid is shifted past the edge, same size
+and steps, so the old edge sits in its middle): an edge of the ``[search]`` grid adds
+the new candidates to the same cross-validation; an edge of an estimator's own grid
+refits that candidate, cross-validation included, with the widened grid passed as an
+explicit parameter (``gamma=[...]``, ``alpha=[...]``, ...), and that model replaces
+the edge one: the estimator's own criterion chose the edge value and the widened grid
+still holds it, so by that criterion the refit can only be as good or better (its
+outer CV error is reported beside the edge model's, not used to pick between them).
+Each hyperparameter is still chosen by the criterion that chose it before; only its
+grid moved. One difference: a default grid relative to a median heuristic is resolved
+on all the training bags, as the final fit resolved it, and passed as absolute values,
+so every fold searches the same values where before each resolved its own.
+
+Every edge is reported as a :class:`GridEdgeWarning` (parameter, grid, value, and what
+widening found) and recorded as a ``grid_edges`` entry in the report and in the
+manifest's metadata: ``parameter``, ``source`` (``"search"`` or ``"estimator"``),
+``side``, ``grid``, ``chosen``, ``widened``, ``widened_grid``,
+``chosen_after_widening``, ``still_on_edge``, ``at_domain_bound``, ``note``; the
+report's ``widening`` holds the CV metrics before (``cv_at_edge``) and after. A choice
+still on an edge after widening is kept, with a warning: widening happens once, so that
+training time stays bounded. ``widen_edges = false`` warns and records without
+refitting. Two cases are recorded but not widened: a value at the bound of its
+parameter's domain (``tau`` of 0 or 1: nothing lies beyond, so no warning either), and
+a grid no estimator parameter takes (marginal transfer's embedding bandwidth factors;
+the warning says so). Streaming and Dask training (:mod:`core.streaming`) check and
+widen the same way; a widened ``[search]`` value that needs another representation
+streams the files once more, for that representation only.
+
+Evaluation and the training bags
+--------------------------------
+The manifest records every training bag (``training_bags``: its name relative to the
+configuration, the sha256 of its file and the sha256 of its cells in panel order).
+:func:`evaluate` matches the evaluated bags against them and reports metrics on the
+unseen bags only, unless asked to include the training bags (their metrics are
+optimistic). Models saved before this record existed have an unknown overlap.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import os
 import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+from numpy.typing import NDArray
 from sklearn.base import BaseEstimator, clone, is_classifier
 from sklearn.model_selection import KFold, ParameterGrid, StratifiedKFold
 
 from . import report
 from .artifacts import save
 from .bags import Bags
-from .errors import ConfigError
+from .errors import ConfigError, CoreError, DataError
 from .estimators import (
+    ConditionalMeanEmbedding,
     DistributionRidge,
     DistributionRidgeClassifier,
     MarginalTransferClassifier,
     MarginalTransferRegressor,
 )
+from .hashing import file_sha256
 from .io import (
     Dataset,
     Panel,
@@ -56,9 +108,22 @@ from .io import (
     read_file,
 )
 from .representations import DensityFeatures, HistogramEmbedding, MeanEmbedding, SlicedWasserstein
-from .selection import leave_tasks_out_folds
+from .selection import as_grid, grid_edge, leave_tasks_out_folds, widen_grid
+from .streaming import points_sha256
 
-__all__ = ["ConfigError", "TrainingResult", "build_estimator", "evaluate", "load_config", "train"]
+__all__ = [
+    "ConfigError",
+    "EvaluationOverlapError",
+    "GridChoice",
+    "GridEdgeWarning",
+    "TrainingResult",
+    "bag_fingerprints",
+    "build_estimator",
+    "estimator_grid_choices",
+    "evaluate",
+    "load_config",
+    "train",
+]
 
 ESTIMATORS: dict[str, type[BaseEstimator]] = {
     cls.__name__: cls
@@ -74,6 +139,24 @@ ESTIMATORS: dict[str, type[BaseEstimator]] = {
     )
 }
 CELL_LEVEL = (MarginalTransferClassifier, MarginalTransferRegressor)
+
+#: Whether training widens a grid whose edge was chosen, unless ``[search] widen_edges``
+#: says otherwise.
+WIDEN_EDGES_DEFAULT = True
+
+
+class GridEdgeWarning(UserWarning):
+    """A hyperparameter was chosen at the first or last value of its grid.
+
+    The optimum may lie beyond the grid; the message names the parameter, the grid,
+    the value, and what widening the grid found (see "Grid edges" in
+    :mod:`core.training`).
+    """
+
+
+class EvaluationOverlapError(DataError):
+    """Every evaluated bag was one of the model's training bags: there is nothing
+    unseen to evaluate on (``include_training=True`` evaluates on them anyway)."""
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
@@ -246,6 +329,496 @@ def _folds(
     return folds
 
 
+# ------------------------------------------------------------------ grid choices
+@dataclass(frozen=True)
+class GridChoice:
+    """One hyperparameter a fitted estimator chose from a grid it searched itself.
+
+    Attributes
+    ----------
+    parameter : str
+        The name the choice is reported under: the estimator parameter that sets the
+        grid when there is one (``"gamma"``, ``"alpha"``, ``"point_bandwidth"``, ...).
+    grid : list of float
+        The values searched, absolute (relative grids are resolved on the training
+        data, as the final fit resolved them).
+    chosen : float
+        The value chosen.
+    widen_as : str or None
+        The estimator parameter that accepts an explicit grid for this choice; ``None``
+        when no parameter does (the grid cannot be widened from outside).
+    lower, upper : float or None
+        Bounds of the parameter's domain, if any.
+    note : str or None
+        Why the grid cannot be widened, when ``widen_as`` is ``None``.
+    """
+
+    parameter: str
+    grid: list[float]
+    chosen: float
+    widen_as: str | None
+    lower: float | None = None
+    upper: float | None = None
+    note: str | None = None
+
+
+def _float_list(values: Any) -> list[float]:
+    return [float(v) for v in np.asarray(values, dtype=np.float64).ravel()]
+
+
+def estimator_grid_choices(model: BaseEstimator) -> list[GridChoice]:
+    """The hyperparameters ``model`` chose from a grid of more than one value.
+
+    Read from what the fitted model records of its own search: ``selection_`` (grids
+    and scores) and the chosen ``gamma_``, ``alpha_``, ... attributes. Values fixed by
+    the caller (a one-point grid) are not choices and are left out.
+
+    Parameters
+    ----------
+    model : estimator
+        A fitted :class:`~core.DistributionRidge`,
+        :class:`~core.DistributionRidgeClassifier`,
+        :class:`~core.ConditionalMeanEmbedding`, or marginal-transfer model; any other
+        estimator has no recorded choices (empty list).
+
+    Returns
+    -------
+    list of GridChoice
+    """
+    if isinstance(model, DistributionRidge | DistributionRidgeClassifier):
+        return _ridge_choices(model)
+    if isinstance(model, ConditionalMeanEmbedding):
+        return _cme_choices(model)
+    if isinstance(model, CELL_LEVEL):
+        return _transfer_choices(model)
+    return []
+
+
+def _ridge_choices(model: BaseEstimator) -> list[GridChoice]:
+    sel = getattr(model, "selection_", None) or {}
+    out = []
+    for name in ("gamma", "alpha"):
+        grid = np.asarray(sel.get(name, []), dtype=np.float64).ravel()
+        chosen = getattr(model, f"{name}_", None)
+        # A NaN grid is the linear kernel's "no gamma".
+        if grid.size > 1 and np.all(np.isfinite(grid)) and chosen is not None:
+            out.append(GridChoice(name, _float_list(grid), float(chosen), name))
+    return out
+
+
+def _cme_choices(model: BaseEstimator) -> list[GridChoice]:
+    from .estimators.cme import CME_ALPHA_GRID
+
+    sel = getattr(model, "selection_", None)
+    scores = getattr(model, "cv_scores_", None)
+    if isinstance(sel, Mapping) and "alpha" in sel:
+        grids = {name: sel.get(name) for name in ("gamma", "alpha")}
+    elif scores is not None and np.isfinite(np.asarray(scores, dtype=np.float64)).any():
+        # No record of the grids: they are the parameters' (gamma=None searches no
+        # gamma, only the median heuristic; alpha=None searches CME_ALPHA_GRID).
+        grids = {
+            "gamma": None if model.gamma is None else as_grid(model.gamma, np.ones(1), "gamma"),
+            "alpha": as_grid(model.alpha, CME_ALPHA_GRID, "alpha"),
+        }
+    else:
+        return []
+    out = []
+    for name, grid in grids.items():
+        chosen = getattr(model, f"{name}_", None)
+        if grid is None or chosen is None:
+            continue
+        values = np.asarray(grid, dtype=np.float64).ravel()
+        if values.size > 1 and np.all(np.isfinite(values)):
+            out.append(GridChoice(name, _float_list(values), float(chosen), name))
+    return out
+
+
+def _transfer_choices(model: BaseEstimator) -> list[GridChoice]:
+    """Marginal transfer's coordinate search (``selection_``: every configuration it
+    evaluated and the best one); each coordinate's grid is the set of values it
+    evaluated, since the search visits every value of every coordinate once."""
+    sel = getattr(model, "selection_", None) or {}
+    evaluated = sel.get("evaluated") or []
+    best = sel.get("best") or {}
+    if not evaluated or not best:
+        return []
+    out: list[GridChoice] = []
+    pooled = best.get("tau") == 1.0
+
+    def specs(key: str, task_kernel_only: bool) -> list[Any]:
+        seen: list[Any] = []
+        for entry in evaluated:
+            # A pooled entry (tau = 1) is recorded with gamma None and emb 1.0: those
+            # coordinates were not visited there.
+            if task_kernel_only and entry["tau"] == 1.0:
+                continue
+            if entry[key] is not None and entry[key] not in seen:
+                seen.append(entry[key])
+        return seen
+
+    def resolved(key: str, fitted: float | None, name: str, task_kernel_only: bool) -> None:
+        values = specs(key, task_kernel_only)
+        chosen = best.get(key)
+        if len(values) < 2 or chosen is None or fitted is None:
+            return
+        kind, factor = chosen
+        # Relative specs are factors of a median resolved on the tasks at hand; the
+        # final fit's value divided by its factor is that median on all tasks.
+        scale = float(fitted) / float(factor) if kind == "relative" else 1.0
+        grid = sorted(float(v) * scale for _, v in values)
+        out.append(GridChoice(name, grid, float(fitted), name))
+
+    resolved("sigma", getattr(model, "point_bandwidth_", None), "point_bandwidth", False)
+    taus = sorted({float(e["tau"]) for e in evaluated})
+    if len(taus) > 1:
+        out.append(GridChoice("tau", taus, float(best["tau"]), "tau", lower=0.0, upper=1.0))
+    if not pooled:
+        resolved("gamma", getattr(model, "task_gamma_", None), "task_gamma", True)
+        embs = sorted({float(e["emb"]) for e in evaluated if e["tau"] != 1.0})
+        if len(embs) > 1:
+            out.append(
+                GridChoice(
+                    "embedding_bandwidth_factor",
+                    embs,
+                    float(best["emb"]),
+                    None,
+                    note="the embedding bandwidth factors (times its median heuristic) are "
+                    "not an estimator parameter; give the embedding a fixed bandwidth to "
+                    "choose it yourself",
+                )
+            )
+    alphas = np.asarray(sel.get("alpha_grid", []), dtype=np.float64).ravel()
+    if alphas.size > 1:
+        out.append(GridChoice("alpha", _float_list(alphas), float(best["alpha"]), "alpha"))
+    return out
+
+
+# ------------------------------------------------------------------ bag fingerprints
+def bag_fingerprints(
+    names: Sequence[str], file_digests: Sequence[str | None], points: Sequence[np.ndarray]
+) -> list[dict[str, Any]]:
+    """One record per bag: its name, the sha256 of its file and of its cells.
+
+    Two digests, so that the same bag is recognised whether it comes back as the same
+    file (renamed or moved: the file digest) or as the same cells in another file (a
+    CSV export of an FCS file, a header rewritten: the points digest).
+
+    Parameters
+    ----------
+    names : sequence of str
+        How the bags are named in reports (file paths relative to the configuration).
+    file_digests : sequence of str or None
+        sha256 of each bag's file (:func:`core.hashing.file_sha256`), ``None`` for a bag
+        that has no file.
+    points : sequence of ndarray of shape (n_cells, n_markers)
+        Each bag's raw cells in panel order, before preprocessing.
+
+    Returns
+    -------
+    list of dict
+        ``{"name", "sha256", "points_sha256"}`` per bag; ``points_sha256`` is the
+        sha256 of the cells as C-ordered float64 bytes.
+    """
+    return [
+        {"name": str(n), "sha256": d, "points_sha256": points_sha256(x)}
+        for n, d, x in zip(names, file_digests, points, strict=True)
+    ]
+
+
+def _bag_names(files: Sequence[str], base: Path) -> list[str]:
+    """File paths relative to the configuration's directory, as its patterns name them."""
+    return [os.path.relpath(f, base) for f in files]
+
+
+def _overlap(
+    metadata: Mapping[str, Any], bags: Sequence[Mapping[str, Any]]
+) -> NDArray[np.bool_] | None:
+    """Which evaluated bags are training bags (by either digest); ``None`` when the model
+    records no training bags (saved before the record existed): unknown, not guessed."""
+    known = metadata.get("training_bags")
+    if not isinstance(known, list):
+        return None
+    files = {b.get("sha256") for b in known} - {None}
+    cells = {b.get("points_sha256") for b in known} - {None}
+    return np.array([b["sha256"] in files or b["points_sha256"] in cells for b in bags], dtype=bool)
+
+
+# ------------------------------------------------------------------ the search
+Score = tuple[dict[str, Any], np.ndarray, dict[str, Any]]
+Candidate = tuple[BaseEstimator, dict[str, Any]]
+
+#: What a failed widening refit may raise: the widened values are outside what the
+#: estimator or the data accept (a ridge so small every leverage is 1, a count of 0).
+_WIDENING_FAILURES = (ValueError, ArithmeticError, CoreError)
+_WIDENING_OFF = "widening is off ([search] widen_edges = false)"
+
+
+class _Searcher(Protocol):
+    """What the search needs from a training path (in memory, or streamed)."""
+
+    def cross_validate(self, candidates: Sequence[Candidate], desc: str) -> list[np.ndarray]:
+        """Out-of-fold predictions of each candidate, on the training path's folds."""
+        ...
+
+    def fit_final(self, estimator: BaseEstimator) -> BaseEstimator:
+        """``estimator`` fitted on every training bag."""
+        ...
+
+
+@dataclass
+class _SearchOutcome:
+    """The search's result: every candidate's CV score, the one kept, its final fit,
+    and the grid-edge records."""
+
+    candidates: list[Candidate]
+    scores: list[Score]
+    best: int
+    final: BaseEstimator
+    edges: list[dict[str, Any]] = field(default_factory=list)
+    widening: dict[str, Any] = field(default_factory=dict)
+
+
+def _search_table(config: Mapping[str, Any]) -> tuple[dict[str, list[Any]], bool]:
+    """``[search]``: the grid (parameter -> values) and the ``widen_edges`` switch."""
+    search = dict(config.get("search", {}))
+    widen = search.pop("widen_edges", WIDEN_EDGES_DEFAULT)
+    if not isinstance(widen, bool):
+        raise ConfigError(f"[search] widen_edges must be true or false, got {widen!r}")
+    return {k: list(v) for k, v in search.items()}, widen
+
+
+def _candidates(estimator: BaseEstimator, grid: Sequence[dict[str, Any]]) -> list[Candidate]:
+    out = []
+    for params in grid:
+        try:
+            out.append((clone(estimator).set_params(**params), params))
+        except ValueError as exc:
+            raise ConfigError(f"[search] {exc}") from exc
+    return out
+
+
+def _run_search(
+    candidates: list[Candidate],
+    estimator: BaseEstimator,
+    grid: dict[str, list[Any]],
+    widen: bool,
+    searcher: _Searcher,
+    y: np.ndarray,
+    classifier: bool,
+) -> _SearchOutcome:
+    """Cross-validate the ``[search]`` candidates, fit the best on everything, then check
+    (and, if ``widen``, widen once) every grid whose edge was chosen.
+
+    Without an edge this is the plain search: same candidates, same folds, same final
+    fit, so the model is the one training gave before edges were checked.
+    """
+    candidates = list(candidates)
+    scores = _scores(candidates, searcher.cross_validate(candidates, "search"), y, classifier)
+    best = _best(scores, classifier)
+    edges: list[dict[str, Any]] = []
+    widening: dict[str, Any] = {"enabled": widen, "refits": 0}
+
+    # 1. The [search] grid: new candidates join the same cross-validation, and the best
+    #    of all candidates evaluated wins, as in the first round.
+    chosen = dict(scores[best][2])
+    hits = {
+        name: side
+        for name, values in grid.items()
+        if (side := grid_edge(values, chosen.get(name))) is not None
+    }
+    wider = {name: widen_grid(grid[name], side) for name, side in hits.items()}
+    failure = None
+    if widen and any(v is not None for v in wider.values()):
+        seen = [params for _, params in candidates]
+        product = {name: wider.get(name) or values for name, values in grid.items()}
+        new = [p for p in ParameterGrid(product) if p not in seen]
+        try:
+            extra = _candidates(estimator, new)
+            preds = searcher.cross_validate(extra, "widening")
+        except _WIDENING_FAILURES as exc:
+            failure = f"widening failed: {' '.join(str(exc).split())}"
+        else:
+            candidates += extra
+            scores += _scores(extra, preds, y, classifier)
+            best = _best(scores, classifier)
+            widening["refits"] += len(extra)
+    for name, side in hits.items():
+        widened = widen and failure is None and wider[name] is not None
+        if widened:
+            note = None
+        elif not widen:
+            note = _WIDENING_OFF
+        else:
+            note = failure or "no value fits past this edge"
+        edges.append(
+            _edge_record(
+                name,
+                "search",
+                side,
+                grid[name],
+                chosen[name],
+                wider[name] if widened else None,
+                scores[best][2][name] if widened else None,
+                note=note,
+            )
+        )
+    final = searcher.fit_final(candidates[best][0])
+
+    # 2. The estimator's own grids: refit the kept candidate with the widened grids.
+    own = [
+        (c, side)
+        for c in estimator_grid_choices(final)
+        if (side := grid_edge(c.grid, c.chosen)) is not None
+    ]
+    updates: dict[str, list[Any]] = {}
+    # Why an edge cannot be widened, and whether that is because nothing lies beyond.
+    stuck: dict[str, tuple[str, bool]] = {}
+    for c, side in own:
+        if c.widen_as is None:
+            stuck[c.parameter] = (c.note or "no estimator parameter takes this grid", False)
+            continue
+        new_grid = widen_grid(c.grid, side, lower=c.lower, upper=c.upper)
+        bound = c.lower if side == "low" else c.upper
+        if new_grid is not None:
+            updates[c.widen_as] = new_grid
+        elif bound is not None and np.isclose(c.chosen, bound):
+            stuck[c.parameter] = (
+                f"at the bound {bound:g} of the parameter's domain: nothing lies beyond",
+                True,
+            )
+        else:
+            stuck[c.parameter] = ("no value fits past this edge", False)
+    refit_failure = None
+    if widen and updates:
+        at_edge = candidates[best]
+        widened_est = clone(at_edge[0]).set_params(**updates)
+        params = {**at_edge[1], **updates}
+        try:
+            pred = searcher.cross_validate([(widened_est, params)], "widening")[0]
+            refit = searcher.fit_final(widened_est)
+        except _WIDENING_FAILURES as exc:
+            refit_failure = f"widening failed: {' '.join(str(exc).split())}"
+        else:
+            widening["cv_at_edge"] = _summary(scores[best][0])
+            widening["params_at_edge"] = at_edge[1]
+            candidates.append((widened_est, params))
+            scores += _scores([(widened_est, params)], [pred], y, classifier)
+            # The widened model replaces the edge one whatever the outer CV says: its
+            # grid holds the old choice, so the estimator's own criterion, which chose
+            # the edge, can only be better on it. The outer CV of both is reported,
+            # not used to pick between them.
+            best = len(scores) - 1
+            final = refit
+            widening["refits"] += 1
+            widening["cv_after_widening"] = _summary(scores[best][0])
+    refitted = widen and bool(updates) and refit_failure is None
+    after = {c.parameter: c for c in estimator_grid_choices(final)} if refitted else {}
+    for c, side in own:
+        a = after.get(c.parameter) if c.widen_as in updates else None
+        reason, at_bound = stuck.get(c.parameter, (None, False))
+        if a is None and reason is None:
+            reason = _WIDENING_OFF if not widen else refit_failure
+        record = _edge_record(
+            c.parameter,
+            "estimator",
+            side,
+            c.grid,
+            c.chosen,
+            None if a is None else a.grid,
+            None if a is None else a.chosen,
+            note=reason,
+            at_bound=at_bound,
+        )
+        moved = after.get(c.parameter)
+        if a is None and moved is not None:
+            # Not widened itself, but the refit that widened other grids chose again on
+            # this grid: what the kept model has is that choice.
+            record["note"] = (
+                f"{reason}; the refit that widened other grids chose {moved.chosen:.4g}"
+            )
+            if not at_bound:
+                record["still_on_edge"] = grid_edge(moved.grid, moved.chosen) is not None
+        edges.append(record)
+    # A choice that reached an edge only in the refit (another grid moved) is recorded
+    # too, not widened again: widening happens once, so training time stays bounded.
+    hit = {c.parameter for c, _ in own}
+    for name, a in after.items():
+        side = grid_edge(a.grid, a.chosen)
+        if name not in hit and side is not None:
+            edges.append(
+                _edge_record(
+                    name,
+                    "estimator",
+                    side,
+                    a.grid,
+                    a.chosen,
+                    None,
+                    None,
+                    note="reached this edge in the refit that widened another grid; not "
+                    "widened again (widening happens once)",
+                )
+            )
+    return _SearchOutcome(candidates, scores, best, final, edges, widening)
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _edge_record(
+    parameter: str,
+    source: str,
+    side: str,
+    grid: Sequence[Any],
+    chosen: Any,
+    widened_grid: Sequence[Any] | None,
+    chosen_after: Any,
+    *,
+    note: str | None = None,
+    at_bound: bool = False,
+) -> dict[str, Any]:
+    """One ``grid_edges`` entry (see "Grid edges" in the module docstring)."""
+    widened = widened_grid is not None
+    return {
+        "parameter": parameter,
+        "source": source,
+        "side": side,
+        "grid": [_plain(v) for v in grid],
+        "chosen": _plain(chosen),
+        "widened": widened,
+        "widened_grid": None if widened_grid is None else [_plain(v) for v in widened_grid],
+        "chosen_after_widening": _plain(chosen_after) if widened else None,
+        # Not widened: the only grid searched still has the choice on its edge, unless
+        # that edge is the domain's bound.
+        "still_on_edge": (grid_edge(widened_grid, chosen_after) is not None)
+        if widened
+        else not at_bound,
+        "at_domain_bound": at_bound,
+        "note": note,
+    }
+
+
+def _scores(
+    candidates: Sequence[Candidate], preds: Sequence[np.ndarray], y: np.ndarray, classifier: bool
+) -> list[Score]:
+    return [
+        (report.metrics(y, pred, classifier), pred, params)
+        for (_, params), pred in zip(candidates, preds, strict=True)
+    ]
+
+
+def _summary(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Scalar metrics only (the confusion matrix stays in the report's ``cv``)."""
+    return {k: v for k, v in metrics.items() if not isinstance(v, list)}
+
+
+def _warn_edges(edges: Sequence[Mapping[str, Any]]) -> None:
+    """One :class:`GridEdgeWarning` per edge (none at a domain bound: nothing was cut off)."""
+    for edge in edges:
+        if not edge["at_domain_bound"]:
+            warnings.warn(report.describe_edge(edge), GridEdgeWarning, stacklevel=3)
+
+
 @dataclass
 class _Fitted:
     """What either training path hands to :func:`_save`."""
@@ -262,6 +835,9 @@ class _Fitted:
     n_cells: int
     n_folds: int
     compute: dict[str, Any]
+    training_bags: list[dict[str, Any]]
+    edges: list[dict[str, Any]]
+    widening: dict[str, Any]
 
 
 def _compute_options(
@@ -307,6 +883,12 @@ def train(
     streaming : bool, optional
         Stream bags from their files on local threads (``[compute] streaming``), so that
         memory holds a few bags at a time, not the data set. Same model as in memory.
+
+    Warns
+    -----
+    GridEdgeWarning
+        Once per hyperparameter chosen at the edge of its grid (see "Grid edges" in
+        the module docstring); the same records are in ``metrics["grid_edges"]``.
     """
     config = load_config(config_path)
     base = Path(config["_base"])
@@ -321,29 +903,64 @@ def train(
         Preprocessing(**pre_spec)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"[preprocessing] {exc}") from exc
-    grid = list(ParameterGrid({k: list(v) for k, v in config.get("search", {}).items()})) or [{}]
-    candidates = []
-    for params in grid:
-        try:
-            candidates.append((clone(estimator).set_params(**params), params))
-        except ValueError as exc:
-            raise ConfigError(f"[search] {exc}") from exc
+    grid, widen = _search_table(config)
+    candidates = _candidates(estimator, list(ParameterGrid(grid)) or [{}])
     if stream:
-        fitted = _train_streaming(config, estimator, candidates, pre_spec, scheduler, progress)
+        fitted = _train_streaming(
+            config, estimator, candidates, grid, widen, pre_spec, scheduler, progress
+        )
     else:
-        fitted = _train_in_memory(config, estimator, candidates, pre_spec, progress)
+        fitted = _train_in_memory(config, estimator, candidates, grid, widen, pre_spec, progress)
+    _warn_edges(fitted.edges)
     return _save(fitted, config, out_dir / name / version, name, version, overwrite)
+
+
+class _InMemorySearch:
+    """The search on bags held in memory: preprocessing fitted per fold."""
+
+    def __init__(
+        self,
+        bags: Bags,
+        y: np.ndarray,
+        folds: list[tuple[np.ndarray, np.ndarray]],
+        cell_level: bool,
+        pre_spec: dict[str, Any],
+        markers: list[str],
+        progress: bool,
+    ) -> None:
+        self.bags, self.y, self.folds = bags, y, folds
+        self.cell_level, self.pre_spec, self.markers = cell_level, pre_spec, markers
+        self.progress = progress
+        self.preprocessing = Preprocessing(**pre_spec).fit(bags, markers)
+
+    def cross_validate(self, candidates: Sequence[Candidate], desc: str) -> list[np.ndarray]:
+        from tqdm.auto import tqdm
+
+        return [
+            _cv_predictions(
+                est, self.bags, self.y, self.folds, self.cell_level, self.pre_spec, self.markers
+            )
+            for est, _ in tqdm(
+                candidates,
+                desc=desc,
+                unit="config",
+                disable=not self.progress or len(candidates) == 1,
+            )
+        ]
+
+    def fit_final(self, estimator: BaseEstimator) -> BaseEstimator:
+        return estimator.fit(self.preprocessing.apply(self.bags, self.markers), self.y)
 
 
 def _train_in_memory(
     config: Mapping[str, Any],
     estimator: BaseEstimator,
-    candidates: list[tuple[BaseEstimator, dict[str, Any]]],
+    candidates: list[Candidate],
+    grid: dict[str, list[Any]],
+    widen: bool,
     pre_spec: dict[str, Any],
     progress: bool,
 ) -> _Fitted:
-    from tqdm.auto import tqdm
-
     cell_level = isinstance(estimator, CELL_LEVEL)
     classifier = is_classifier(estimator)
     data = read_data(config, progress=progress)
@@ -364,20 +981,20 @@ def _train_in_memory(
             "[preprocessing] max_points drops cells, which a per-cell model needs labelled"
         )
     folds = _folds(config, len(data.bags), None if cell_level else y, classifier, cell_level)
-    scores = []
-    for est, params in tqdm(
-        candidates, desc="search", unit="config", disable=not progress or len(candidates) == 1
-    ):
-        pred = _cv_predictions(est, data.bags, y, folds, cell_level, pre_spec, markers)
-        scores.append((report.metrics(y, pred, classifier), pred, params))
-    best = _best(scores, classifier)
-    pre = Preprocessing(**pre_spec).fit(data.bags, markers)
-    final = candidates[best][0].fit(pre.apply(data.bags, markers), y)
+    searcher = _InMemorySearch(data.bags, y, folds, cell_level, pre_spec, markers, progress)
+    outcome = _run_search(candidates, estimator, grid, widen, searcher, y, classifier)
+    # The file digests are not kept by load_dataset; reading the files' bytes once more
+    # costs far less than parsing them did.
+    training_bags = bag_fingerprints(
+        _bag_names(data.files, Path(config["_base"])),
+        [file_sha256(f) for f in data.files],
+        [data.bags[t] for t in range(len(data.bags))],
+    )
     return _Fitted(
-        final,
-        pre,
-        scores,
-        best,
+        outcome.final,
+        searcher.preprocessing,
+        outcome.scores,
+        outcome.best,
         y,
         data.panel,
         data.files,
@@ -386,13 +1003,80 @@ def _train_in_memory(
         int(data.bags.n_points),
         len(folds),
         {"mode": "in-memory"},
+        training_bags,
+        outcome.edges,
+        outcome.widening,
     )
+
+
+class _StreamingSearch:
+    """The search on streamed features: each candidate's representation is featurised
+    once per file pass; widening that brings a new representation streams the files
+    once more, for that representation only."""
+
+    def __init__(
+        self,
+        executor: Any,
+        names: list[str],
+        panel: Panel,
+        preps: list[Preprocessing],
+        y: np.ndarray,
+        folds: list[tuple[np.ndarray, np.ndarray]],
+        progress: bool,
+    ) -> None:
+        self.executor, self.names, self.panel, self.preps = executor, names, panel, preps
+        self.y, self.folds, self.progress = y, folds, progress
+        self.estimators: list[BaseEstimator] = []
+        self.reps: list[Any] = []
+        self.features: Any = None
+
+    def _blocks(self, estimators: Sequence[BaseEstimator]) -> list[int]:
+        """The feature block of each estimator, streaming the features of new
+        representations."""
+        from . import streaming
+
+        known = len(self.reps)
+        try:
+            reps, which = streaming.fitted_representations(
+                [*self.estimators, *estimators], len(self.panel.markers)
+            )
+        except ValueError as exc:
+            raise ConfigError(f"[estimator] {exc}") from exc
+        # The known estimators come first, so their representations keep their indices.
+        if len(reps) > known:
+            new = streaming.stream_features(
+                self.executor, self.names, self.panel, self.preps, reps[known:], self.progress
+            )
+            if self.features is None:
+                self.features = new
+            else:
+                self.features.blocks += new.blocks
+                self.features.geometries += new.geometries
+        self.reps = reps
+        self.estimators += list(estimators)
+        return which[len(which) - len(estimators) :]
+
+    def cross_validate(self, candidates: Sequence[Candidate], desc: str) -> list[np.ndarray]:
+        from . import streaming
+
+        ests = [est for est, _ in candidates]
+        which = self._blocks(ests)
+        return streaming.cross_validate(
+            self.executor, ests, which, self.reps, self.features, self.y, self.folds, self.progress
+        )
+
+    def fit_final(self, estimator: BaseEstimator) -> BaseEstimator:
+        r = self._blocks([estimator])[0]
+        full = len(self.folds)  # the last scaling is the one fitted on every bag
+        return estimator.fit_embedded(self.reps[r], self.features.embedding(r, full), self.y)
 
 
 def _train_streaming(
     config: Mapping[str, Any],
     estimator: BaseEstimator,
-    candidates: list[tuple[BaseEstimator, dict[str, Any]]],
+    candidates: list[Candidate],
+    grid: dict[str, list[Any]],
+    widen: bool,
     pre_spec: dict[str, Any],
     scheduler: Any,
     progress: bool,
@@ -427,9 +1111,8 @@ def _train_streaming(
     y = labels if classifier else labels.astype(np.float64)
     panel = _config_panel(config) or Panel(tuple(read_file(paths[0])[0].names))
     try:
-        reps, which = streaming.fitted_representations(
-            [est for est, _ in candidates], len(panel.markers)
-        )
+        # Refuse what cannot stream before any file is read.
+        streaming.fitted_representations([est for est, _ in candidates], len(panel.markers))
     except ValueError as exc:
         raise ConfigError(f"[estimator] {exc}") from exc
     folds = _folds(config, len(paths), y, classifier, False)
@@ -448,23 +1131,18 @@ def _train_streaming(
         )
         everything = np.arange(len(paths))
         preps = streaming.scalings(pre_spec, summaries, [t for t, _ in folds] + [everything])
-        features = streaming.stream_features(executor, names, panel, preps, reps, progress)
-        preds = streaming.cross_validate(
-            executor, [est for est, _ in candidates], which, reps, features, y, folds, progress
-        )
-    scores = [
-        (report.metrics(y, pred, classifier), pred, params)
-        for (_, params), pred in zip(candidates, preds, strict=True)
-    ]
-    best = _best(scores, classifier)
-    r = which[best]
-    final = candidates[best][0].fit_embedded(reps[r], features.embedding(r, len(folds)), y)
+        searcher = _StreamingSearch(executor, names, panel, preps, y, folds, progress)
+        outcome = _run_search(candidates, estimator, grid, widen, searcher, y, classifier)
     sha = dataset_fingerprint(paths, [s.sha256 for s in summaries], labels)
+    training_bags = [
+        {"name": n, "sha256": s.sha256, "points_sha256": s.points_sha256}
+        for n, s in zip(_bag_names(names, base), summaries, strict=True)
+    ]
     return _Fitted(
-        final,
+        outcome.final,
         preps[-1],
-        scores,
-        best,
+        outcome.scores,
+        outcome.best,
         y,
         panel,
         names,
@@ -473,6 +1151,9 @@ def _train_streaming(
         int(sum(s.n_cells for s in summaries)),
         len(folds),
         compute,
+        training_bags,
+        outcome.edges,
+        outcome.widening,
     )
 
 
@@ -508,6 +1189,8 @@ def _save(
         "n_bags": len(fitted.files),
         "n_cells": fitted.n_cells,
         "compute": fitted.compute,
+        "grid_edges": fitted.edges,
+        "widening": fitted.widening,
     }
     files = report.render(
         fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
@@ -524,6 +1207,8 @@ def _save(
         preprocessing=fitted.preprocessing.to_json(),
         training_data_sha256=fitted.sha256,
         training_files=[Path(f).name for f in fitted.files],
+        training_bags=fitted.training_bags,
+        grid_edges=fitted.edges,
         label_level=fitted.level,
         metrics=json.loads(json.dumps(metrics["cv"], default=str)),
         config={k: v for k, v in config.items() if not k.startswith("_")},
@@ -532,9 +1217,51 @@ def _save(
 
 
 def evaluate(
-    model_path: str | Path, config_path: str | Path, *, progress: bool = False
+    model_path: str | Path,
+    config_path: str | Path,
+    *,
+    include_training: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Metrics of a saved model on the data of a configuration's [data] table."""
+    """Metrics of a saved model on the data of a configuration's [data] table, on the
+    bags it did not see in training.
+
+    The evaluated bags are matched with the training bags the manifest records
+    (``training_bags``: the sha256 of each file and of its cells), so that training
+    bags, on which the model is optimistic, are never reported as if unseen.
+
+    Parameters
+    ----------
+    model_path : path
+        The artifact.
+    config_path : path
+        A configuration whose ``[data]`` table names the bags and their labels.
+    include_training : bool, default=False
+        Report the metrics on every bag, training bags included, and the unseen
+        bags' metrics under ``"unseen_only"``. Without it only the unseen bags count.
+    progress : bool, default=False
+        Show a progress bar while reading.
+
+    Returns
+    -------
+    dict
+        The metrics (``rmse``, ``mae``, ``r2`` or ``accuracy``, ``macro_f1``, ...) of
+        the bags ``evaluated_on`` names, and: ``n_bags`` (evaluated bags read),
+        ``overlap`` (``"known"`` or ``"unknown"``), ``n_overlapping`` and
+        ``overlapping`` (names of the bags that were training bags; ``None`` when
+        unknown), ``n_unseen``, ``evaluated_on`` (``"unseen bags only"``,
+        ``"all bags, training bags included"``, or ``"all bags, overlap unknown"``),
+        ``unseen_only`` (with ``include_training``: ``n_bags`` and the metrics of the
+        unseen bags, or ``None`` when there are none), and ``note``, one sentence
+        saying what was evaluated.
+
+    Raises
+    ------
+    EvaluationOverlapError
+        Every evaluated bag is a training bag and ``include_training`` is false.
+    ConfigError
+        The configuration gives no labels.
+    """
     from .runtime import ModelRuntime
 
     runtime = ModelRuntime.open(model_path)
@@ -545,4 +1272,77 @@ def evaluate(
     classifier = runtime.info.classifies
     y = data.y if classifier else data.y.astype(np.float64)
     pred = runtime.predict(data.bags).estimate
-    return report.metrics(y, pred, classifier)
+    T = len(data.bags)
+    names = _bag_names(data.files, Path(config["_base"]))
+    seen = _overlap(
+        runtime.info.metadata,
+        bag_fingerprints(
+            names, [file_sha256(f) for f in data.files], [data.bags[t] for t in range(T)]
+        ),
+    )
+    if seen is None:
+        note = (
+            f"the model records no fingerprints of its training bags (saved before they "
+            f"were recorded): overlap with the {T} evaluated bag(s) unknown; metrics are "
+            "on all of them"
+        )
+        return {
+            **report.metrics(y, pred, classifier),
+            "n_bags": T,
+            "overlap": "unknown",
+            "n_overlapping": None,
+            "overlapping": None,
+            "n_unseen": None,
+            "evaluated_on": "all bags, overlap unknown",
+            "note": note,
+        }
+    overlapping = [n for n, s in zip(names, seen, strict=True) if s]
+    unseen = np.flatnonzero(~seen)
+    if unseen.size == 0 and not include_training:
+        raise EvaluationOverlapError(
+            f"all {T} evaluated bag(s) were used to train this model (matched by sha256), "
+            "so none is unseen and their metrics would be optimistic; evaluate on other "
+            "bags, or pass --include-training (include_training=True) to report them anyway"
+        )
+    if data.level == "cell":
+        # Per-cell labels: a bag's rows are its cells.
+        rows = [np.arange(data.bags.offsets[t], data.bags.offsets[t + 1]) for t in unseen]
+        keep = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    else:
+        keep = unseen
+    unseen_metrics = report.metrics(y[keep], pred[keep], classifier) if unseen.size else None
+    base = {
+        "n_bags": T,
+        "overlap": "known",
+        "n_overlapping": len(overlapping),
+        "overlapping": overlapping,
+        "n_unseen": int(unseen.size),
+    }
+    if include_training:
+        unseen_part = (
+            f"and on the {unseen.size} unseen bag(s) under unseen_only"
+            if unseen.size
+            else "and no bag is unseen (unseen_only is null)"
+        )
+        note = (
+            f"{len(overlapping)} of {T} evaluated bag(s) were used to train the model; "
+            f"metrics are on all bags, training bags included (optimistic), {unseen_part}"
+        )
+        return {
+            **report.metrics(y, pred, classifier),
+            **base,
+            "evaluated_on": "all bags, training bags included",
+            "unseen_only": None
+            if unseen_metrics is None
+            else {"n_bags": int(unseen.size), **unseen_metrics},
+            "note": note,
+        }
+    note = (
+        f"{len(overlapping)} of {T} evaluated bag(s) were used to train the model and are "
+        f"left out; metrics are on the {unseen.size} unseen bag(s) "
+        "(--include-training to report all)"
+        if overlapping
+        else f"none of the {T} evaluated bag(s) was used to train the model"
+    )
+    assert unseen_metrics is not None
+    return {**unseen_metrics, **base, "evaluated_on": "unseen bags only", "note": note}
