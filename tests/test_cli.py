@@ -90,9 +90,13 @@ def test_train_yeast_example_on_real_fcs(tmp_path, capsys):
     for f in ("report/metrics.json", "report/predicted_vs_true.png", "report/cv_curve.png"):
         assert f in manifest["files"]
         assert (path / f).read_bytes()[:4] in (b"\x89PNG", b"{\n  ")
-    # evaluate and predict agree with the library.
-    code, out, _ = run(capsys, "evaluate", str(path), str(cfg), "--quiet")
-    assert code == 0 and json.loads(out)["r2"] > 0.95
+    # Evaluating on the training bags is refused unless asked for, and then labelled.
+    code, _, err = run(capsys, "evaluate", str(path), str(cfg), "--quiet")
+    assert code == 1 and "--include-training" in err
+    code, out, _ = run(capsys, "evaluate", str(path), str(cfg), "--quiet", "--include-training")
+    report = json.loads(out)
+    assert code == 0 and report["r2"] > 0.95 and report["n_overlapping"] == 21
+    # predict agrees with the library and says how close each file is to the training bags.
     files = [str(YEAST / "Yeast_B1_B01.fcs"), str(YEAST / "Yeast_C9_C09.fcs")]
     code, out, _ = run(capsys, "predict", str(path), *files)
     result = json.loads(out)
@@ -100,6 +104,10 @@ def test_train_yeast_example_on_real_fcs(tmp_path, capsys):
     high, low = (r["prediction"] for r in result["results"])
     assert high > low
     assert high == pytest.approx(predict_files(path, files)["results"][0]["prediction"])
+    for r in result["results"]:
+        # These two files are training bags: in range, nearest to themselves, by name.
+        assert r["domain"]["out_of_range"] is False
+        assert r["domain"]["nearest"][0].endswith(Path(r["file"]).name)
     code, out, _ = run(capsys, "predict", str(path), *files, "--format", "csv")
     rows = list(csv.reader(io.StringIO(out)))
     assert rows[0] == ["file", "prediction"] and len(rows) == 3
