@@ -17,7 +17,7 @@ from bagserve.core import (
     load,
     save,
 )
-from bagserve.core.conformal import jackknife_plus_ranks, softmax
+from bagserve.core.conformal import jackknife_plus_ranks, jackknife_plus_set, softmax
 from bagserve.core.datasets import make_entropy_bags, make_gmm_modes
 from bagserve.core.representations.base import FeatureEmbedding
 from bagserve.core.selection import ridge_selection_scores
@@ -186,8 +186,11 @@ def test_chunks_and_batches_do_not_change_a_bags_interval(rng, monkeypatch):
     whole = model.predict_interval(new)
     alone = model.predict_interval(new[[4]])
     np.testing.assert_array_equal(whole[4], alone[0])
+    # The leave-one-out values themselves (an order statistic can hide a last-bit change).
+    np.testing.assert_array_equal(model.loo_predict(new)[4], model.loo_predict(new[[4]])[0])
     monkeypatch.setattr(ridge, "_LOO_CHUNK_ELEMENTS", 3 * 30)  # chunks of 3 bags
     np.testing.assert_array_equal(model.predict_interval(new), whole)
+    np.testing.assert_array_equal(model.loo_predict(new)[4], model.loo_predict(new[[4]])[0])
 
 
 def test_bad_coverage_old_models_and_interpolation_are_refused(rng):
@@ -283,8 +286,11 @@ def test_jackknife_plus_sets_cover_on_gmm_modes():
             sizes[c].append(sets.sum(axis=1))
     for c, h in hits.items():
         assert abs(np.mean(h) - c) < COVERAGE_TOL, (c, np.mean(h))
-    # Informative: smaller than the 4 classes on average, and nested in the coverage.
-    assert np.mean(sizes[0.8]) < np.mean(sizes[0.9]) < 4
+    # Informative: smaller on average than the data-blind set of the same coverage (all
+    # 4 classes with probability 1 - α, mean size 4(1 - α)), and growing with coverage.
+    assert np.mean(sizes[0.8]) < np.mean(sizes[0.9])
+    for c, size in sizes.items():
+        assert np.mean(size) < 4 * c - 0.5, (c, np.mean(size))
 
 
 def test_prediction_sets_are_the_jackknife_plus_count_rule(rng):
@@ -306,6 +312,20 @@ def test_prediction_sets_are_the_jackknife_plus_count_rule(rng):
         np.testing.assert_array_equal(model.predict_set(new, cov), count < cov * 31)
     sets = model.predict_set(new, 0.9)
     assert [list(s) for s in model.set_labels(sets)] == [list(np.flatnonzero(r)) for r in sets]
+
+
+def test_set_rule_at_the_boundary_count():
+    # n = 9 models, coverage 0.8: (1-α)(n+1) = 8, so a label beaten by 7 of the
+    # leave-one-out scores stays in the set and one beaten by 8 leaves it.
+    loo_scores = np.arange(9, dtype=float)  # E_i = 0..8
+    new = np.empty((1, 9, 3))
+    new[0, :, 0] = 6.5  # strictly above E_0..E_6: beaten count 7
+    new[0, :, 1] = 7.5  # count 8
+    new[0, :, 2] = 7.0  # ties do not count: E_i < 7 for i = 0..6, count 7
+    np.testing.assert_array_equal(jackknife_plus_set(new, loo_scores, 0.8), [[True, False, True]])
+    # At coverage 0.9 the bound is 9 = n: only a label beaten by every model leaves.
+    new[0, :, 1] = 9.0
+    np.testing.assert_array_equal(jackknife_plus_set(new, loo_scores, 0.9), [[True, False, True]])
 
 
 def test_calibrated_probabilities_beat_raw_softmax_and_keep_the_decision():
