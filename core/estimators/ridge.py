@@ -500,6 +500,15 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
     selection_ : dict
         ``gamma`` and ``alpha`` grids and the ``score`` matrix (mean squared LOO or
         GCV error, shape ``(n_gamma, n_alpha)``; NaN when nothing was searched).
+    loo_smoother_ : ndarray of shape (T, T) or (n_features, T)
+        ``S`` with smoother weights ``w(P)ᵀ = z(P)ᵀ S`` at a new bag (``z = k_P``:
+        ``S = (K + λT I)⁻¹``; primal ``z = φ(P)``: ``S = (ΦᵀΦ + λT I)⁻¹Φᵀ``).
+    loo_residuals_ : ndarray of shape (T, n_outputs)
+        Signed leave-one-bag-out residuals ``y_i - μ̂_{-i}(P_i)``, exact for fixed
+        ``γ`` and ``λT`` (their mean square is the selection's LOO score).
+    loo_intercept_shift_ : ndarray of shape (T, n_outputs)
+        ``c_{-i} - c = (c - y_i)/(T - 1)``: how the intercept moves when bag ``i`` is
+        left out (zeros with ``fit_intercept=False``).
 
     References
     ----------
@@ -613,6 +622,12 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
     Attributes
     ----------
     classes_ : ndarray of shape (n_classes,)
+    loo_nonconformity_ : ndarray of shape (T,)
+        ``1 -`` the leave-one-bag-out score of each training bag's own class
+        (:meth:`predict_set`).
+    proba_scale_ : float
+        Inverse temperature of :meth:`predict_proba`, fitted on the leave-one-out
+        scores.
     """
 
     def _targets(self, y: ArrayLike, n_bags: int) -> NDArray[np.float64]:
