@@ -193,6 +193,28 @@ def test_chunks_and_batches_do_not_change_a_bags_interval(rng, monkeypatch):
     np.testing.assert_array_equal(model.loo_predict(new)[4], model.loo_predict(new[[4]])[0])
 
 
+@pytest.mark.parametrize("rep", ["sw2", "mmd-exact"])
+def test_embedded_bags_give_the_same_answers_as_bags(rng, monkeypatch, rep):
+    """The runtime embeds a request once and passes the embedding to every method."""
+    import bagserve.core.estimators.ridge as ridge
+
+    train = random_bags(rng, n_bags=30)
+    new = random_bags(rng, n_bags=11, sizes=(1, 40))
+    y = _targets(train)
+    representation = _sw() if rep == "sw2" else MeanEmbedding(bandwidth=1.5)
+    reg = DistributionRidge(representation, gamma=0.4, alpha=1e-3).fit(train, y)
+    labels = np.digitize(y, np.quantile(y, [1 / 3, 2 / 3]))
+    clf = DistributionRidgeClassifier(representation, gamma=0.4, alpha=1e-3).fit(train, labels)
+    for chunk in (ridge._LOO_CHUNK_ELEMENTS, 3 * 30):  # one chunk, then chunks of 3 bags
+        monkeypatch.setattr(ridge, "_LOO_CHUNK_ELEMENTS", chunk)
+        emb = reg.representation_.embed(new)
+        np.testing.assert_array_equal(reg.predict_interval(emb), reg.predict_interval(new))
+        np.testing.assert_array_equal(reg.loo_predict(emb), reg.loo_predict(new))
+        emb = clf.representation_.embed(new)
+        np.testing.assert_array_equal(clf.predict_set(emb), clf.predict_set(new))
+        np.testing.assert_array_equal(clf.predict_proba(emb), clf.predict_proba(new))
+
+
 def test_bad_coverage_old_models_and_interpolation_are_refused(rng):
     train = random_bags(rng, n_bags=12)
     y = _targets(train)

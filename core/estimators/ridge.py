@@ -31,7 +31,7 @@ from sklearn.exceptions import NotFittedError
 from sklearn.utils.validation import check_is_fitted
 
 from .._random import check_generator
-from ..bags import Bags, BagValidationError, as_bags
+from ..bags import BagValidationError, as_bags
 from ..conformal import (
     check_coverage,
     fit_temperature,
@@ -332,25 +332,37 @@ class _DistributionKernelRidge(BaseEstimator):
         return self.kernel_matrix(emb)
 
     def _loo_decision(self, X: Any) -> NDArray[np.float64]:
-        """Decision values of the ``T`` leave-one-bag-out models at bags ``X``,
-        shape ``(n_bags, T, n_outputs)`` (see :meth:`_fit_loo`)."""
+        """Decision values of the ``T`` leave-one-bag-out models at bags ``X`` (or their
+        embedding), shape ``(n_bags, T, n_outputs)`` (see :meth:`_fit_loo`)."""
         self._check_loo()
-        bags = as_bags(X)
-        return np.concatenate([loo for _, loo in self._loo_chunks(bags)], axis=0)
+        return np.concatenate([loo for _, loo in self._loo_chunks(X)], axis=0)
 
-    def _loo_chunks(self, bags: Bags) -> Iterator[tuple[slice, NDArray[np.float64]]]:
+    def _loo_chunks(self, X: Any) -> Iterator[tuple[slice, NDArray[np.float64]]]:
         """Yield ``(slice, μ̂_{-i}(x) for the bags of the slice)`` chunk by chunk.
 
-        Chunks bound the ``(bags, T, outputs)`` block and the chunk's embedding; every
-        product is row-wise (:func:`~core.kernels.batch_invariant_matmul`), so a bag's
-        result does not depend on the chunking or on the other bags of the request.
+        ``X`` is bags, or their embedding by ``representation_`` (the runtime embeds a
+        request once for the prediction, its interval and its domain check). Chunks
+        bound the ``(bags, T, outputs)`` block and the chunk's embedding; every product
+        is row-wise (:func:`~core.kernels.batch_invariant_matmul`), so a bag's result
+        does not depend on the chunking or on the other bags of the request.
         """
         T, k = self.loo_residuals_.shape
         step = max(1, min(_LOO_CHUNK_BAGS, _LOO_CHUNK_ELEMENTS // (T * k)))
-        for lo in range(0, len(bags), step):
-            part = slice(lo, min(lo + step, len(bags)))
-            chunk = bags if step >= len(bags) else bags.take(np.arange(part.start, part.stop))
-            emb = self.representation_.embed(chunk)
+        if isinstance(X, Embedding):
+            n = len(X)
+            if not isinstance(X, FeatureEmbedding):
+                step = max(n, 1)  # point-based embeddings are not sliced: one chunk
+        else:
+            X = as_bags(X)
+            n = len(X)
+        for lo in range(0, n, step):
+            part = slice(lo, min(lo + step, n))
+            if step >= n:
+                emb = X if isinstance(X, Embedding) else self.representation_.embed(X)
+            elif isinstance(X, FeatureEmbedding):
+                emb = FeatureEmbedding(X.features[part], X.geometry)
+            else:
+                emb = self.representation_.embed(X.take(np.arange(part.start, part.stop)))
             z = self._design(emb)
             coef = self.coef_ if self.primal_ else self.dual_coef_
             # The same products as _decision_embedded, so μ̂(x) is predict()'s value.
@@ -586,7 +598,7 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
 
         Parameters
         ----------
-        X : Bags or list of 2-D arrays
+        X : Bags, list of 2-D arrays, or their Embedding by ``representation_``
         coverage : float in (0, 1), default=0.9
             Target coverage ``1 - α``. With fewer than ``1/α - 1`` training bags the
             intervals are ``(-inf, inf)``.
@@ -605,10 +617,11 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
         """
         coverage = check_coverage(coverage)
         self._check_loo()
-        bags = as_bags(X)
-        out = np.empty((len(bags), self.loo_residuals_.shape[1], 2))
-        for part, loo in self._loo_chunks(bags):
-            out[part] = jackknife_plus_interval(loo, self.loo_residuals_, coverage)
+        parts = [
+            jackknife_plus_interval(loo, self.loo_residuals_, coverage)
+            for _, loo in self._loo_chunks(X)
+        ]
+        out = np.concatenate(parts, axis=0)
         return out[:, 0, :] if self.y_ndim_ == 1 else out
 
 
@@ -697,8 +710,8 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
         """
         check_is_fitted(self, "intercept_")
         self._check_loo()
-        scores = self._decision_embedded(self.representation_.embed(X))
-        return softmax(self.proba_scale_ * scores)
+        emb = X if isinstance(X, Embedding) else self.representation_.embed(X)
+        return softmax(self.proba_scale_ * self._decision_embedded(emb))
 
     def predict_set(self, X: Any, coverage: float = 0.9) -> NDArray[np.bool_]:
         r"""Jackknife+ prediction sets from the closed-form leave-one-bag-out models.
@@ -724,7 +737,7 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
 
         Parameters
         ----------
-        X : Bags or list of 2-D arrays
+        X : Bags, list of 2-D arrays, or their Embedding by ``representation_``
         coverage : float in (0, 1), default=0.9
 
         Returns
@@ -736,11 +749,11 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
         """
         coverage = check_coverage(coverage)
         self._check_loo()
-        bags = as_bags(X)
-        out = np.empty((len(bags), self.classes_.size), dtype=bool)
-        for part, loo in self._loo_chunks(bags):
-            out[part] = jackknife_plus_set(1.0 - loo, self.loo_nonconformity_, coverage)
-        return out
+        parts = [
+            jackknife_plus_set(1.0 - loo, self.loo_nonconformity_, coverage)
+            for _, loo in self._loo_chunks(X)
+        ]
+        return np.concatenate(parts, axis=0)
 
     def set_labels(self, sets: NDArray[np.bool_]) -> list[NDArray[Any]]:
         """The class labels of each row of a :meth:`predict_set` mask."""
