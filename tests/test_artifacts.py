@@ -95,6 +95,11 @@ def _outputs(model: object, X: object) -> list[np.ndarray]:
     out = [np.asarray(model.predict(X))]
     if hasattr(model, "decision_function"):
         out.append(np.asarray(model.decision_function(X)))
+    # The conformal outputs read the leave-one-out state the ridge models store.
+    if isinstance(model, DistributionRidge):
+        out += [model.predict_interval(X, coverage=0.8), model.loo_predict(X)]
+    if isinstance(model, DistributionRidgeClassifier):
+        out += [model.predict_set(X, coverage=0.8), model.predict_proba(X)]
     return out
 
 
@@ -128,6 +133,38 @@ def test_round_trip_reproduces_predictions_bit_for_bit(tmp_path, models, name, m
     assert manifest["metadata"]["name"] == name
     assert manifest["format_version"] == FORMAT_VERSION
     assert set(manifest["libraries"]) >= {"numpy", "scipy", "scikit-learn", "bagserve", "python"}
+
+
+LOO_STATE = {
+    DistributionRidge: ("loo_smoother_", "loo_residuals_", "loo_intercept_shift_"),
+    DistributionRidgeClassifier: (
+        "loo_smoother_",
+        "loo_residuals_",
+        "loo_intercept_shift_",
+        "loo_nonconformity_",
+        "proba_scale_",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["ridge-sw2", "ridge-sw1-multi", "ridge-mmd-exact", "ridge-rff-primal", "ridge-nystroem",
+     "classifier", "ridge-density-js", "ridge-density-rff", "ridge-sw1-rff"],
+)  # fmt: skip
+def test_leave_one_out_state_is_stored_and_read_back_bit_for_bit(tmp_path, models, name):
+    model, _ = models[name]
+    path = save(model, tmp_path / name)
+    state = read_manifest(path)["model"]["state"]
+    again = load(path)
+    for attr in LOO_STATE[type(model)]:
+        assert attr in state
+        a, b = getattr(model, attr), getattr(again, attr)
+        if isinstance(a, float):
+            assert type(b) is float and a == b
+        else:
+            assert a.dtype == b.dtype == np.float64 and a.shape == b.shape
+            assert np.array_equal(a, b)
 
 
 def test_manifest_records_parameters_and_hashes(tmp_path, models):
