@@ -20,6 +20,7 @@ from bagserve.core import (
     ConditionalMeanEmbedding,
     DensityFeatures,
     DistributionRidge,
+    DistributionRidgeClassifier,
     MeanEmbedding,
     SlicedWasserstein,
     save,
@@ -82,6 +83,12 @@ def build_models(directory: Path) -> Path:
         random_state=0,
     )
     keep(density.fit(yeast_bags, dose_index), "density")
+    # A bag classifier: conformal prediction sets and calibrated probabilities.
+    level = np.where(dose_index > np.median(dose_index), "high", "low")
+    classifier = DistributionRidgeClassifier(
+        SlicedWasserstein(n_directions=20, n_levels=20, random_state=0)
+    )
+    keep(classifier.fit(yeast_bags, level), "yeast-level")
     # Paper 002: the conditional distribution of the dose index given a sample.
     cme = ConditionalMeanEmbedding(
         SlicedWasserstein(n_directions=20, n_levels=20), gamma=1.0, alpha=1e-3, random_state=0

@@ -16,6 +16,7 @@ import pytest
 from bagserve.core.demo import demo_samples
 from bagserve.service.audit import verify
 
+from .conftest import SHARED_DATA
 from .service_harness import build_models, running_service
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -466,3 +467,74 @@ def test_every_answer_says_whether_the_bag_is_in_the_models_domain(url, models):
         if line.startswith('bagserve_out_of_range_total{model="demo-dose/1"}')
     ]
     assert flagged and float(flagged[0].split()[-1]) >= 3  # v1, v2 and the job
+
+
+# ----------------------------------------------------------------- intervals and sets
+def yeast_samples(n: int = 3) -> list[Path]:
+    return sorted((SHARED_DATA / "cytoflow_yeast" / "dose_response").glob("*.fcs"))[:n]
+
+
+def test_intervals_sets_and_probabilities_on_request(url, models):
+    """?interval= adds the runtime's jackknife+ interval (regressors) or conformal set
+    (classifiers), in JSON, CSV, /v2 and jobs; it is refused where no interval exists."""
+    from bagserve.core.io import read_sample
+    from bagserve.core.runtime import ModelRuntime
+
+    files = yeast_samples()
+    multipart = [("files", (f.name, f.read_bytes(), "application/octet-stream")) for f in files]
+    runtime = ModelRuntime.open(models / "yeast" / "2")
+    local = runtime.predict(runtime.align([read_sample(f) for f in files]), coverage=0.8)
+    r = httpx.post(
+        f"{url}/v1/models/yeast/predict", params={"interval": "0.8"}, files=multipart, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    preds = r.json()["predictions"]
+    assert [p["interval"] for p in preds] == local.interval.tolist()
+    for p in preds:
+        lo, hi = p["interval"]
+        assert lo <= p["prediction"] <= hi and "domain" in p
+    csv_answer = httpx.post(
+        f"{url}/v1/models/yeast/predict",
+        params={"interval": "0.8"},
+        files=multipart,
+        headers={"accept": "text/csv"},
+        timeout=60,
+    ).text.splitlines()
+    assert csv_answer[0].endswith("domain_score,out_of_range,interval_lo,interval_hi")
+    # A classifier: calibrated probabilities always, the prediction set on request.
+    r = httpx.post(
+        f"{url}/v1/models/yeast-level/predict",
+        params={"interval": "0.9"},
+        files=multipart,
+        timeout=60,
+    )
+    for p in r.json()["predictions"]:
+        assert set(p["probabilities"]) == {"high", "low"}
+        assert sum(p["probabilities"].values()) == pytest.approx(1.0)
+        assert max(p["probabilities"], key=p["probabilities"].get) == p["prediction"]
+        assert set(p["set"]) <= {"high", "low"}
+    # /v2: the request parameter, an interval tensor.
+    points = [read_sample(f) for f in files]
+    aligned = runtime.align(points)
+    v2 = oip_infer(
+        url,
+        "yeast",
+        [
+            ("points", aligned.points, {"markers": list(runtime.info.markers)}),
+            ("bag_sizes", aligned.sizes.astype(np.int64), {}),
+        ],
+        parameters={"interval": 0.8},
+    )
+    np.testing.assert_array_equal(oip_outputs(v2)["outputs"]["interval"], local.interval)
+    # Jobs keep the option.
+    r = httpx.post(f"{url}/v1/jobs", params={"model": "yeast", "interval": "0.8"}, files=multipart)
+    job = poll(url, r.headers["location"])
+    assert [p["interval"] for p in job["result"]["predictions"]] == local.interval.tolist()
+    # Refused, with the reason, before any computation.
+    for model, params, needle in [
+        ("yeast", {"interval": "1.5"}, "strictly between 0 and 1"),
+        ("yeast", {"interval": "abc"}, "a coverage such as 0.9"),
+        ("demo-gating", {"interval": "0.9"}, "per-cell models"),
+    ]:
+        r = httpx.post(f"{url}/v1/models/{model}/predict", params=params, files=multipart)
+        assert r.status_code == 422 and needle in r.json()["detail"], r.text
