@@ -57,6 +57,18 @@ class DomainCheckMixin:
         # Kept only where prediction does not keep it already (primal models).
         self.domain_embedding_ = emb if self.train_embedding_ is None else None
 
+    def _sq_to_training(self, emb: Embedding, train: Embedding) -> NDArray[np.float64]:
+        """Squared distances from ``emb`` to ``train``, kept for the last embedding asked:
+        a prediction and its domain check compare the same bags with the same training
+        bags, and this product is most of the cost of both."""
+        cached = getattr(self, "_last_distances", None)
+        if cached is not None and cached[0] is emb and cached[1] is train:
+            return cached[2]
+        sq = emb.sq_distances(train)
+        # The embeddings are kept with the result, so their ids cannot be reused.
+        self._last_distances = (emb, train, sq)
+        return sq
+
     def _embedding(self, X: Any) -> Embedding:
         """Bags embedded by ``representation_`` (an embedding is taken as it is)."""
         return X if isinstance(X, Embedding) else self.representation_.embed(X)
@@ -92,4 +104,4 @@ class DomainCheckMixin:
         if kernel is not None and not kernel.uses_inner_product:
             gamma = getattr(self, "gamma_", None)
             similarity = lambda sq: kernel(sq, gamma)  # noqa: E731 - a one-line closure
-        return calibration.report(emb.sq_distances(train), similarity)
+        return calibration.report(self._sq_to_training(emb, train), similarity)

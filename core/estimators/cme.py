@@ -284,7 +284,10 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
         """Input kernel between ``X`` and the training inputs, ``(q, n)``."""
         check_is_fitted(self, "dual_")
         emb = X if isinstance(X, Embedding) else self._embed(X)
-        return self.kernel_(self._base(emb, self.train_embedding_), self.gamma_)
+        train = self.train_embedding_
+        if self.kernel_.uses_inner_product:
+            return self.kernel_(emb.inner(train), self.gamma_)
+        return self.kernel_(self._sq_to_training(emb, train), self.gamma_)
 
     def weights(self, X: Any) -> NDArray[np.float64]:
         """``β(x)`` for every query, shape ``(q, n)``: ``μ̂(x) = Σ_i β_i(x) L(y_i, ·)``."""

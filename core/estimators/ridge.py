@@ -410,8 +410,9 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
             raise TypeError("a primal (linear, explicit-feature) model keeps no training bags")
         emb = X if isinstance(X, Embedding) else self.representation_.embed(X)
         train = self.train_embedding_
-        base = emb.inner(train) if self.kernel_.uses_inner_product else emb.sq_distances(train)
-        return self.kernel_(base, self.gamma_)
+        if self.kernel_.uses_inner_product:
+            return self.kernel_(emb.inner(train), self.gamma_)
+        return self.kernel_(self._sq_to_training(emb, train), self.gamma_)
 
 
 def _argmin_prefer_smooth(scores: NDArray[np.float64]) -> tuple[int, int]:

@@ -81,6 +81,14 @@ class FeatureEmbedding(Embedding):
             raise ValueError(f"geometry must be 'euclidean' or 'l1', got {geometry!r}")
         self.features = np.ascontiguousarray(features, dtype=np.float64)
         self.geometry = geometry
+        self._sqnorms: NDArray[np.float64] | None = None
+
+    def sqnorms(self) -> NDArray[np.float64]:
+        """``‖a‖²`` of every row, computed once: a model's training embedding is compared
+        with every new bag."""
+        if self._sqnorms is None:
+            self._sqnorms = np.einsum("ij,ij->i", self.features, self.features)
+        return self._sqnorms
 
     def __len__(self) -> int:
         return int(self.features.shape[0])
@@ -106,7 +114,7 @@ class FeatureEmbedding(Embedding):
             return cityblock_distances(self.features, o.features)
         # Row by row in effect (batch_invariant_matmul): new bags never change each other.
         a2 = np.einsum("ij,ij->i", self.features, self.features)
-        b2 = np.einsum("ij,ij->i", o.features, o.features)
+        b2 = o.sqnorms()
         D = batch_invariant_matmul(self.features, o.features.T)
         D *= -2.0
         D += a2[:, None]
