@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from bagserve.core import load, read_manifest
 from bagserve.core.demo import DEMO_MODELS, demo_samples
+from bagserve.core.training import GridEdgeWarning
 
 from bagserve.cli import list_models, main, predict_files
 
@@ -76,7 +77,8 @@ def example(name: str, tmp_path: Path, **overrides: dict) -> Path:
 
 def test_train_yeast_example_on_real_fcs(tmp_path, capsys):
     cfg = example("yeast_dose", tmp_path)
-    code, out, err = run(capsys, "train", str(cfg), "--quiet")
+    with pytest.warns(GridEdgeWarning, match=r"(gamma|alpha) = "):  # the grid-edge report
+        code, out, err = run(capsys, "train", str(cfg), "--quiet")
     assert code == 0, err
     summary = json.loads(out)
     path = Path(summary["model"])
@@ -125,7 +127,8 @@ def test_train_gvhd_example_cell_level(tmp_path, capsys):
                    "embedding_points": 300, "n_components": 64},
         cv={"n_splits": 2},
     )  # fmt: skip
-    code, out, err = run(capsys, "train", str(cfg), "--quiet")
+    with pytest.warns(GridEdgeWarning, match="embedding_bandwidth_factor"):  # the grid-edge report
+        code, out, err = run(capsys, "train", str(cfg), "--quiet")
     assert code == 0, err
     summary = json.loads(out)
     assert summary["cv"]["scheme"] == "leave-tasks-out"
