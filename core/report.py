@@ -16,7 +16,7 @@ from sklearn.metrics import (
     r2_score,
 )
 
-__all__ = ["describe_edge", "format_grid", "metrics", "render"]
+__all__ = ["describe_edge", "format_grid", "html", "metrics", "render", "residual_plot", "tables"]
 
 
 def metrics(y: np.ndarray, pred: np.ndarray, classifier: bool) -> dict[str, Any]:
@@ -153,3 +153,204 @@ def render(
         ax.set_title("search")
         files["report/cv_curve.png"] = _png(fig)
     return files
+
+
+def _last_partition(
+    folds: Sequence[tuple[np.ndarray, np.ndarray]], n_bags: int
+) -> list[tuple[int, np.ndarray]]:
+    """The folds of the last repeat (whose held-out sets cover every bag once): the
+    cross-validated predictions kept for the report are that repeat's."""
+    seen = np.zeros(n_bags, dtype=bool)
+    out: list[tuple[int, np.ndarray]] = []
+    for index in range(len(folds) - 1, -1, -1):
+        val = np.asarray(folds[index][1])
+        if seen[val].any():
+            break
+        seen[val] = True
+        out.append((index, val))
+    return out[::-1]
+
+
+def tables(
+    names: Sequence[str],
+    y: np.ndarray,
+    pred: np.ndarray,
+    classifier: bool,
+    folds: Sequence[tuple[np.ndarray, np.ndarray]],
+    sizes: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """The report's tables from the cross-validated predictions.
+
+    Parameters
+    ----------
+    names : sequence of str
+        One name per bag (its file).
+    y, pred : ndarray
+        Labels and cross-validated predictions: one per bag, or one per cell when
+        ``sizes`` (cells per bag) is given.
+    classifier : bool
+    folds : sequence of (train, validation) bag indices
+    sizes : ndarray of int, optional
+        Cells per bag, for per-cell models.
+
+    Returns
+    -------
+    dict
+        ``per_sample`` rows (file, label, prediction, residual; or file, cells,
+        accuracy), ``per_fold`` rows (fold, bags, metric), and for classifiers
+        ``per_class`` rows (class, support, precision, recall, F1) and the
+        row-normalised confusion matrix ``confusion`` with its ``classes``.
+    """
+    from sklearn.metrics import precision_recall_fscore_support
+
+    n_bags = len(names)
+    offsets = None if sizes is None else np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+
+    def cells(bags: np.ndarray) -> np.ndarray:
+        if offsets is None:
+            return np.asarray(bags, dtype=int)
+        return np.concatenate([np.arange(offsets[b], offsets[b + 1]) for b in bags])
+
+    out: dict[str, Any] = {"classifier": classifier, "cell_level": sizes is not None}
+    if sizes is not None:
+        # Per cell: a hit (classes) or a squared error (values), averaged per sample.
+        if classifier:
+            per_cell, metric = np.asarray(y == pred, dtype=np.float64), "accuracy"
+        else:
+            per_cell, metric = (pred.astype(np.float64) - y) ** 2, "rmse"
+        means = [float(per_cell[offsets[b] : offsets[b + 1]].mean()) for b in range(n_bags)]  # type: ignore[index]
+        out["per_sample"] = [
+            {
+                "file": names[b],
+                "cells": int(sizes[b]),
+                metric: means[b] if classifier else float(np.sqrt(means[b])),
+            }
+            for b in range(n_bags)
+        ]
+    elif classifier:
+        out["per_sample"] = [
+            {"file": n, "label": str(t), "prediction": str(p), "correct": bool(t == p)}
+            for n, t, p in zip(names, y.tolist(), pred.tolist(), strict=True)
+        ]
+    else:
+        out["per_sample"] = [
+            {"file": n, "label": float(t), "prediction": float(p), "residual": float(t - p)}
+            for n, t, p in zip(names, y.tolist(), pred.tolist(), strict=True)
+        ]
+    rows = []
+    for index, val in _last_partition(folds, n_bags):
+        idx = cells(val)
+        if classifier:
+            value = float(np.mean(y[idx] == pred[idx]))
+        else:
+            value = float(np.sqrt(np.mean((pred[idx].astype(float) - y[idx]) ** 2)))
+        rows.append({"fold": index, "bags": len(val), "accuracy" if classifier else "rmse": value})
+    out["per_fold"] = rows
+    if classifier:
+        ys, ps = np.asarray(y).astype(str), np.asarray(pred).astype(str)
+        classes = np.unique(np.concatenate([ys, ps]))
+        precision, recall, f1, support = precision_recall_fscore_support(
+            ys, ps, labels=classes, zero_division=0
+        )
+        out["per_class"] = [
+            {
+                "class": str(c),
+                "support": int(s),
+                "precision": float(p),
+                "recall": float(r),
+                "f1": float(f),
+            }
+            for c, p, r, f, s in zip(classes, precision, recall, f1, support, strict=True)
+        ]
+        cm = confusion_matrix(ys, ps, labels=classes).astype(float)
+        out["classes"] = classes.tolist()
+        out["confusion"] = (cm / np.maximum(cm.sum(axis=1, keepdims=True), 1.0)).tolist()
+    return out
+
+
+def residual_plot(tables: Mapping[str, Any]) -> dict[str, bytes]:
+    """Residuals of the cross-validated predictions against the labels (bag regression)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = tables["per_sample"]
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    ax.axhline(0.0, color="grey", lw=1)
+    ax.scatter([r["label"] for r in rows], [r["residual"] for r in rows], s=14, alpha=0.8)
+    ax.set_xlabel("true")
+    ax.set_ylabel("true − predicted (cross-validated)")
+    ax.set_title("residuals")
+    return {"report/residuals.png": _png(fig)}
+
+
+def html(
+    name: str,
+    version: str,
+    summary: Mapping[str, Any],
+    tables: Mapping[str, Any],
+    files: Mapping[str, bytes],
+) -> str:
+    """One self-contained HTML page: metrics, grid edges, tables, and every PNG of the
+    report embedded as a data URL (no external resource, for air-gapped labs)."""
+    import base64
+    import html as esc
+
+    def cell(v: Any) -> str:
+        return esc.escape(_number(v) if isinstance(v, float) else str(v))
+
+    def table(rows: Sequence[Mapping[str, Any]], title: str) -> str:
+        if not rows:
+            return ""
+        head = "".join(f"<th>{esc.escape(str(k))}</th>" for k in rows[0])
+        body = "".join(
+            "<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r.values()) + "</tr>" for r in rows
+        )
+        return f"<h2>{esc.escape(title)}</h2><table><tr>{head}</tr>{body}</table>"
+
+    cv = summary["cv"]
+    shown = {k: v for k, v in cv.items() if not isinstance(v, list | dict)}
+    parts = [
+        f"<h1>{esc.escape(name)} / {esc.escape(version)}: training report</h1>",
+        table([shown], "Cross-validated metrics"),
+        table(
+            [
+                {"parameter": k, "value": format_grid(v) if isinstance(v, list | tuple) else v}
+                for k, v in summary["best_params"].items()
+            ],
+            "Chosen parameters",
+        ),
+    ]
+    edges = summary.get("grid_edges") or []
+    if edges:
+        items = "".join(f"<li>{esc.escape(describe_edge(e))}</li>" for e in edges)
+        parts.append(f"<h2>Hyperparameters at the edge of their grid</h2><ul>{items}</ul>")
+    parts.append(table(tables.get("per_fold", []), "Per fold (the last repeat's folds)"))
+    if tables.get("per_class"):
+        parts.append(table(tables["per_class"], "Per class"))
+        classes = tables["classes"]
+        rows = [
+            {"true \\ predicted": c, **dict(zip(classes, row, strict=True))}
+            for c, row in zip(classes, tables["confusion"], strict=True)
+        ]
+        parts.append(table(rows, "Confusion matrix, each row normalised to 1"))
+    parts.append(table(tables.get("per_sample", []), "Per sample"))
+    for path, content in sorted(files.items()):
+        if path.endswith(".png"):
+            data = base64.b64encode(content).decode()
+            parts.append(
+                f'<figure><img alt="{esc.escape(path)}" src="data:image/png;base64,{data}">'
+                f"<figcaption>{esc.escape(path)}</figcaption></figure>"
+            )
+    style = (
+        "body{font-family:sans-serif;margin:2em;max-width:70em}"
+        "table{border-collapse:collapse;margin:0.5em 0}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+        "th{background:#f3f3f3}figure{display:inline-block;margin:1em}"
+    )
+    return (
+        "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
+        f"<title>{esc.escape(name)} {esc.escape(version)}</title><style>{style}</style>"
+        f"</head><body>{''.join(parts)}</body></html>"
+    )

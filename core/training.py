@@ -287,11 +287,14 @@ def _cv_predictions(
     cell_level: bool,
     pre_spec: Mapping[str, Any],
     markers: list[str],
+    progress: bool = False,
 ) -> np.ndarray:
     """Out-of-fold predictions: each bag (or cell) is predicted by a model, preprocessing
-    included, that never saw it."""
+    included, that never saw it (a progress bar over the folds with ``progress``)."""
+    from tqdm.auto import tqdm
+
     pred = np.empty(y.shape, dtype=object if y.dtype.kind in "OUS" else np.float64)
-    for train, val in folds:
+    for train, val in tqdm(folds, desc="folds", unit="fold", disable=not progress, leave=False):
         pre = Preprocessing(**pre_spec).fit(raw[train], markers)
         bags_tr, bags_va = pre.apply(raw[train], markers), pre.apply(raw[val], markers)
         model = clone(est)
@@ -838,6 +841,10 @@ class _Fitted:
     training_bags: list[dict[str, Any]]
     edges: list[dict[str, Any]]
     widening: dict[str, Any]
+    #: The cross-validation folds (bag indices) and the cells of every bag, for the
+    #: report's per-fold and per-sample tables.
+    folds: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    sizes: np.ndarray | None = None
 
 
 def _compute_options(
@@ -936,9 +943,18 @@ class _InMemorySearch:
     def cross_validate(self, candidates: Sequence[Candidate], desc: str) -> list[np.ndarray]:
         from tqdm.auto import tqdm
 
+        # One bar: over the candidates, or over the folds of a single candidate.
+        per_fold = self.progress and len(candidates) == 1
         return [
             _cv_predictions(
-                est, self.bags, self.y, self.folds, self.cell_level, self.pre_spec, self.markers
+                est,
+                self.bags,
+                self.y,
+                self.folds,
+                self.cell_level,
+                self.pre_spec,
+                self.markers,
+                per_fold,
             )
             for est, _ in tqdm(
                 candidates,
@@ -1006,6 +1022,8 @@ def _train_in_memory(
         training_bags,
         outcome.edges,
         outcome.widening,
+        folds,
+        np.asarray(data.bags.sizes),
     )
 
 
@@ -1154,6 +1172,8 @@ def _train_streaming(
         training_bags,
         outcome.edges,
         outcome.widening,
+        folds,
+        np.array([s.n_cells for s in summaries]),
     )
 
 
@@ -1195,7 +1215,19 @@ def _save(
     files = report.render(
         fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
     )
+    tables = report.tables(
+        [Path(f).name for f in fitted.files],
+        fitted.y,
+        best_pred,
+        classifier,
+        fitted.folds,
+        fitted.sizes if cell_level else None,
+    )
+    metrics["per_fold"] = tables["per_fold"]
+    if not classifier and not cell_level:
+        files.update(report.residual_plot(tables))
     files["report/metrics.json"] = json.dumps(metrics, indent=2, default=str).encode()
+    files["report/report.html"] = report.html(name, version, metrics, tables, files).encode()
     saved = save(
         fitted.final,
         path,

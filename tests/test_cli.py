@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,23 @@ def test_train_yeast_example_on_real_fcs(tmp_path, capsys):
     for f in ("report/metrics.json", "report/predicted_vs_true.png", "report/cv_curve.png"):
         assert f in manifest["files"]
         assert (path / f).read_bytes()[:4] in (b"\x89PNG", b"{\n  ")
+    # One self-contained HTML report: tables and plots, no external resource.
+    page = (path / "report" / "report.html").read_text()
+    assert page.count("<img") == 3 and "http" not in page.replace("data:image/png", "")
+    report = json.loads((path / "report" / "metrics.json").read_text())
+    number = r"(-?[0-9.]+(?:e-?[0-9]+)?)"
+    rows = re.findall(
+        rf"<tr><td>(Yeast_\w+\.fcs)</td><td>{number}</td><td>{number}</td><td>{number}</td></tr>",
+        page,
+    )
+    assert len(rows) == 21  # one per training well: label, CV prediction, residual
+    for _, label, pred, residual in rows:  # shown to 4 significant digits
+        assert float(label) - float(pred) == pytest.approx(float(residual), abs=2e-3)
+    # Per-fold RMSEs recombine into the cross-validated RMSE (7 folds of 3 bags).
+    folds = report["per_fold"]
+    assert [f["bags"] for f in folds] == [3] * 7
+    pooled = np.sqrt(np.mean([f["rmse"] ** 2 for f in folds]))
+    assert pooled == pytest.approx(report["cv"]["rmse"], rel=1e-9)
     # Evaluating on the training bags is refused unless asked for, and then labelled.
     code, _, err = run(capsys, "evaluate", str(path), str(cfg), "--quiet")
     assert code == 1 and "--include-training" in err
@@ -135,6 +153,16 @@ def test_train_gvhd_example_cell_level(tmp_path, capsys):
     assert summary["cv"]["accuracy"] > 0.6
     path = Path(summary["model"])
     assert "report/confusion_matrix.png" in read_manifest(path)["files"]
+    # The report's tables agree with its metrics, recomputed from them independently.
+    tables = json.loads((path / "report" / "metrics.json").read_text())
+    page = (path / "report" / "report.html").read_text()
+    assert "Per class" in page and "each row normalised" in page and "sample1.csv.gz" in page
+    per_fold = tables["per_fold"]
+    assert [f["bags"] for f in per_fold] == [2, 2]
+    cm = np.asarray(summary_cm := tables["cv"]["confusion_matrix"], dtype=float)
+    assert summary_cm and np.isclose(
+        np.trace(cm) / cm.sum(), summary["cv"]["accuracy"]
+    )  # the confusion matrix counts every cell once
     model = load(path)
     assert set(model.classes_) == {"gate 1", "gate 3", "gate 4", "other"}
     code, out, _ = run(
