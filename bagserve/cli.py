@@ -53,14 +53,21 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def predict_files(model_path: str | Path, files: Sequence[str | Path]) -> dict[str, Any]:
-    """Predictions of a saved model for sample files, with the model's provenance."""
+def predict_files(
+    model_path: str | Path, files: Sequence[str | Path], *, compensated: bool = False
+) -> dict[str, Any]:
+    """Predictions of a saved model for sample files, with the model's provenance.
+
+    ``compensated``: the files hold compensated cells already; the model's own
+    compensation (if it has one) is skipped.
+    """
     from .core.io import read_sample
     from .core.runtime import CellPrediction, ModelRuntime
 
     runtime = ModelRuntime.open(model_path)
     info = runtime.info
-    result = runtime.predict(runtime.align([read_sample(f) for f in files]))
+    samples = [read_sample(f) for f in files]
+    result = runtime.predict(runtime.align(samples, compensated=compensated))
     out: dict[str, Any] = {
         "model": {
             "name": info.metadata.get("name"),
@@ -75,6 +82,8 @@ def predict_files(model_path: str | Path, files: Sequence[str | Path]) -> dict[s
         row: dict[str, Any] = {"file": str(f)}
         if isinstance(result, CellPrediction):
             assert result.domain is not None
+            if result.population(i) is not None:
+                row["population"] = result.population(i)
             row.update(
                 predictions=result.labels_of(i).tolist(),
                 out_of_range=bool(result.domain.out_of_range[i]),
@@ -99,13 +108,20 @@ def _remote_predict(args: argparse.Namespace) -> dict[str, Any]:
     key = args.api_key or os.environ.get("BAGSERVE_API_KEY")
     try:
         with Client(args.url, api_key=key) as client:
-            answer = client.predict_files(name, args.files, version=version or None)
+            answer = client.predict_files(
+                name,
+                args.files,
+                version=version or None,
+                params={"compensated": "true"} if args.compensated else None,
+            )
     except BagserveError as exc:
         raise ValueError(str(exc)) from exc
     results = []
     for f, p in zip(args.files, answer["predictions"], strict=True):
         row: dict[str, Any] = {"file": str(f)}
         if "labels" in p:
+            if "population" in p:
+                row["population"] = p["population"]
             row.update(predictions=p["labels"], out_of_range=p["report"]["out_of_range"])
         else:
             row["prediction"] = p["prediction"]
@@ -114,7 +130,11 @@ def _remote_predict(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    result = _remote_predict(args) if args.url else predict_files(args.model, args.files)
+    result = (
+        _remote_predict(args)
+        if args.url
+        else predict_files(args.model, args.files, compensated=args.compensated)
+    )
     if args.format == "json":
         text = json.dumps(result, default=str)
     else:
@@ -295,6 +315,11 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--output", help="write here instead of stdout")
     pr.add_argument("--url", help="use a running service (MODEL is then name or name/version)")
     pr.add_argument("--api-key", help="service API key (default: BAGSERVE_API_KEY)")
+    pr.add_argument(
+        "--compensated",
+        action="store_true",
+        help="the files hold compensated cells: skip the model's own compensation",
+    )
     pr.set_defaults(func=_cmd_predict)
 
     m = sub.add_parser("models", help="model artifacts")

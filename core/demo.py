@@ -19,6 +19,7 @@ import numpy as np
 
 from .artifacts import save
 from .bags import Bags
+from .calibration import fit_temperature
 from .datasets import make_cytometry_tasks, make_dose_response_bags
 from .estimators import DistributionRidge, MarginalTransferClassifier
 from .hashing import chunks_sha256
@@ -92,7 +93,12 @@ def build_demo_models(models_dir: str | Path, *, overwrite: bool = False) -> lis
             alpha=1e-5,
             random_state=0,
         ).fit(tasks, y)
-        accuracy = float(np.mean(model.predict(test) == y_test))
+        scores = model.decision_function(test)
+        accuracy = float(np.mean(model.decode_scores(scores) == y_test))
+        # The held-out samples calibrate the class probabilities (never the training
+        # cells, whose scores are over-confident).
+        calibration = fit_temperature(scores, y_test, model.classes_)
+        calibration["method"] += " on the 3 held-out demo samples"
         written.append(
             save(
                 model,
@@ -105,6 +111,7 @@ def build_demo_models(models_dir: str | Path, *, overwrite: bool = False) -> lis
                 preprocessing=Preprocessing().to_json(),
                 training_data_sha256=_fingerprint(tasks, y),
                 metrics={"holdout_cell_accuracy": accuracy, "holdout_samples": 3},
+                probability_calibration=calibration,
             )
         )
     return written

@@ -326,6 +326,15 @@ def html(
     if edges:
         items = "".join(f"<li>{esc.escape(describe_edge(e))}</li>" for e in edges)
         parts.append(f"<h2>Hyperparameters at the edge of their grid</h2><ul>{items}</ul>")
+    calibration = summary.get("probability_calibration")
+    if calibration:
+        parts.append(
+            table(
+                [calibration],
+                "Class probabilities (temperature scaling; nll: per-cell negative "
+                "log-likelihood out of fold, nll_at_1 before scaling)",
+            )
+        )
     parts.append(table(tables.get("per_fold", []), "Per fold (the last repeat's folds)"))
     if tables.get("per_class"):
         parts.append(table(tables["per_class"], "Per class"))

@@ -34,6 +34,7 @@ from sklearn.base import ClassifierMixin
 
 from .artifacts import ArtifactError, estimator_class, load, read_manifest
 from .bags import Bags
+from .calibration import probabilities as calibrated_probabilities
 from .domain import DomainReport
 from .estimators import ConditionalMeanEmbedding
 from .estimators.transfer import _MarginalTransfer
@@ -225,10 +226,23 @@ class CellPrediction(Prediction):
         Points of bag ``i`` are ``labels[offsets[i]:offsets[i + 1]]``.
     domain : DomainReport
         Always present: how close each bag is to the training tasks.
+    classes : ndarray of shape (n_classes,) or None
+        Classifiers: the class names, as given at training.
+    counts : ndarray of int, shape (n_bags, n_classes), or None
+        Classifiers: cells of each bag given each class (the population summary).
+    mean_probabilities : ndarray of shape (n_bags, n_classes) or None
+        Calibrated classifiers: each class's probability averaged over the bag's cells,
+        the expected fraction of the bag in that class.
+    probabilities : ndarray of shape (n_points, n_classes) or None
+        Every cell's class probabilities, when asked for.
     """
 
     kind: ClassVar[ModelKind] = ModelKind.CELL
     labels: NDArray[Any] = field(kw_only=True)
+    classes: NDArray[Any] | None = field(default=None, kw_only=True)
+    counts: NDArray[np.int64] | None = field(default=None, kw_only=True)
+    mean_probabilities: NDArray[np.float64] | None = field(default=None, kw_only=True)
+    probabilities: NDArray[np.float64] | None = field(default=None, kw_only=True)
 
     @property
     def estimate(self) -> NDArray[Any]:
@@ -242,6 +256,33 @@ class CellPrediction(Prediction):
         """The labels of bag ``i``'s points."""
         o = self.offsets
         return self.labels[o[i] : o[i + 1]]
+
+    def probabilities_of(self, i: int) -> NDArray[np.float64] | None:
+        """The class probabilities of bag ``i``'s points, when they were asked for."""
+        if self.probabilities is None:
+            return None
+        o = self.offsets
+        return self.probabilities[o[i] : o[i + 1]]
+
+    def population(self, i: int) -> list[dict[str, Any]] | None:
+        """Bag ``i``'s population summary: per class its ``count`` of cells, their
+        ``percent`` and (calibrated models) the ``mean_probability``; None for a
+        per-cell regressor."""
+        if self.classes is None or self.counts is None:
+            return None
+        counts = self.counts[i]
+        total = max(int(counts.sum()), 1)
+        rows = []
+        for k, name in enumerate(self.classes.tolist()):
+            row: dict[str, Any] = {
+                "class": name,
+                "count": int(counts[k]),
+                "percent": 100.0 * float(counts[k]) / total,
+            }
+            if self.mean_probabilities is not None:
+                row["mean_probability"] = float(self.mean_probabilities[i, k])
+            rows.append(row)
+        return rows
 
 
 RESULT_TYPES: dict[ModelKind, type[Prediction]] = {
@@ -417,6 +458,25 @@ class ArtifactInfo:
             return f"intervals need a scalar output; the model has {self.n_outputs}"
         return None
 
+    @property
+    def probability_temperature(self) -> float | None:
+        """The temperature of a per-cell classifier's class probabilities, fitted by
+        training on out-of-fold scores (:mod:`core.calibration`); None without one."""
+        spec = self.metadata.get("probability_calibration")
+        return None if not spec else float(spec["temperature"])
+
+    def probability_problem(self) -> str | None:
+        """Why per-cell class probabilities cannot be asked of this model (``None``
+        when they can)."""
+        if self.kind is not ModelKind.CELL or not self.classifies:
+            return "class probabilities per cell come from per-cell classifiers only"
+        if self.probability_temperature is None:
+            return (
+                "this model has no probability calibration (trained outside `bagserve "
+                "train`, or before it calibrated): retrain it with `bagserve train`"
+            )
+        return None
+
     def describe(self) -> dict[str, Any]:
         """A JSON summary: estimator, kind, panel, preprocessing, metrics, hashes."""
         meta = self.metadata
@@ -474,15 +534,22 @@ class ModelRuntime:
         info = ArtifactInfo.read(path, verify=verify)
         return cls(info, load(path, mmap=mmap, trusted=trusted, verify=False))
 
-    def align(self, samples: Sequence[Sample]) -> Bags:
-        """Bags of the samples' columns in the model's panel order (matched by name).
+    def align(self, samples: Sequence[Sample], *, compensated: bool = False) -> Bags:
+        """Bags of the samples' columns, compensated as the model was trained, in the
+        model's panel order (matched by name).
 
         Raises
         ------
         DataError
-            A sample lacks one of the model's markers (the error names it).
+            A sample lacks one of the model's markers or, for a model that compensates,
+            a spillover channel or its matrix (the error names it). With
+            ``compensated=True`` the caller vouches that the cells were compensated
+            already, and the model's compensation is skipped.
         """
         panel = self.info.panel
+        compensation = self.info.preprocessing.compensation
+        if not compensated:
+            samples = [compensation.apply(s) for s in samples]
         if panel is None:
             return Bags.from_arrays([s.points for s in samples])
         return Bags.from_arrays([panel.select(s) for s in samples])
@@ -498,6 +565,7 @@ class ModelRuntime:
         quantiles: Sequence[float] = (),
         exceed: Sequence[float] = (),
         coverage: float | None = None,
+        probabilities: bool = False,
         preprocessed: bool = False,
     ) -> Prediction:
         """The model's typed answer for aligned bags.
@@ -512,6 +580,9 @@ class ModelRuntime:
             Add a prediction interval of this coverage to each bag's answer (conformal
             jackknife+ for regressors, the conditional quantiles ``(1 ∓ coverage) / 2``
             for conditional models) or a conformal prediction set (classifiers).
+        probabilities : bool, default=False
+            Per-cell classifiers: every cell's class probabilities (the population
+            summary's mean probabilities come without asking).
         preprocessed : bool, default=False
             The bags already went through :meth:`preprocess`.
 
@@ -524,13 +595,15 @@ class ModelRuntime:
         problem = self.info.distribution_query_problem() if quantiles or exceed else None
         if problem is None and coverage is not None:
             problem = self.info.interval_problem(coverage)
+        if problem is None and probabilities:
+            problem = self.info.probability_problem()
         if problem is not None:
             raise ValueError(problem)
         if not preprocessed:
             bags = self.preprocess(bags)
         sizes = np.asarray(bags.sizes, dtype=np.int64)
         if self.kind is ModelKind.CELL:
-            return self._predict_cells(bags, sizes)
+            return self._predict_cells(bags, sizes, probabilities)
         parts = [
             self._predict_chunk(bags[a:b], quantiles, exceed, coverage) for a, b in _chunks(sizes)
         ]
@@ -600,12 +673,39 @@ class ModelRuntime:
                 out["sets"] = np.asarray(model.predict_set(emb, coverage))
         return out
 
-    def _predict_cells(self, bags: Bags, sizes: NDArray[np.int64]) -> CellPrediction:
+    def _predict_cells(
+        self, bags: Bags, sizes: NDArray[np.int64], probabilities: bool
+    ) -> CellPrediction:
         results = self.model.predict_tasks(bags)
+        labels = np.concatenate([r.predictions for r in results])
+        domain = self.model.domain_report([r.report for r in results])
+        classes = getattr(self.model, "classes_", None)
+        if classes is None:
+            return CellPrediction(labels=labels, sizes=sizes, domain=domain)
+        classes = np.asarray(classes)
+        # Counts per (bag, class) in one bincount: bag index times K plus class code.
+        bag_of = np.repeat(np.arange(sizes.shape[0]), sizes)
+        codes = np.searchsorted(classes, labels)
+        counts = np.bincount(
+            bag_of * classes.size + codes, minlength=sizes.shape[0] * classes.size
+        ).reshape(sizes.shape[0], classes.size)
+        temperature = self.info.probability_temperature
+        mean_p = per_cell = None
+        if temperature is not None:
+            per_cell = calibrated_probabilities(
+                np.concatenate([r.scores for r in results]), temperature
+            )
+            # A bag's cells are contiguous (no bag is empty): sums by reduceat.
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            mean_p = np.add.reduceat(per_cell, starts, axis=0) / sizes[:, None]
         return CellPrediction(
-            labels=np.concatenate([r.predictions for r in results]),
+            labels=labels,
             sizes=sizes,
-            domain=self.model.domain_report([r.report for r in results]),
+            domain=domain,
+            classes=classes,
+            counts=counts.astype(np.int64),
+            mean_probabilities=mean_p,
+            probabilities=per_cell if probabilities else None,
         )
 
     def _clipped(self, bags: Bags) -> NDArray[np.int64] | None:

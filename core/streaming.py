@@ -95,10 +95,12 @@ class BagSummary:
     points_sha256: str | None = None
 
 
-def _read_bag(path: str, panel: Panel) -> tuple[NDArray[np.float64], str]:
-    """One file's cells in panel order, and the sha256 of its bytes (one read)."""
+def _read_bag(
+    path: str, panel: Panel, preprocessing: Preprocessing
+) -> tuple[NDArray[np.float64], str]:
+    """One file's cells, compensated, in panel order, and the sha256 of its bytes."""
     sample, digest = read_file(path)
-    return panel.select(sample), digest
+    return panel.select(preprocessing.compensate(sample)), digest
 
 
 def points_sha256(points: NDArray[np.float64]) -> str:
@@ -108,7 +110,7 @@ def points_sha256(points: NDArray[np.float64]) -> str:
 
 def bag_summary(path: str, panel: Panel, preprocessing: Preprocessing) -> BagSummary:
     """First pass over one file: cell count, sha256 and moments for the scaling."""
-    points, digest = _read_bag(path, panel)
+    points, digest = _read_bag(path, panel, preprocessing)
     moments = (
         preprocessing.bag_moments(points, panel.markers)
         if preprocessing.scale == "standard"
@@ -128,7 +130,7 @@ def bag_features(
     Returns, per representation, the ``(len(preprocessings), n_features)`` block and
     the geometry of the features (``"euclidean"`` or ``"l1"``).
     """
-    points, _ = _read_bag(path, panel)
+    points, _ = _read_bag(path, panel, preprocessings[0])
     markers = list(panel.markers)
     # Subsampling and the transform do not depend on the fold: done once, and the raw
     # cells are dropped before the per-fold copies are made.

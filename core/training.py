@@ -7,8 +7,11 @@ A configuration (see ``examples/``) has these tables; paths are relative to the 
                      for one label per bag, or cell_label_column / cell_label_files for
                      one label per cell; n_jobs (parallel reading)
     [panel]          markers (names, in model order), aliases (name -> other names)
-    [preprocessing]  transform ("none" | "arcsinh" | "log"), cofactor, scale
-                     ("none" | "standard"), max_points, seed
+    [preprocessing]  compensation ("none" | "file" | a spillover CSV), transform
+                     ("none" | "arcsinh" | "log" | "logicle" | "hyperlog"), cofactor,
+                     T, W, M, A (logicle/hyperlog), markers (per-marker overrides of
+                     these), scale ("none" | "standard"), max_points, seed; see
+                     :mod:`core.io.preprocessing`
     [estimator]      class and parameters; nested tables with a "class" key build the
                      representation / embedding
     [search]         optional grid: parameter name -> list of values; widen_edges
@@ -89,6 +92,7 @@ from sklearn.model_selection import KFold, ParameterGrid, StratifiedKFold
 from . import report
 from .artifacts import save
 from .bags import Bags
+from .calibration import fit_temperature
 from .errors import ConfigError, CoreError, DataError
 from .estimators import (
     ConditionalMeanEmbedding,
@@ -99,6 +103,7 @@ from .estimators import (
 )
 from .hashing import file_sha256
 from .io import (
+    Compensation,
     Dataset,
     Panel,
     Preprocessing,
@@ -107,6 +112,7 @@ from .io import (
     load_dataset,
     read_file,
 )
+from .progress import progress_enabled
 from .representations import DensityFeatures, HistogramEmbedding, MeanEmbedding, SlicedWasserstein
 from .selection import as_grid, grid_edge, leave_tasks_out_folds, widen_grid
 from .streaming import points_sha256
@@ -211,9 +217,16 @@ def _resolve(base: Path, value: str | list[str]) -> list[Path]:
 
 
 def read_data(
-    config: Mapping[str, Any], panel: Panel | None = None, progress: bool = False
+    config: Mapping[str, Any],
+    panel: Panel | None = None,
+    progress: bool = False,
+    compensation: Compensation | None = None,
 ) -> Dataset:
+    """The labelled bags of ``[data]``, compensated as ``compensation`` (default: as
+    ``[preprocessing]`` says) and aligned to ``panel`` (default: ``[panel]``)."""
     base = Path(config["_base"])
+    if compensation is None:
+        compensation = _config_compensation(config)
     data = dict(config["data"])
     files = _resolve(base, data.pop("files"))
     labels = data.pop("labels", None)
@@ -245,6 +258,7 @@ def read_data(
         cell_label_files=cell_map,
         n_jobs=data.get("n_jobs"),
         progress=progress,
+        compensation=compensation,
     )
     if dataset.y is not None:
         dataset.y = _apply_label_map(label_map, dataset.y)
@@ -258,6 +272,15 @@ def _apply_label_map(label_map: Mapping[str, Any] | None, y: np.ndarray) -> np.n
         return y
     mapping = {str(k): v for k, v in label_map.items()}
     return np.array([mapping.get(_label_key(v), v) for v in y.tolist()])
+
+
+def _config_compensation(config: Mapping[str, Any]) -> Compensation:
+    """``[preprocessing] compensation``, a spillover CSV read relative to the config."""
+    value = config.get("preprocessing", {}).get("compensation")
+    try:
+        return Compensation.from_config(value, config["_base"])
+    except ValueError as exc:  # DataError included: the CSV names itself
+        raise ConfigError(f"[preprocessing] compensation: {exc}") from exc
 
 
 def _config_panel(config: Mapping[str, Any]) -> Panel | None:
@@ -288,12 +311,20 @@ def _cv_predictions(
     pre_spec: Mapping[str, Any],
     markers: list[str],
     progress: bool = False,
+    scores_out: dict[str, np.ndarray] | None = None,
 ) -> np.ndarray:
     """Out-of-fold predictions: each bag (or cell) is predicted by a model, preprocessing
-    included, that never saw it (a progress bar over the folds with ``progress``)."""
+    included, that never saw it (a progress bar over the folds with ``progress``).
+
+    For a per-cell classifier the out-of-fold scores (``decision_function``) also go
+    into ``scores_out`` under the estimator's key (:func:`_params_key`): they calibrate
+    its class probabilities (:mod:`core.calibration`).
+    """
     from tqdm.auto import tqdm
 
     pred = np.empty(y.shape, dtype=object if y.dtype.kind in "OUS" else np.float64)
+    keep_scores = cell_level and scores_out is not None and hasattr(est, "decode_scores")
+    scores: np.ndarray | None = None
     for train, val in tqdm(folds, desc="folds", unit="fold", disable=not progress, leave=False):
         pre = Preprocessing(**pre_spec).fit(raw[train], markers)
         bags_tr, bags_va = pre.apply(raw[train], markers), pre.apply(raw[val], markers)
@@ -301,10 +332,26 @@ def _cv_predictions(
         if cell_level:
             y_tr = np.concatenate([y[raw.offsets[t] : raw.offsets[t + 1]] for t in train])
             rows = np.concatenate([np.arange(raw.offsets[t], raw.offsets[t + 1]) for t in val])
-            pred[rows] = model.fit(bags_tr, y_tr).predict(bags_va)
+            model.fit(bags_tr, y_tr)
+            if keep_scores:
+                s = model.decision_function(bags_va)
+                if scores is None:
+                    scores = np.empty((y.shape[0], *s.shape[1:]))
+                scores[rows] = s
+                pred[rows] = model.decode_scores(s)
+            else:
+                pred[rows] = model.predict(bags_va)
         else:
             pred[val] = model.fit(bags_tr, y[train]).predict(bags_va)
+    if keep_scores and scores is not None:
+        assert scores_out is not None
+        scores_out[_params_key(est)] = scores
     return pred
+
+
+def _params_key(est: BaseEstimator) -> str:
+    """The same string for estimators with the same parameters (fitted or not)."""
+    return repr(sorted(est.get_params(deep=False).items()))
 
 
 def _folds(
@@ -845,6 +892,8 @@ class _Fitted:
     #: report's per-fold and per-sample tables.
     folds: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     sizes: np.ndarray | None = None
+    #: Per-cell classifiers: the temperature of their class probabilities.
+    calibration: dict[str, Any] | None = None
 
 
 def _compute_options(
@@ -906,18 +955,26 @@ def train(
     estimator = build_estimator(config["estimator"])
     scheduler, stream = _compute_options(config, scheduler, streaming)
     pre_spec = dict(config.get("preprocessing", {}))
+    # A spillover CSV is read once here and travels in the spec (and the manifest).
+    pre_spec["compensation"] = _config_compensation(config)
     try:
         Preprocessing(**pre_spec)
+        if "panel" in config:
+            Preprocessing(**pre_spec).column_specs(config["panel"]["markers"])
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"[preprocessing] {exc}") from exc
     grid, widen = _search_table(config)
     candidates = _candidates(estimator, list(ParameterGrid(grid)) or [{}])
-    if stream:
-        fitted = _train_streaming(
-            config, estimator, candidates, grid, widen, pre_spec, scheduler, progress
-        )
-    else:
-        fitted = _train_in_memory(config, estimator, candidates, grid, widen, pre_spec, progress)
+    # Bars inside the estimators' own searches too (core.progress), unless quiet.
+    with progress_enabled(progress):
+        if stream:
+            fitted = _train_streaming(
+                config, estimator, candidates, grid, widen, pre_spec, scheduler, progress
+            )
+        else:
+            fitted = _train_in_memory(
+                config, estimator, candidates, grid, widen, pre_spec, progress
+            )
     _warn_edges(fitted.edges)
     return _save(fitted, config, out_dir / name / version, name, version, overwrite)
 
@@ -939,6 +996,8 @@ class _InMemorySearch:
         self.cell_level, self.pre_spec, self.markers = cell_level, pre_spec, markers
         self.progress = progress
         self.preprocessing = Preprocessing(**pre_spec).fit(bags, markers)
+        #: Out-of-fold scores of per-cell classifiers, by :func:`_params_key`.
+        self.oof_scores: dict[str, np.ndarray] = {}
 
     def cross_validate(self, candidates: Sequence[Candidate], desc: str) -> list[np.ndarray]:
         from tqdm.auto import tqdm
@@ -955,6 +1014,7 @@ class _InMemorySearch:
                 self.pre_spec,
                 self.markers,
                 per_fold,
+                self.oof_scores,
             )
             for est, _ in tqdm(
                 candidates,
@@ -999,6 +1059,10 @@ def _train_in_memory(
     folds = _folds(config, len(data.bags), None if cell_level else y, classifier, cell_level)
     searcher = _InMemorySearch(data.bags, y, folds, cell_level, pre_spec, markers, progress)
     outcome = _run_search(candidates, estimator, grid, widen, searcher, y, classifier)
+    calibration = None
+    oof = searcher.oof_scores.get(_params_key(outcome.final))
+    if oof is not None:
+        calibration = fit_temperature(oof, y, outcome.final.classes_)
     # The file digests are not kept by load_dataset; reading the files' bytes once more
     # costs far less than parsing them did.
     training_bags = bag_fingerprints(
@@ -1024,6 +1088,7 @@ def _train_in_memory(
         outcome.widening,
         folds,
         np.asarray(data.bags.sizes),
+        calibration,
     )
 
 
@@ -1128,6 +1193,8 @@ def _train_streaming(
     labels = _apply_label_map(data_cfg.get("label_map"), labels)
     y = labels if classifier else labels.astype(np.float64)
     panel = _config_panel(config) or Panel(tuple(read_file(paths[0])[0].names))
+    # Compensation is applied as each file is read (streaming._read_bag).
+    stream_pre = Preprocessing(**pre_spec)
     try:
         # Refuse what cannot stream before any file is read.
         streaming.fitted_representations([est for est, _ in candidates], len(panel.markers))
@@ -1144,9 +1211,7 @@ def _train_streaming(
         executor = streaming.LocalExecutor(n_jobs)
         compute = {"mode": "streaming", "executor": "threads", "workers": n_jobs}
     with executor:
-        summaries = streaming.stream_summaries(
-            executor, names, panel, Preprocessing(**pre_spec), progress
-        )
+        summaries = streaming.stream_summaries(executor, names, panel, stream_pre, progress)
         everything = np.arange(len(paths))
         preps = streaming.scalings(pre_spec, summaries, [t for t, _ in folds] + [everything])
         searcher = _StreamingSearch(executor, names, panel, preps, y, folds, progress)
@@ -1212,6 +1277,8 @@ def _save(
         "grid_edges": fitted.edges,
         "widening": fitted.widening,
     }
+    if fitted.calibration is not None:
+        metrics["probability_calibration"] = fitted.calibration
     files = report.render(
         fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
     )
@@ -1242,6 +1309,7 @@ def _save(
         training_bags=fitted.training_bags,
         grid_edges=fitted.edges,
         label_level=fitted.level,
+        probability_calibration=fitted.calibration,
         metrics=json.loads(json.dumps(metrics["cv"], default=str)),
         config={k: v for k, v in config.items() if not k.startswith("_")},
     )
@@ -1298,7 +1366,12 @@ def evaluate(
 
     runtime = ModelRuntime.open(model_path)
     config = load_config(config_path)
-    data = read_data(config, panel=runtime.info.panel, progress=progress)
+    data = read_data(
+        config,
+        panel=runtime.info.panel,
+        progress=progress,
+        compensation=runtime.info.preprocessing.compensation,
+    )
     if data.y is None:
         raise ConfigError("[data] gives no labels to evaluate against")
     classifier = runtime.info.classifies

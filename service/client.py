@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import io
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,10 +190,18 @@ class Client:
         )
 
     def predict_files(
-        self, model: str, paths: Sequence[str | Path], *, version: str | None = None
+        self,
+        model: str,
+        paths: Sequence[str | Path],
+        *,
+        version: str | None = None,
+        params: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
-        """Predict sample files (FCS, CSV, TSV, NPY), one bag each, in one request."""
-        return _raise_for(self._send("POST", _path(model, version), files=_files(paths)))
+        """Predict sample files (FCS, CSV, TSV, NPY), one bag each, in one request;
+        ``params``: query parameters (``interval``, ``compensated``, ``cells``, ...)."""
+        return _raise_for(
+            self._send("POST", _path(model, version), files=_files(paths), params=params)
+        )
 
 
 class AsyncClient:
@@ -266,7 +274,14 @@ class AsyncClient:
         )
 
     async def predict_files(
-        self, model: str, paths: Sequence[str | Path], *, version: str | None = None
+        self,
+        model: str,
+        paths: Sequence[str | Path],
+        *,
+        version: str | None = None,
+        params: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """Predict sample files (FCS, CSV, TSV, NPY), one bag each, as multipart."""
-        return _raise_for(await self._send("POST", _path(model, version), files=_files(paths)))
+        return _raise_for(
+            await self._send("POST", _path(model, version), files=_files(paths), params=params)
+        )

@@ -52,6 +52,8 @@ class IncomingBag:
     weights: np.ndarray | None = None
     #: Every value is already known to be finite (files: read_sample checks them).
     finite: bool = False
+    #: An FCS file's spillover keyword, for models that compensate with it.
+    spillover: str | None = None
 
 
 def media_type(header: str | None) -> str:
@@ -223,6 +225,7 @@ def decode_file(
         sample.names if has_names else None,
         sample.alt_names if has_names else None,
         finite=True,
+        spillover=sample.spillover,
     )
 
 

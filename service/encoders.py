@@ -51,27 +51,39 @@ def encode(
     fmt: str,
     meta: dict[str, Any],
     info: ArtifactInfo,
+    *,
+    cells: bool = True,
 ) -> bytes:
     """The answer in ``fmt`` (one of :data:`FORMATS`); ``meta`` heads a JSON answer.
 
     ``info`` is the model's: it names the training bags of the domain report.
+    ``cells=False`` leaves out a per-cell model's label of every cell (its population
+    summary stays). Per-cell classifiers in NPY: every cell's class probabilities
+    when they were asked for, else the population counts per bag with
+    ``cells=False``, else the labels; columns follow the model's classes.
     """
     if fmt == NPY:
-        return npy_bytes(np.asarray(_table(result)))
+        return npy_bytes(np.asarray(_table(result, cells)))
     if fmt == CSV_OUT:
-        return _csv(result, ids)
-    return orjson.dumps(encode_document(result, ids, meta, info))
+        return _csv(result, ids, cells)
+    return orjson.dumps(encode_document(result, ids, meta, info, cells=cells))
 
 
 def encode_document(
-    result: Prediction, ids: list[str], meta: dict[str, Any], info: ArtifactInfo
+    result: Prediction,
+    ids: list[str],
+    meta: dict[str, Any],
+    info: ArtifactInfo,
+    *,
+    cells: bool = True,
 ) -> dict[str, Any]:
     """The JSON answer as a document: ``meta`` and one entry per bag under
     ``predictions`` (stored as such for jobs)."""
     return {
         **meta,
         "predictions": [
-            {**_bag(result, i, bag_id), **_trust(result, i, info)} for i, bag_id in enumerate(ids)
+            {**_bag(result, i, bag_id, cells), **_trust(result, i, info)}
+            for i, bag_id in enumerate(ids)
         ],
     }
 
@@ -88,21 +100,30 @@ def _trust(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
     return out
 
 
-def _bag(result: Prediction, i: int, bag_id: str) -> dict[str, Any]:
+def _bag(result: Prediction, i: int, bag_id: str, cells: bool = True) -> dict[str, Any]:
     if isinstance(result, CellPrediction):
         domain = result.domain
         assert domain is not None
-        return {
-            "id": bag_id,
-            "n_points": int(result.sizes[i]),
-            "labels": result.labels_of(i).tolist(),
-            "report": {
-                "out_of_range": bool(domain.out_of_range[i]),
-                "distance_to_nearest": float(domain.distance[i]),
-                "nearest_training_tasks": domain.nearest_of(i),
-                "similarities": domain.similarities_of(i),
-            },
+        cell: dict[str, Any] = {"id": bag_id, "n_points": int(result.sizes[i])}
+        population = result.population(i)
+        if population is not None:
+            cell["population"] = population
+        if cells:
+            cell["labels"] = result.labels_of(i).tolist()
+        probabilities = result.probabilities_of(i)
+        if probabilities is not None:
+            assert result.classes is not None
+            cell["probabilities"] = {
+                "classes": result.classes.tolist(),
+                "cells": probabilities.tolist(),
+            }
+        cell["report"] = {
+            "out_of_range": bool(domain.out_of_range[i]),
+            "distance_to_nearest": float(domain.distance[i]),
+            "nearest_training_tasks": domain.nearest_of(i),
+            "similarities": domain.similarities_of(i),
         }
+        return cell
     if isinstance(result, ClassificationPrediction):
         classes = [str(c) for c in result.classes.tolist()]
         out = {
@@ -130,9 +151,15 @@ def _names(values: np.ndarray) -> list[str]:
     return [f"{v:g}" for v in values.tolist()]
 
 
-def _table(result: Prediction) -> np.ndarray:
+def _table(result: Prediction, cells: bool = True) -> np.ndarray:
     """The NPY answer: the estimate; for conditional models the mean, then the
-    quantiles, then the exceedance probabilities, as columns."""
+    quantiles, then the exceedance probabilities, as columns (per-cell classifiers:
+    see :func:`encode`)."""
+    if isinstance(result, CellPrediction):
+        if result.probabilities is not None:
+            return result.probabilities
+        if not cells and result.counts is not None:
+            return result.counts
     if isinstance(result, ConditionalPrediction):
         extra = np.hstack([result.quantiles, result.exceedance])
         return np.column_stack([result.mean, extra]) if extra.shape[1] else result.mean
@@ -160,15 +187,33 @@ def _trust_columns(result: Prediction) -> tuple[list[str], list[list[Any]]]:
     return header, rows
 
 
-def _csv(result: Prediction, ids: list[str]) -> bytes:
+def _csv(result: Prediction, ids: list[str], cells: bool = True) -> bytes:
     buf = io.StringIO()
     trust_header, trust = _trust_columns(result)
     w = _TrustWriter(csv.writer(buf, lineterminator="\n"), trust_header, trust)
-    if isinstance(result, CellPrediction):
-        w.header(["id", "cell", "label"])
+    if isinstance(result, CellPrediction) and not cells and result.population(0) is not None:
+        # The population summary: one row per bag and class.
+        w.header(["id", "class", "count", "percent", "mean_probability"])
         for i, bag_id in enumerate(ids):
+            for row in result.population(i) or []:
+                w.row(
+                    i,
+                    [
+                        bag_id,
+                        row["class"],
+                        row["count"],
+                        row["percent"],
+                        row.get("mean_probability", ""),
+                    ],
+                )
+    elif isinstance(result, CellPrediction):
+        probs = result.probabilities
+        classes = [] if probs is None or result.classes is None else result.classes.tolist()
+        w.header(["id", "cell", "label", *[f"p_{c}" for c in classes]])
+        for i, bag_id in enumerate(ids):
+            p = result.probabilities_of(i)
             for j, label in enumerate(result.labels_of(i).tolist()):
-                w.row(i, [bag_id, j, label])
+                w.row(i, [bag_id, j, label, *([] if p is None else p[j].tolist())])
     elif isinstance(result, ClassificationPrediction):
         w.header(["id", "prediction", *[f"score_{c}" for c in result.classes.tolist()]])
         for i, bag_id in enumerate(ids):

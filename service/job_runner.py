@@ -42,6 +42,7 @@ class JobRunner:
             return
         caller = Caller(meta["request_id"], meta.get("api_key_id"), f"/v1/jobs/{job_id}")
         body = store.body(job_id)
+        options = PredictOptions.from_json(meta.get("options"))
         try:
             outcome = await self.predictor.run(
                 caller,
@@ -50,7 +51,7 @@ class JobRunner:
                 lambda: decode_bags(
                     meta["content_type"], body, markers_param(meta.get("markers")), "bag-0"
                 ),
-                PredictOptions.from_json(meta.get("options")),
+                options,
                 input_sha256=meta["input_sha256"],
             )
         except Problem as exc:
@@ -63,5 +64,6 @@ class JobRunner:
             outcome.ids,
             outcome.provenance(meta["request_id"]),
             entry.info,
+            cells=options.cells,
         )
         store.finish(job_id, "succeeded", {"status": 200, **document})

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from bagserve.core.hashing import bytes_sha256
-from bagserve.core.io import DataError
+from bagserve.core.io import DataError, Sample
 from bagserve.core.runtime import CellPrediction, ModelKind, Prediction, prediction_from_arrays
 
 from .audit import AuditLog
@@ -81,24 +81,49 @@ class PredictOptions:
     coverage : float or None
         ``?interval=``: the coverage of a prediction interval (regressors, conditional
         models) or of a conformal prediction set (classifiers).
+    compensated : bool
+        ``?compensated=true``: the caller declares the cells already compensated, so a
+        model that compensates does not (recorded in the audit trail).
+    cells : bool
+        Per-cell models: ``?cells=false`` answers the population summary without the
+        label of every cell.
+    probabilities : bool
+        Per-cell classifiers: ``?probabilities=true`` adds every cell's class
+        probabilities.
     """
 
     quantiles: tuple[float, ...] = ()
     exceed: tuple[float, ...] = ()
     coverage: float | None = None
+    compensated: bool = False
+    cells: bool = True
+    probabilities: bool = False
 
     @classmethod
-    def parse(
-        cls,
-        entry: ModelEntry,
-        quantiles: str | None,
-        exceed: str | None,
-        interval: str | None = None,
-    ) -> PredictOptions:
-        """The ``quantiles`` / ``exceed`` / ``interval`` query parameters, checked against
+    def parse(cls, entry: ModelEntry, params: Mapping[str, Any]) -> PredictOptions:
+        """The query (or ``/v2`` request) parameters ``quantiles``, ``exceed``,
+        ``interval``, ``compensated``, ``cells`` and ``probabilities``, checked against
         the model (422)."""
+        quantiles, exceed = params.get("quantiles"), params.get("exceed")
+        interval = params.get("interval")
+        interval = None if interval is None else str(interval)
         parsed: dict[str, Any] = {}
         problems = []
+        for name in ("compensated", "cells", "probabilities"):
+            if params.get(name) is None:
+                continue
+            flag = _flag(params[name])
+            if flag is None:
+                problems.append(f"{name} must be true or false, got {params[name]!r}")
+            else:
+                parsed[name] = flag
+        cell_only = [n for n in ("cells", "probabilities") if n in parsed]
+        if cell_only and entry.kind is not ModelKind.CELL:
+            problems.append(f"{entry.key}: {cell_only[0]} applies to per-cell models only")
+        if parsed.get("probabilities"):
+            unavailable = entry.info.probability_problem()
+            if unavailable is not None:
+                problems.append(f"{entry.key}: {unavailable}")
         if interval is not None and interval.strip():
             try:
                 parsed["coverage"] = float(interval)
@@ -132,20 +157,35 @@ class PredictOptions:
         return cls(**parsed)
 
     def to_json(self) -> dict[str, Any]:
-        """As stored with a job (only what was asked)."""
+        """As stored with a job (only what differs from the defaults)."""
         asked = (("quantiles", self.quantiles), ("exceed", self.exceed))
         out: dict[str, Any] = {k: list(v) for k, v in asked if v}
         if self.coverage is not None:
             out["coverage"] = self.coverage
+        for name in ("compensated", "cells", "probabilities"):
+            if getattr(self, name) != getattr(PredictOptions, name):
+                out[name] = getattr(self, name)
         return out
 
     @classmethod
     def from_json(cls, spec: dict[str, Any] | None) -> PredictOptions:
         """The options stored with a job (:meth:`to_json`)."""
-        spec = spec or {}
-        return cls(
-            tuple(spec.get("quantiles", ())), tuple(spec.get("exceed", ())), spec.get("coverage")
-        )
+        spec = dict(spec or {})
+        for name in ("quantiles", "exceed"):
+            spec[name] = tuple(spec.get(name, ()))
+        return cls(**spec)
+
+
+def _flag(value: Any) -> bool | None:
+    """A boolean parameter as a query string or JSON gives it; None if it is neither."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    return None
 
 
 @dataclass
@@ -327,7 +367,7 @@ class Predictor:
             raise
         finally:
             self.metrics.observe_stages(timings)
-            self.record(caller, entry, await input_hash(), status, outcome)
+            self.record(caller, entry, await input_hash(), status, outcome, options)
 
     async def compute(
         self,
@@ -346,7 +386,7 @@ class Predictor:
         """
         settings = self.settings
         t0 = time.perf_counter()
-        arrays, weights, warnings = _validate(bags, entry, settings, decode_errors)
+        arrays, weights, warnings = _validate(bags, entry, settings, decode_errors, options)
         sizes = [a.shape[0] for a in arrays]
         payload = {
             "points": np.concatenate(arrays) if len(arrays) > 1 else arrays[0],
@@ -370,6 +410,7 @@ class Predictor:
                     "quantiles": options.quantiles,
                     "exceed": options.exceed,
                     "coverage": options.coverage,
+                    "probabilities": options.probabilities,
                 },
                 payload,
                 settings.request_timeout,
@@ -437,8 +478,13 @@ class Predictor:
         input_sha: str | None,
         status: int,
         outcome: Outcome | None,
+        options: PredictOptions | None = None,
     ) -> None:
-        """One audit line for a prediction attempt on a known model (success or failure)."""
+        """One audit line for a prediction attempt on a known model (success or failure).
+
+        A caller's declaration that the cells were compensated already is recorded: the
+        model's own compensation was skipped on the caller's word.
+        """
         if self.audit_log is None:
             return
         fields: dict[str, Any] = {
@@ -452,18 +498,27 @@ class Predictor:
         if outcome is not None and status == 200:
             fields["bag_sizes"] = outcome.sizes
             fields["output"] = outcome.summary()
+        if options is not None and options.compensated:
+            fields["compensated_by_caller"] = True
         if caller.files and self.settings.audit_file_names:
             fields["files"] = caller.files
         self.audit_log.append(**fields)
 
 
 def _validate(
-    bags: list[IncomingBag], entry: ModelEntry, settings: Settings, errors: list[str]
+    bags: list[IncomingBag],
+    entry: ModelEntry,
+    settings: Settings,
+    errors: list[str],
+    options: PredictOptions,
 ) -> tuple[list[np.ndarray], list[np.ndarray | None], list[str]]:
-    """Align every bag to the model's panel; collect every problem before answering."""
+    """Compensate and align every bag to the model's panel; collect every problem
+    before answering."""
     errors = list(errors)
     warnings: list[str] = []
     panel = entry.panel
+    compensation = entry.info.preprocessing.compensation
+    compensate = compensation.active and not options.compensated
     if len(bags) > settings.max_bags:
         errors.append(f"{len(bags)} bags, more than the limit of {settings.max_bags}")
     ids = [b.id for b in bags]
@@ -486,6 +541,21 @@ def _validate(
         if entry.kind is ModelKind.CELL and n < 2:
             errors.append(f"{where} has a single cell: its distribution cannot be estimated")
         pts = b.points
+        if compensate:
+            if b.names is None:
+                errors.append(
+                    f"{where}: the model compensates ({compensation.describe()}), which needs "
+                    "the channel names: send them (markers), or declare the cells compensated "
+                    "already (compensated=true)"
+                )
+                continue
+            try:
+                pts = compensation.apply(
+                    Sample(pts, b.names, b.alt_names or b.names, where, b.spillover)
+                ).points
+            except DataError as exc:
+                errors.append(f"{exc} (cells compensated already: compensated=true)")
+                continue
         if b.names is not None and panel is not None:
             try:
                 cols = panel.columns(b.names, b.alt_names, source=where)

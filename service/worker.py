@@ -41,6 +41,7 @@ def predict_message(
         quantiles=header.get("quantiles") or (),
         exceed=header.get("exceed") or (),
         coverage=header.get("coverage"),
+        probabilities=bool(header.get("probabilities")),
     )
     return {"kind": str(result.kind)}, result.to_arrays()
 

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,29 @@ def build_models(directory: Path) -> Path:
         SlicedWasserstein(n_directions=20, n_levels=20), gamma=1.0, alpha=1e-3, random_state=0
     )
     keep(cme.fit(yeast_bags, dose_index), "cme")
+    # Raw cytometry: each FCS file compensated with its own spillover matrix, then
+    # logicle; trained on parts of one real uncompensated sample.
+    raw = read_sample(SHARED_DATA / "flowsom_example" / "not_preprocessed.fcs")
+    comp_panel = Panel(("CD4", "CD8", "CD19", "CD3"))
+    comp_pre = Preprocessing(compensation="file", transform="logicle")
+    parts = np.array_split(np.random.default_rng(1).permutation(raw.points.shape[0]), 8)
+    comp_bags = Bags.from_arrays(
+        [
+            comp_panel.select(comp_pre.compensate(replace(raw, points=raw.points[rows])))
+            for rows in parts
+        ]
+    )
+    comp_bags = comp_pre.apply(comp_bags, list(comp_panel.markers))
+    comp_model = DistributionRidge(SlicedWasserstein(n_directions=10, n_levels=10, random_state=0))
+    comp_model.fit(comp_bags, np.arange(8.0))
+    save(
+        comp_model,
+        directory / "raw-comp" / "1",
+        name="raw-comp",
+        version="1",
+        panel=comp_panel.to_json(),
+        preprocessing=comp_pre.to_json(),
+    )
     # On points, not bags: refused by the registry with its reason.
     save(
         ConditionalMeanEmbedding(gamma=1.0, alpha=0.1).fit(np.eye(3), np.arange(3.0)),

@@ -538,3 +538,143 @@ def test_intervals_sets_and_probabilities_on_request(url, models):
     ]:
         r = httpx.post(f"{url}/v1/models/{model}/predict", params=params, files=multipart)
         assert r.status_code == 422 and needle in r.json()["detail"], r.text
+
+
+# ----------------------------------------------------------------- raw cytometry
+def test_a_compensating_model_compensates_uploads_and_refuses_what_it_cannot(url, models):
+    """The model compensates each FCS upload with the file's own spillover matrix, as
+    the runtime does in process; cells without a matrix are refused unless the caller
+    declares them compensated (and the audit trail records that)."""
+    from bagserve.core.io import read_sample
+    from bagserve.core.runtime import ModelRuntime
+
+    fcs = SHARED_DATA / "flowsom_example" / "not_preprocessed.fcs"
+    runtime = ModelRuntime.open(models / "raw-comp" / "1")
+    sample = read_sample(fcs)
+    local = runtime.predict(runtime.align([sample])).estimate
+    r = httpx.post(
+        f"{url}/v1/models/raw-comp/predict",
+        files=[("files", (fcs.name, fcs.read_bytes(), "application/octet-stream"))],
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert [p["prediction"] for p in r.json()["predictions"]] == local.tolist()
+
+    def csv_of(points: np.ndarray) -> bytes:
+        lines = [",".join(sample.names)]
+        lines += [",".join(f"{v:.17g}" for v in row) for row in points]
+        return ("\n".join(lines) + "\n").encode()
+
+    raw_csv = csv_of(sample.points)
+    r = httpx.post(
+        f"{url}/v1/models/raw-comp/predict",
+        content=raw_csv,
+        headers={"content-type": "text/csv"},
+        params={"id": "patient-9"},
+    )
+    assert r.status_code == 422
+    assert any("patient-9" in e and "spillover" in e for e in r.json()["errors"]), r.text
+    compensated = runtime.info.preprocessing.compensate(sample).points
+    r = httpx.post(
+        f"{url}/v1/models/raw-comp/predict",
+        content=csv_of(compensated),
+        headers={"content-type": "text/csv", "x-request-id": "declared-compensated"},
+        params={"compensated": "true"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["predictions"][0]["prediction"], local[0], rtol=1e-9)
+    time.sleep(0.2)
+    lines = [
+        json.loads(x)
+        for p in (models.parent / "data").glob("audit*")
+        for x in p.read_text().splitlines()
+        if "declared-compensated" in x
+    ]
+    assert lines and lines[-1]["compensated_by_caller"] is True
+
+
+def test_per_cell_models_answer_a_population_summary(url, models):
+    """Counts, percentages and mean calibrated probabilities per class and bag, labels
+    optional (?cells=false), per-cell probabilities on request in JSON, CSV, NPY, /v2
+    and jobs; each agrees with the runtime in process."""
+    import io as _io
+
+    from bagserve.core import Bags
+    from bagserve.core.runtime import ModelRuntime
+
+    tasks, _, markers = demo_samples("gating", 2, 5)
+    bags = [np.asarray(tasks[i]) for i in range(2)]
+    body = {
+        "bags": [
+            {"id": f"s{i}", "markers": markers, "points": b.tolist()} for i, b in enumerate(bags)
+        ]
+    }
+    runtime = ModelRuntime.open(models / "demo-gating" / "1")
+    local = runtime.predict(Bags.from_arrays(bags), probabilities=True)
+    predict = f"{url}/v1/models/demo-gating/predict"
+    full = httpx.post(predict, json=body, timeout=60).json()["predictions"]
+    for i, p in enumerate(full):
+        assert p["population"] == local.population(i)
+        labels = np.asarray(p["labels"])
+        assert [r["count"] for r in p["population"]] == [
+            int(np.sum(labels == c)) for c in local.classes.tolist()
+        ]
+        assert sum(r["percent"] for r in p["population"]) == pytest.approx(100.0)
+        assert all(0.0 <= r["mean_probability"] <= 1.0 for r in p["population"])
+    summary = httpx.post(predict, json=body, params={"cells": "false"}, timeout=60).json()
+    assert all("labels" not in p for p in summary["predictions"])
+    assert [p["population"] for p in summary["predictions"]] == [p["population"] for p in full]
+    csv_rows = httpx.post(
+        predict, json=body, params={"cells": "false"}, headers={"accept": "text/csv"}, timeout=60
+    ).text.splitlines()
+    assert csv_rows[0].startswith("id,class,count,percent,mean_probability")
+    assert len(csv_rows) == 1 + 2 * local.classes.size
+    # Every cell's probabilities: JSON, CSV columns and NPY agree with the runtime.
+    probs = httpx.post(predict, json=body, params={"probabilities": "true"}, timeout=60).json()
+    first = probs["predictions"][0]["probabilities"]
+    assert first["classes"] == local.classes.tolist()
+    np.testing.assert_allclose(first["cells"], local.probabilities_of(0), rtol=1e-12)
+    npy = httpx.post(
+        predict,
+        json=body,
+        params={"probabilities": "true"},
+        headers={"accept": "application/x-npy"},
+        timeout=60,
+    )
+    assert json.loads(npy.headers["bagserve-classes"]) == local.classes.tolist()
+    np.testing.assert_allclose(np.load(_io.BytesIO(npy.content)), local.probabilities, rtol=1e-12)
+    csv_head = httpx.post(
+        predict,
+        json=body,
+        params={"probabilities": "true"},
+        headers={"accept": "text/csv"},
+        timeout=60,
+    ).text.splitlines()[0]
+    assert csv_head.startswith("id,cell,label," + ",".join(f"p_{c}" for c in local.classes))
+    # /v2: the counts tensor and the classes naming its columns.
+    v2 = oip_infer(
+        url,
+        "demo-gating",
+        [("points", np.vstack(bags), {}), ("bag_sizes", np.array([b.shape[0] for b in bags]), {})],
+        parameters={"markers": markers},
+    )
+    parsed = oip_outputs(v2)
+    np.testing.assert_array_equal(parsed["outputs"]["population_counts"], local.counts)
+    assert parsed["doc"]["parameters"]["classes"] == local.classes.tolist()
+    # Jobs keep the choice.
+    r = httpx.post(
+        f"{url}/v1/jobs", params={"model": "demo-gating", "cells": "false"}, json=body, timeout=60
+    )
+    job = poll(url, r.headers["location"])
+    assert [p["population"] for p in job["result"]["predictions"]] == [
+        p["population"] for p in full
+    ]
+    assert "labels" not in job["result"]["predictions"][0]
+    # Refused where they mean nothing.
+    for model, params, needle in [
+        ("demo-dose", {"probabilities": "true"}, "per-cell models only"),
+        ("demo-gating", {"cells": "maybe"}, "true or false"),
+    ]:
+        r = httpx.post(f"{url}/v1/models/{model}/predict", params=params, json=body)
+        assert r.status_code == 422 and needle in r.json()["detail"], r.text

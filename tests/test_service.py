@@ -62,6 +62,7 @@ def test_health_readiness_and_model_listing(http):
         "demo-gating/1",
         "yeast-level/1",
         "density/1",
+        "raw-comp/1",
         "slow/1",
         "yeast/1",
         "yeast/2",
@@ -70,7 +71,16 @@ def test_health_readiness_and_model_listing(http):
     assert "broken/1" in ready["model_failures"]
     listing = http.get("/v1/models").json()
     names = [m["name"] for m in listing["models"]]
-    assert names == ["cme", "demo-dose", "demo-gating", "density", "slow", "yeast", "yeast-level"]
+    assert names == [
+        "cme",
+        "demo-dose",
+        "demo-gating",
+        "density",
+        "raw-comp",
+        "slow",
+        "yeast",
+        "yeast-level",
+    ]
     one = http.get("/v1/models/yeast").json()
     assert one["latest"] == "2" and [v["version"] for v in one["versions"]] == ["1", "2"]
     v = one["versions"][0]

@@ -20,6 +20,7 @@ from numpy.typing import NDArray
 
 from ..bags import Bags
 from ..kernels import DistanceKernel
+from ..progress import progress_bar
 from ..representations.base import BagRepresentation, Embedding
 from ._transfer_strategy import (
     KernelParameters,
@@ -195,6 +196,10 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     """
     alphas = evaluator.setup.alphas
     seen: dict[tuple[Any, ...], NDArray[np.float64]] = {}
+    # At most: the point bandwidths three times, (τ, γ_P) pairs, embedding bandwidths.
+    n_sigma = len(grid["sigma"])
+    bound = 3 * n_sigma + len(grid["tau"]) * len(grid["gamma"]) + len(grid["emb"])
+    bar = progress_bar(bound, "marginal transfer: search", "config")
 
     def errors(c: dict[str, Any]) -> float:
         key = (c["sigma"], c["tau"], c["gamma"], c["emb"])
@@ -204,6 +209,7 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
             c = {"sigma": c["sigma"], "tau": 1.0, "gamma": None, "emb": 1.0}
         if key not in seen:
             seen[key] = evaluator.score(c)
+            bar.update(1)
         return float(seen[key].min())
 
     def best_of(options: list[dict[str, Any]]) -> dict[str, Any]:
@@ -227,6 +233,7 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     if 1.0 in grid["tau"]:
         pooled = best_of([{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]])
         current = min([current, pooled], key=errors)
+    bar.close()
     key = min(seen, key=lambda k: seen[k].min())
     best = {"sigma": key[0], "tau": key[1], "gamma": key[2], "emb": key[3]}
     best["alpha"] = float(alphas[int(np.argmin(seen[key]))])

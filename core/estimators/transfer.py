@@ -701,6 +701,12 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         ``classes_[1]``), else ``(n_points, n_classes)`` one-vs-rest."""
         return self._squeeze(self._all_scores(X))
 
+    def decode_scores(self, scores: NDArray[np.float64]) -> NDArray[Any]:
+        """The labels of scores as :meth:`decision_function` gives them (the labels
+        :meth:`predict` would give), without scoring twice."""
+        s = np.asarray(scores, dtype=np.float64)
+        return self._decode(s[:, None] if s.ndim == 1 else s)
+
 
 class MarginalTransferRegressor(RegressorMixin, _MarginalTransfer):
     """Predict a value for every point of a new task from labelled training tasks.

@@ -10,10 +10,12 @@ here, as it was when this was one module:
   accepted aliases; :meth:`Panel.select` matches a sample's columns by name, case and
   punctuation insensitively (:func:`normalise_marker`), and names every missing or
   ambiguous marker.
-* :mod:`.preprocessing`: :class:`Preprocessing` is the chain stored with a model: a
-  transform (``arcsinh`` with a cofactor, ``log``), per-marker standard scaling learned
-  on the training cells, and a seeded subsample of huge bags that does not depend on
-  cell order.
+* :mod:`.compensation`: :class:`Compensation` undoes fluorescence spillover with each
+  FCS file's own matrix or one given in the training configuration.
+* :mod:`.preprocessing`: :class:`Preprocessing` is the chain stored with a model:
+  compensation, a per-marker transform (``arcsinh``, ``log``, ``logicle``,
+  ``hyperlog``), per-marker standard scaling learned on the training cells, and a
+  seeded subsample of huge bags that does not depend on cell order.
 * :mod:`.labelled`: :func:`load_dataset` reads many files and their labels into a
   :class:`Dataset` with a fingerprint of both (:func:`dataset_fingerprint`).
 
@@ -23,6 +25,7 @@ and the row or column when there is one.
 
 from ..errors import DataError
 from ..hashing import file_sha256
+from .compensation import Compensation, Spillover, read_spillover_csv
 from .labelled import Dataset, dataset_fingerprint, labelled_files, load_dataset
 from .panel import Panel, normalise_marker
 from .preprocessing import BagMoments, Preprocessing
@@ -32,11 +35,13 @@ from .readers import Sample, read_file, read_sample
 
 __all__ = [
     "BagMoments",
+    "Compensation",
     "DataError",
     "Dataset",
     "Panel",
     "Preprocessing",
     "Sample",
+    "Spillover",
     "dataset_fingerprint",
     "file_sha256",
     "labelled_files",
@@ -44,4 +49,5 @@ __all__ = [
     "normalise_marker",
     "read_file",
     "read_sample",
+    "read_spillover_csv",
 ]

@@ -23,6 +23,7 @@ from numpy.typing import NDArray
 from ..bags import Bags
 from ..errors import DataError
 from ..hashing import chunks_sha256
+from .compensation import Compensation
 from .panel import Panel, normalise_marker
 from .readers import Sample, read_file
 
@@ -97,6 +98,7 @@ def load_dataset(
     cell_label_files: Mapping[str, str | os.PathLike[str]] | None = None,
     n_jobs: int | None = None,
     progress: bool = False,
+    compensation: Compensation | None = None,
 ) -> Dataset:
     """Read many files into one :class:`Dataset`.
 
@@ -125,6 +127,8 @@ def load_dataset(
         Sample path (or file name) → file of its cells' labels, one per line.
     n_jobs : int, optional
         Files read at once (threads).
+    compensation : Compensation, optional
+        Applied to every sample before the panel's columns are picked.
     progress : bool, default=False
         Show a progress bar.
 
@@ -147,6 +151,8 @@ def load_dataset(
         iterator = tqdm(paths, desc="reading", unit="file")
     read = Parallel(n_jobs=n_jobs, prefer="threads")(delayed(read_file)(p) for p in iterator)
     samples = [sample for sample, _ in read]
+    if compensation is not None and compensation.active:
+        samples = [compensation.apply(s) for s in samples]
     cell_labels: list[NDArray[Any]] | None = None
     if cell_label_column is not None:
         cell_labels, stripped = [], []
@@ -163,6 +169,7 @@ def load_dataset(
                     [s.names[k] for k in keep],
                     [s.alt_names[k] for k in keep],
                     s.source,
+                    s.spillover,
                 )
             )
         samples = stripped

@@ -43,12 +43,17 @@ class Sample:
         A second name per column (``$PnN`` for FCS), also accepted when matching.
     source : str
         Where it came from (file name).
+    spillover : str, optional
+        The FCS file's spillover keyword as written (``$SPILLOVER``, else ``SPILL``,
+        else ``$COMP``), parsed only when a model compensates with it (a broken keyword
+        then fails only the models that need it).
     """
 
     points: NDArray[np.float64]
     names: list[str]
     alt_names: list[str]
     source: str
+    spillover: str | None = None
 
 
 def _suffix(name: str) -> str:
@@ -78,7 +83,9 @@ def _read_fcs(data: bytes, source: str) -> Sample:
     if arr.ndim != 2 or arr.shape[1] != len(pnn):
         raise DataError(f"{source}: FCS data do not match its {len(pnn)} channel(s)")
     names = [s if s else n for s, n in zip(pns, pnn, strict=True)]
-    return Sample(arr, names, pnn, source)
+    # flowio gives the keywords lower case, without their "$".
+    spill = next((fd.text[k] for k in ("spillover", "spill", "comp") if fd.text.get(k)), None)
+    return Sample(arr, names, pnn, source, spill)
 
 
 def _read_text(data: bytes, source: str, delimiter: str | None) -> Sample:

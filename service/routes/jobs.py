@@ -60,7 +60,7 @@ async def submit(request: Request, svc: ServicesDep) -> Response:
     if not name:
         raise Problem(422, "the 'model' query parameter is required", slug="invalid-request")
     entry = lookup(svc.registry, name, qp.get("version"))
-    options = PredictOptions.parse(entry, qp.get("quantiles"), qp.get("exceed"), qp.get("interval"))
+    options = PredictOptions.parse(entry, qp)
     accepted_content_type(request)
     body = await read_limited(request, svc.settings.max_body_bytes)
 

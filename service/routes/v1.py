@@ -7,6 +7,7 @@ as the caller asked (JSON, CSV or NPY; :mod:`..encoders`).
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -127,6 +128,40 @@ _PREDICT_DOC: dict[str, Any] = {
                 "prediction carries `domain` {score, out_of_range, nearest} whatever is asked."
             ),
         },
+        {
+            "name": "compensated",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "boolean", "default": False},
+            "description": (
+                "For models that compensate (see the model's preprocessing): `true` "
+                "declares the cells compensated already, so the model's compensation is "
+                "skipped (recorded in the audit trail). Without it, a model that uses each "
+                "file's own spillover matrix needs FCS uploads."
+            ),
+        },
+        {
+            "name": "cells",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "boolean", "default": True},
+            "description": (
+                "Per-cell models: `false` leaves out the label of every cell; the "
+                "`population` summary (count, percent and mean probability per class) "
+                "stays (CSV: one row per bag and class; NPY: counts, bags x classes)."
+            ),
+        },
+        {
+            "name": "probabilities",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "boolean", "default": False},
+            "description": (
+                "Per-cell classifiers: every cell's calibrated class probabilities (JSON: "
+                "`probabilities` {classes, cells}; CSV: columns p_<class>; NPY: cells x "
+                "classes). Column order of CSV and NPY: the `Bagserve-Classes` header."
+            ),
+        },
     ],
 }
 _IDEMPOTENCY = {
@@ -206,7 +241,7 @@ async def _predict(
     accepted_content_type(request)
     qp = request.query_params
     # Bad query parameters are refused before the body is read.
-    options = PredictOptions.parse(entry, qp.get("quantiles"), qp.get("exceed"), qp.get("interval"))
+    options = PredictOptions.parse(entry, qp)
     t0 = time.perf_counter()
     body, lent = await read_body(request, svc.settings.max_body_bytes, svc.pool.buffers)
     read = {"read": time.perf_counter() - t0}
@@ -230,6 +265,7 @@ async def _predict(
             fmt,
             outcome.provenance(caller.request_id),
             entry.info,
+            cells=options.cells,
         )
         timings = {**outcome.timings, "encode": time.perf_counter() - t1}
         svc.metrics.observe_stages({"encode": timings["encode"]})
@@ -240,6 +276,10 @@ async def _predict(
             for stage in ("read", "parse", "validate", "queue", "transfer", "compute", "encode")
             if stage in timings
         )
+        classes = getattr(outcome.result, "classes", None)
+        if fmt != "application/json" and classes is not None:
+            # The column order of CSV probability columns and NPY tables.
+            headers["Bagserve-Classes"] = json.dumps([str(c) for c in classes.tolist()])
         warning = outcome.warning_header()
         if warning is not None:
             headers["Warning"] = warning

@@ -17,7 +17,12 @@ from typing import Any
 
 import numpy as np
 import orjson
-from bagserve.core.runtime import ClassificationPrediction, ModelKind, Prediction
+from bagserve.core.runtime import (
+    CellPrediction,
+    ClassificationPrediction,
+    ModelKind,
+    Prediction,
+)
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
@@ -91,14 +96,28 @@ _OUTPUTS: dict[ModelKind, list[dict[str, Any]]] = {
         # With ``interval``: True where the class (a column) is in the bag's set.
         {"name": "prediction_set", "datatype": "BOOL", "shape": [-1, -1]},
     ],
-    ModelKind.CELL: [{"name": "labels", "datatype": "BYTES", "shape": [-1]}, *_DOMAIN_OUTPUTS],
+    ModelKind.CELL: [
+        {"name": "labels", "datatype": "BYTES", "shape": [-1]},
+        # Classifiers: cells per (bag, class) and the classes' mean probabilities; with
+        # the request parameter ``probabilities``: every cell's, columns as the classes.
+        {"name": "population_counts", "datatype": "INT64", "shape": [-1, -1]},
+        {"name": "population_mean_probability", "datatype": "FP64", "shape": [-1, -1]},
+        {"name": "cell_probabilities", "datatype": "FP64", "shape": [-1, -1]},
+        *_DOMAIN_OUTPUTS,
+    ],
 }
 
 
 def _produced(result: Prediction) -> dict[str, np.ndarray]:
     """The output tensors of a typed result, by name (see :data:`_OUTPUTS`)."""
-    if result.kind is ModelKind.CELL:
+    if isinstance(result, CellPrediction):
         out = {"labels": result.estimate}
+        optional = {
+            "population_counts": result.counts,
+            "population_mean_probability": result.mean_probabilities,
+            "cell_probabilities": result.probabilities,
+        }
+        out.update({k: v for k, v in optional.items() if v is not None})
     elif isinstance(result, ClassificationPrediction):
         out = {"prediction": result.labels, "scores": result.scores}
         if result.probabilities is not None:
@@ -116,11 +135,16 @@ def _produced(result: Prediction) -> dict[str, np.ndarray]:
 
 def _trust(outcome: Outcome, entry: ModelEntry) -> dict[str, Any]:
     """The domain report of every bag, as request-level parameters (the tensors carry
-    scores and flags; names of the nearest training bags only fit here)."""
+    scores and flags; names of the nearest training bags only fit here), and the
+    classes that name the columns of the per-class tensors."""
+    out: dict[str, Any] = {}
+    classes = getattr(outcome.result, "classes", None)
+    if classes is not None:
+        out["classes"] = [str(c) for c in classes.tolist()]
     domain = outcome.result.domain
-    if domain is None:
-        return {}
-    return {"domain": [entry.info.domain_of(domain, i) for i in range(outcome.result.n_bags)]}
+    if domain is not None:
+        out["domain"] = [entry.info.domain_of(domain, i) for i in range(outcome.result.n_bags)]
+    return out
 
 
 def _metadata(svc: ServicesDep, entry: ModelEntry) -> dict[str, Any]:
@@ -259,8 +283,10 @@ def _options(doc: dict[str, Any], entry: ModelEntry) -> PredictOptions:
             f"unknown output(s) {sorted(unknown)}; available: {sorted(available)}",
             slug="invalid-request",
         )
-    interval = (doc.get("parameters") or {}).get("interval")
-    return PredictOptions.parse(entry, None, None, None if interval is None else str(interval))
+    params = doc.get("parameters") or {}
+    return PredictOptions.parse(
+        entry, {k: params.get(k) for k in ("interval", "compensated", "cells", "probabilities")}
+    )
 
 
 def _bags(doc: dict[str, Any], tensors: dict[str, np.ndarray]) -> list[IncomingBag]:
