@@ -6,13 +6,16 @@
 # settings are BAGSERVE_* variables (service/settings.py, the package bagserve.service).
 
 FROM python:3.11-slim AS build
+# Optional input formats served by the image (Parquet, AnnData .h5ad); an empty
+# EXTRAS builds the smaller image without them (--build-arg EXTRAS=).
+ARG EXTRAS=parquet,anndata
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY core ./core
 COPY service ./service
 COPY bagserve ./bagserve
 RUN python -m pip install --no-cache-dir --upgrade pip \
- && python -m pip wheel --no-cache-dir --wheel-dir /wheels .
+ && python -m pip wheel --no-cache-dir --wheel-dir /wheels ".${EXTRAS:+[$EXTRAS]}"
 
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 \

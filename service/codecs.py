@@ -11,6 +11,9 @@ Accepted bodies (``Content-Type``):
   parameter (comma-separated), or columns in the model's panel order;
 * ``text/csv`` / ``text/tab-separated-values``: one bag with a header row of markers;
 * ``application/vnd.isac.fcs`` (or ``application/octet-stream`` holding FCS): one bag;
+* ``application/vnd.apache.parquet`` (numeric columns are markers) and
+  ``application/x-hdf5`` (an AnnData ``.h5ad`` file): one bag each, with the optional
+  extras ``bagserve[parquet]`` / ``bagserve[anndata]`` installed;
 * ``multipart/form-data``: several files of the above kinds, one bag each (the file
   name is the bag id and tells the format).
 """
@@ -36,8 +39,18 @@ CSV = "text/csv"
 TSV = "text/tab-separated-values"
 FCS = "application/vnd.isac.fcs"
 OCTET = "application/octet-stream"
+PARQUET = "application/vnd.apache.parquet"
+HDF5 = "application/x-hdf5"
 MULTIPART = "multipart/form-data"
-ACCEPTED = (JSON, NPY, CSV, TSV, FCS, OCTET, MULTIPART)
+ACCEPTED = (JSON, NPY, CSV, TSV, FCS, PARQUET, HDF5, OCTET, MULTIPART)
+#: File kinds by name suffix (multipart parts) and by magic bytes (octet-stream).
+FILE_KINDS = ("fcs", "csv", "tsv", "npy", "parquet", "pq", "h5ad")
+MAGIC = (
+    (b"FCS", "fcs"),
+    (b"\x93NUMPY", "npy"),
+    (b"PAR1", "parquet"),
+    (b"\x89HDF\r\n\x1a\n", "h5ad"),
+)
 BAG_KEYS = {"id", "points", "markers", "weights"}
 
 
@@ -213,7 +226,8 @@ def _general_json_bags(body: bytes | memoryview) -> tuple[list[IncomingBag], lis
 def decode_file(
     data: bytes | memoryview, name: str, kind: str | None, markers: list[str] | None
 ) -> IncomingBag:
-    """One bag from a file's bytes (``kind``: fcs, csv, tsv, npy, or None to infer)."""
+    """One bag from a file's bytes (``kind``: one of :data:`FILE_KINDS`, or None to
+    infer it)."""
     try:
         sample = read_sample(data, format=kind, name=name, markers=markers)
     except DataError as exc:
@@ -241,12 +255,17 @@ def decode_body(
         return [decode_file(body, name, "csv", None)], []
     if content_type == TSV:
         return [decode_file(body, name, "tsv", None)], []
+    if content_type == PARQUET:
+        return [decode_file(body, name, "parquet", None)], []
+    if content_type == HDF5:
+        return [decode_file(body, name, "h5ad", None)], []
     if content_type in (FCS, OCTET):
-        kind = "fcs" if body[:3] == b"FCS" else ("npy" if body[:6] == b"\x93NUMPY" else None)
+        head = bytes(body[:8])
+        kind = next((k for magic, k in MAGIC if head.startswith(magic)), None)
         if kind is None:
             raise Problem(
                 415,
-                "application/octet-stream bodies must be FCS or NPY files",
+                "application/octet-stream bodies must be FCS, NPY, Parquet or AnnData files",
                 slug="unsupported-media-type",
             )
         return [decode_file(body, name, kind, markers)], []

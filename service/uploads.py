@@ -16,7 +16,17 @@ from fastapi import Request
 from starlette.datastructures import Headers
 from starlette.formparsers import MultiPartException, MultiPartParser
 
-from .codecs import ACCEPTED, JSON, MULTIPART, NPY, OCTET, IncomingBag, decode_body, decode_file
+from .codecs import (
+    ACCEPTED,
+    FILE_KINDS,
+    JSON,
+    MULTIPART,
+    NPY,
+    OCTET,
+    IncomingBag,
+    decode_body,
+    decode_file,
+)
 from .codecs import media_type as media_type_of
 from .errors import Problem
 from .wire import MEMFD_MIN_BYTES, BufferPool, SharedBuffer
@@ -133,7 +143,7 @@ async def decode_bags(
             continue
         name = value.filename or f"{part}-{i}"
         suffix = name.lower().removesuffix(".gz").rsplit(".", 1)[-1]
-        kind = suffix if suffix in ("fcs", "csv", "tsv", "npy") else None
+        kind = suffix if suffix in FILE_KINDS else None
         try:
             bags.append(decode_file(await value.read(), name, kind, markers))
         except Problem as exc:

@@ -107,9 +107,9 @@ def test_bad_npy_and_unknown_types(tmp_path):
     np.save(tmp_path / "v.npy", np.zeros(4))
     with pytest.raises(DataError, match="2-D numeric array"):
         read_sample(tmp_path / "v.npy")
-    (tmp_path / "x.parquet").write_bytes(b"PAR1")
-    with pytest.raises(DataError, match="unsupported file type"):
-        read_sample(tmp_path / "x.parquet")
+    (tmp_path / "x.xlsx").write_bytes(b"PK\x03\x04")
+    with pytest.raises(DataError, match=r"unsupported file type '\.xlsx'"):
+        read_sample(tmp_path / "x.xlsx")
     with pytest.raises(DataError, match="cannot read"):
         read_sample(tmp_path / "nope.csv")
 
@@ -181,3 +181,82 @@ def test_preprocessing_transforms_scales_and_subsamples():
     np.testing.assert_allclose(log.points, np.log10(np.maximum(bags.points, 1.0)))
     with pytest.raises(ValueError, match="not fitted"):
         Preprocessing(scale="standard").apply(bags, ["a", "b"])
+
+
+# ----------------------------------------------------------------- Parquet and AnnData
+def _parquet_bytes(columns: dict) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table(columns), buf)
+    return buf.getvalue()
+
+
+def test_parquet_bags_keep_numeric_columns_by_name(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 3))
+    data = _parquet_bytes(
+        {
+            "sample_id": ["p1"] * 300,  # text beside the measurements: skipped
+            "CD4-PE": x[:, 0],
+            "CD8": x[:, 1].astype(np.float32),
+            "events": np.arange(300, dtype=np.int64),
+            "cd3": x[:, 2],
+        }
+    )
+    path = tmp_path / "patient.parquet"
+    path.write_bytes(data)
+    for sample in (read_sample(path), read_sample(data), read_sample(memoryview(data))):
+        assert sample.names == ["CD4-PE", "CD8", "events", "cd3"]
+        np.testing.assert_array_equal(sample.points[:, 0], x[:, 0])
+        np.testing.assert_array_equal(sample.points[:, 1], x[:, 1].astype(np.float32))
+        np.testing.assert_array_equal(sample.points[:, 2], np.arange(300.0))
+    # The panel matches as for every other format (case and punctuation ignored).
+    picked = Panel(("CD3", "CD4 PE")).select(read_sample(path))
+    np.testing.assert_array_equal(picked, x[:, [2, 0]])
+
+
+def test_parquet_problems_name_the_file_and_column(tmp_path):
+    nulls = tmp_path / "nulls.pq"
+    nulls.write_bytes(_parquet_bytes({"CD4": [1.0, None, 3.0], "CD8": [1.0, 2.0, 3.0]}))
+    with pytest.raises(
+        DataError, match=r"nulls.pq: column 'CD4' has 1 missing value\(s\), first at row 2"
+    ):
+        read_sample(nulls)
+    text = tmp_path / "text.parquet"
+    text.write_bytes(_parquet_bytes({"gate": ["a", "b"]}))
+    with pytest.raises(DataError, match=r"text.parquet: no numeric column among \['gate'\]"):
+        read_sample(text)
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1" + b"\0" * 40 + b"PAR1")
+    with pytest.raises(DataError, match=r"broken\.parquet: unreadable Parquet file"):
+        read_sample(broken)
+    inf = tmp_path / "inf.parquet"
+    inf.write_bytes(_parquet_bytes({"CD4": [1.0, np.inf]}))
+    with pytest.raises(DataError, match=r"inf.parquet: 1 non-finite value\(s\), first at cell 2"):
+        read_sample(inf)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_h5ad_bags_read_x_and_var_names(tmp_path, sparse):
+    import anndata
+    import pandas as pd
+    import scipy.sparse
+
+    rng = np.random.default_rng(1)
+    x = rng.gamma(2.0, 100.0, size=(200, 3)) * (rng.random((200, 3)) < 0.7)
+    var = pd.DataFrame({"channel": ["FL1-A", "FL2-A", "FL3-A"]}, index=["CD4", "CD8", "CD3"])
+    adata = anndata.AnnData(X=scipy.sparse.csr_matrix(x) if sparse else x, var=var)
+    path = tmp_path / "cells.h5ad"
+    adata.write_h5ad(path)
+    for sample in (read_sample(path), read_sample(path.read_bytes())):
+        assert sample.names == ["CD4", "CD8", "CD3"]
+        assert sample.alt_names == ["FL1-A", "FL2-A", "FL3-A"]
+        np.testing.assert_array_equal(sample.points, x)
+    # Either name matches a panel marker.
+    np.testing.assert_array_equal(Panel(("FL3-A", "CD4")).select(read_sample(path)), x[:, [2, 0]])
+    broken = tmp_path / "broken.h5ad"
+    broken.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 64)
+    with pytest.raises(DataError, match=r"broken\.h5ad: unreadable AnnData file"):
+        read_sample(broken)

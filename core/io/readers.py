@@ -2,8 +2,10 @@
 
 :func:`read_sample` reads FCS 2.0/3.0/3.1 through ``flowio`` (names from ``$PnS`` when
 set, else ``$PnN``; both are kept for matching), CSV/TSV/TXT with a header row
-(optionally gzip-compressed), and NPY (a 2-D numeric array, names given separately).
-The format comes from the file name or, for raw bytes, from the content's magic.
+(optionally gzip-compressed), NPY (a 2-D numeric array, names given separately),
+Apache Parquet (pyarrow, the ``parquet`` extra) and AnnData ``.h5ad`` (anndata, the
+``anndata`` extra). The format comes from the file name or, for raw bytes, from the
+content's magic.
 
 Every reading problem raises :class:`~core.errors.DataError` naming the file, and the
 row or column when there is one.
@@ -18,6 +20,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -27,7 +30,24 @@ from ..hashing import bytes_sha256
 
 __all__ = ["SUPPORTED_SUFFIXES", "Sample", "read_file", "read_sample"]
 
-SUPPORTED_SUFFIXES = (".fcs", ".csv", ".tsv", ".txt", ".npy", ".csv.gz", ".tsv.gz", ".txt.gz")
+SUPPORTED_SUFFIXES = (
+    ".fcs",
+    ".csv",
+    ".tsv",
+    ".txt",
+    ".npy",
+    ".csv.gz",
+    ".tsv.gz",
+    ".txt.gz",
+    ".parquet",
+    ".pq",
+    ".h5ad",
+)
+PARQUET_MAGIC = b"PAR1"
+HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+#: Columns of an AnnData ``var`` table that hold a second name per marker (the
+#: instrument's channel, as FCS-to-AnnData converters keep it), first found wins.
+ANNDATA_ALT_COLUMNS = ("channel", "pnn", "marker", "antigen")
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,76 @@ def _read_fcs(data: bytes, source: str) -> Sample:
     # flowio gives the keywords lower case, without their "$".
     spill = next((fd.text[k] for k in ("spillover", "spill", "comp") if fd.text.get(k)), None)
     return Sample(arr, names, pnn, source, spill)
+
+
+def _extra(module: str, extra: str, source: str) -> Any:
+    """An optional dependency, or a DataError saying which extra installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(
+            f"{source}: reading this format needs {module.split('.')[0]}: "
+            f"pip install 'bagserve[{extra}]'"
+        ) from None
+
+
+def _read_parquet(data: bytes | memoryview, source: str) -> Sample:
+    """A Parquet table: its numeric columns are the markers.
+
+    Lab exports often carry text columns beside the measurements (a sample id, a gate
+    name); those are skipped, as a CSV reader cannot, and the panel then picks its
+    markers by name. A null in a numeric column is an error naming it.
+    """
+    pq = _extra("pyarrow.parquet", "parquet", source)
+    pa = _extra("pyarrow", "parquet", source)
+    try:
+        table = pq.read_table(pa.BufferReader(data))
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for broken files
+        raise DataError(f"{source}: unreadable Parquet file ({type(exc).__name__}: {exc})") from exc
+    numeric = [
+        f.name for f in table.schema if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
+    ]
+    if not numeric:
+        raise DataError(
+            f"{source}: no numeric column among {table.schema.names} (markers must be numbers)"
+        )
+    columns = []
+    for name in numeric:
+        col = table.column(name)
+        if col.null_count:
+            first = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+            raise DataError(
+                f"{source}: column {name!r} has {col.null_count} missing value(s), "
+                f"first at row {first + 1}"
+            )
+        columns.append(col.to_numpy().astype(np.float64, copy=False))
+    points = np.column_stack(columns) if columns[0].size else np.empty((0, len(numeric)))
+    return Sample(np.ascontiguousarray(points), numeric, list(numeric), source)
+
+
+def _read_h5ad(data: bytes | memoryview, source: str) -> Sample:
+    """An AnnData file: cells are ``obs``, markers ``var`` (names: ``var_names``)."""
+    anndata = _extra("anndata", "anndata", source)
+    try:
+        adata = anndata.read_h5ad(io.BytesIO(bytes(data)))
+    except Exception as exc:  # h5py and anndata raise many types for broken files
+        raise DataError(f"{source}: unreadable AnnData file ({type(exc).__name__}: {exc})") from exc
+    x = adata.X
+    if x is None:
+        raise DataError(f"{source}: the AnnData file has no X matrix")
+    if hasattr(x, "toarray"):  # scipy sparse
+        x = x.toarray()
+    points = np.asarray(x)
+    if points.ndim != 2 or not np.issubdtype(points.dtype, np.number):
+        raise DataError(f"{source}: X must be a numeric cells x markers matrix, got {points.dtype}")
+    names = [str(v) for v in adata.var_names]
+    alt = next(
+        ([str(v) for v in adata.var[c]] for c in ANNDATA_ALT_COLUMNS if c in adata.var),
+        names,
+    )
+    return Sample(np.ascontiguousarray(points, dtype=np.float64), names, alt, source)
 
 
 def _read_text(data: bytes, source: str, delimiter: str | None) -> Sample:
@@ -196,9 +286,10 @@ def read_sample(
     ----------
     source : path, bytes or memoryview
         A file, or its contents (an NPY memoryview is read without a copy).
-    format : {"fcs", "csv", "tsv", "npy"}, optional
+    format : {"fcs", "csv", "tsv", "npy", "parquet", "h5ad"}, optional
         Default: from the file name (``.fcs``, ``.csv[.gz]``, ``.tsv[.gz]``,
-        ``.txt[.gz]``, ``.npy``).
+        ``.txt[.gz]``, ``.npy``, ``.parquet`` / ``.pq``, ``.h5ad``), else from the
+        content's magic bytes.
     name : str, optional
         Name used in error messages (default: the path).
     markers : sequence of str, optional
@@ -233,6 +324,10 @@ def read_sample(
         sample = _read_fcs(bytes(data), label)
     elif suffix == ".npy" or (not suffix and data[:6] == b"\x93NUMPY"):
         sample = _read_npy(data, label, markers)
+    elif suffix in (".parquet", ".pq") or (not suffix and bytes(data[:4]) == PARQUET_MAGIC):
+        sample = _read_parquet(data, label)
+    elif suffix == ".h5ad" or (not suffix and bytes(data[:8]) == HDF5_MAGIC):
+        sample = _read_h5ad(data, label)
     elif suffix in (".csv", ".tsv", ".txt", ""):
         sample = _read_text(bytes(data), label, "\t" if suffix == ".tsv" else None)
     else:

@@ -37,7 +37,8 @@ _PREDICT_DOC: dict[str, Any] = {
         "required": True,
         "description": (
             "One bag or many. JSON (`bags`: id, points, optional markers and weights), "
-            "or one file as the body (NPY with `?markers=`, CSV/TSV with a header, FCS), "
+            "or one file as the body (NPY with `?markers=`, CSV/TSV with a header, FCS, "
+            "Parquet or AnnData .h5ad with the optional extras), "
             "or multipart/form-data with several files (one bag each)."
         ),
         "content": {
@@ -73,6 +74,8 @@ _PREDICT_DOC: dict[str, Any] = {
             },
             "application/x-npy": {"schema": {"type": "string", "format": "binary"}},
             "application/vnd.isac.fcs": {"schema": {"type": "string", "format": "binary"}},
+            "application/vnd.apache.parquet": {"schema": {"type": "string", "format": "binary"}},
+            "application/x-hdf5": {"schema": {"type": "string", "format": "binary"}},
             "multipart/form-data": {
                 "schema": {
                     "type": "object",
