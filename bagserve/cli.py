@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from . import __version__
+
 __all__ = ["main"]
 
 
@@ -115,6 +117,11 @@ def _remote_predict(args: argparse.Namespace) -> dict[str, Any]:
                 params={"compensated": "true"} if args.compensated else None,
             )
     except BagserveError as exc:
+        if exc.status == 404:
+            # Say what is missing, and what the service has instead.
+            raise ValueError(
+                f"unknown model {args.model!r} at {args.url}: {exc.problem.get('detail', exc)}"
+            ) from exc
         raise ValueError(str(exc)) from exc
     results = []
     for f, p in zip(args.files, answer["predictions"], strict=True):
@@ -246,6 +253,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        # The app routes uvicorn's loggers to its own handler (JSON when asked);
+        # uvicorn's default configuration would put plain-text lines beside them.
+        log_config=None,
         access_log=False,
         timeout_graceful_shutdown=10,
     )
@@ -272,6 +282,7 @@ def _cmd_openapi(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bagserve", description="Learning on bags of points.")
+    p.add_argument("--version", action="version", version=f"bagserve {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model from a TOML configuration")

@@ -38,6 +38,7 @@ from .calibration import probabilities as calibrated_probabilities
 from .domain import DomainReport
 from .estimators import ConditionalMeanEmbedding
 from .estimators.transfer import _MarginalTransfer
+from .fhir_coding import OutputCoding
 from .io import Panel, Preprocessing, Sample
 
 __all__ = [
@@ -385,6 +386,14 @@ class ArtifactInfo:
         spec = self.metadata.get("preprocessing")
         return Preprocessing.from_json(spec) if spec else Preprocessing()
 
+    @cached_property
+    def output_coding(self) -> OutputCoding:
+        """How the output is coded in FHIR answers: the training configuration's
+        ``[fhir]`` table, or bagserve's own code system (:mod:`core.fhir_coding`)."""
+        meta = self.metadata
+        name = str(meta.get("name") or self.path.parent.name)
+        return OutputCoding.from_json(meta.get("fhir"), name, meta.get("description"))
+
     @property
     def markers(self) -> list[str]:
         """Marker names in the model's column order (empty without a panel)."""
@@ -476,6 +485,19 @@ class ArtifactInfo:
                 "train`, or before it calibrated): retrain it with `bagserve train`"
             )
         return None
+
+    def card(self) -> str:
+        """The model card (Markdown, :func:`core.card.render_card`) with provenance."""
+        from .card import render_card
+
+        return render_card(
+            self.metadata,
+            estimator=self.estimator,
+            kind=str(self.kind),
+            created=self.manifest.get("created"),
+            sha256=self.sha256,
+            libraries=self.manifest.get("libraries"),
+        )
 
     def describe(self) -> dict[str, Any]:
         """A JSON summary: estimator, kind, panel, preprocessing, metrics, hashes."""

@@ -2,7 +2,8 @@
 
 A configuration (see ``examples/``) has these tables; paths are relative to the file::
 
-    [model]          name, version, output (directory of models; default "models")
+    [model]          name, version, output (directory of models; default "models"),
+                     description, intended_use, limitations (the model card, card.md)
     [data]           files (glob or list), labels (CSV table) + file_column + label_column
                      for one label per bag, or cell_label_column / cell_label_files for
                      one label per cell; n_jobs (parallel reading)
@@ -19,6 +20,9 @@ A configuration (see ``examples/``) has these tables; paths are relative to the 
     [cv]             n_splits (default 5), repeats (default 1), seed
     [compute]        streaming (read bags a few at a time), scheduler (a Dask scheduler
                      address); see :mod:`core.streaming`
+    [fhir]           optional: the code system, code, unit, class codings and reference
+                     range of the model's output in FHIR answers; see
+                     :mod:`core.fhir_coding`
 
 Training reads the data, fits the preprocessing on the training cells, runs the
 cross-validation (leave-bags-out for one label per bag, leave-tasks-out for one label
@@ -93,6 +97,7 @@ from . import report
 from .artifacts import save
 from .bags import Bags
 from .calibration import fit_temperature
+from .card import render_card
 from .errors import ConfigError, CoreError, DataError
 from .estimators import (
     ConditionalMeanEmbedding,
@@ -101,6 +106,7 @@ from .estimators import (
     MarginalTransferClassifier,
     MarginalTransferRegressor,
 )
+from .fhir_coding import OutputCoding
 from .hashing import file_sha256
 from .io import (
     Compensation,
@@ -173,7 +179,17 @@ def load_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML ({exc})") from exc
-    known = {"model", "data", "panel", "preprocessing", "estimator", "search", "cv", "compute"}
+    known = {
+        "model",
+        "data",
+        "panel",
+        "preprocessing",
+        "estimator",
+        "search",
+        "cv",
+        "compute",
+        "fhir",
+    }
     unknown = set(config) - known
     if unknown:
         raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; expected {sorted(known)}")
@@ -963,6 +979,7 @@ def train(
             Preprocessing(**pre_spec).column_specs(config["panel"]["markers"])
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"[preprocessing] {exc}") from exc
+    _output_coding(config)
     grid, widen = _search_table(config)
     candidates = _candidates(estimator, list(ParameterGrid(grid)) or [{}])
     # Bars inside the estimators' own searches too (core.progress), unless quiet.
@@ -977,6 +994,18 @@ def train(
             )
     _warn_edges(fitted.edges)
     return _save(fitted, config, out_dir / name / version, name, version, overwrite)
+
+
+def _output_coding(config: Mapping[str, Any], classes: Any = None) -> dict[str, Any] | None:
+    """The checked ``[fhir]`` table as stored in the manifest, or None without one.
+
+    Checked before training (keys, URIs, codes, units) and again with the model's
+    ``classes`` once fitted: the class labels are known only then (``[data] label_map``
+    leaves unlisted labels as they are)."""
+    spec = config.get("fhir")
+    if spec is None:
+        return None
+    return OutputCoding.from_config(spec, classes=classes).to_json()
 
 
 class _InMemorySearch:
@@ -1295,24 +1324,31 @@ def _save(
         files.update(report.residual_plot(tables))
     files["report/metrics.json"] = json.dumps(metrics, indent=2, default=str).encode()
     files["report/report.html"] = report.html(name, version, metrics, tables, files).encode()
-    saved = save(
-        fitted.final,
-        path,
-        overwrite=overwrite,
-        extra_files=files,
-        name=name,
-        version=version,
-        panel=fitted.panel.to_json(),
-        preprocessing=fitted.preprocessing.to_json(),
-        training_data_sha256=fitted.sha256,
-        training_files=[Path(f).name for f in fitted.files],
-        training_bags=fitted.training_bags,
-        grid_edges=fitted.edges,
-        label_level=fitted.level,
-        probability_calibration=fitted.calibration,
-        metrics=json.loads(json.dumps(metrics["cv"], default=str)),
-        config={k: v for k, v in config.items() if not k.startswith("_")},
-    )
+    model_cfg = config.get("model", {})
+    metadata = {
+        "name": name,
+        "version": version,
+        "description": model_cfg.get("description"),
+        "panel": fitted.panel.to_json(),
+        "preprocessing": fitted.preprocessing.to_json(),
+        "training_data_sha256": fitted.sha256,
+        "training_files": [Path(f).name for f in fitted.files],
+        "training_bags": fitted.training_bags,
+        "grid_edges": fitted.edges,
+        "label_level": fitted.level,
+        "probability_calibration": fitted.calibration,
+        "fhir": _output_coding(config, getattr(fitted.final, "classes_", None)),
+        "metrics": json.loads(json.dumps(metrics["cv"], default=str)),
+        "config": {k: v for k, v in config.items() if not k.startswith("_")},
+    }
+    from .runtime import kind_of
+
+    # The card is part of the artifact (hashed with it); created and the manifest's
+    # sha256 are added where it is served (ArtifactInfo.card).
+    files["card.md"] = render_card(
+        metadata, estimator=type(fitted.final).__name__, kind=str(kind_of(type(fitted.final)))
+    ).encode()
+    saved = save(fitted.final, path, overwrite=overwrite, extra_files=files, **metadata)
     return TrainingResult(saved, metrics)
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import re
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -26,10 +30,13 @@ from .job_runner import JobRunner
 from .jobs import JobStore
 from .logs import configure_logging
 from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .model_stats import ModelStats
+from .openapi_doc import install_openapi
 from .pool import WorkerPool
 from .prediction import Predictor
 from .registry import Registry
-from .routes import health, jobs, v1, v2
+from .repository import Repository
+from .routes import health, jobs, repository, ui, v1, v2
 from .security import ApiKeys
 from .settings import Settings
 
@@ -47,8 +54,12 @@ class RequestContext:
     about as much time again as uvicorn takes to receive it.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    #: Paths of probes and scrapes: counted, but not logged unless ``log_probes``.
+    PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
+
+    def __init__(self, app: ASGIApp, log_probes: bool = False) -> None:
         self.app = app
+        self.log_probes = log_probes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -86,17 +97,26 @@ class RequestContext:
                 model if route is not None else "",
                 str(status),
             ).inc()
-            log.info(
-                "request",
-                extra={
-                    "request_id": request_id,
-                    "method": scope["method"],
-                    "path": scope["path"],
-                    "status": status,
-                    "seconds": round(time.perf_counter() - t0, 6),
-                    "api_key_id": state.get("key_id"),
-                },
-            )
+            if self.log_probes or scope["path"] not in self.PROBES:
+                log.info(
+                    "request",
+                    extra={
+                        "request_id": request_id,
+                        "method": scope["method"],
+                        "path": scope["path"],
+                        "status": status,
+                        "seconds": round(time.perf_counter() - t0, 6),
+                        "api_key_id": state.get("key_id"),
+                    },
+                )
+
+
+async def _reload_quietly(repository: Repository) -> None:
+    """A reload asked for by a signal: its outcome goes to the log (nobody waits)."""
+    try:
+        await repository.load()
+    except Exception:
+        log.exception("reload on SIGHUP failed; the models served before are still served")
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -117,7 +137,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         data = Path(settings.data_dir)
         audit = AuditLog(settings.audit_log or data / "audit.jsonl")
-        predictor = Predictor(settings, pool, app_metrics, audit)
+        stats = ModelStats()
+        predictor = Predictor(settings, pool, app_metrics, audit, stats)
         store = JobStore(data / "jobs", settings.jobs_ttl)
         svc = Services(
             settings=settings,
@@ -129,11 +150,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             audit=audit,
             idempotency=IdempotencyStore(data / "idempotency", settings.idempotency_ttl),
             jobs=store,
+            repository=Repository(registry, pool),
+            stats=stats,
         )
         await pool.start()
         recovered = store.recover()
         store.start(JobRunner(store, registry, predictor), concurrency=settings.workers)
         app.state.services = svc
+        # SIGHUP: reload the models directory, as daemons reload their configuration.
+        loop = asyncio.get_running_loop()
+        reloads: set[asyncio.Task[Any]] = set()
+
+        def on_hangup() -> None:
+            task = loop.create_task(_reload_quietly(svc.repository))
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not on Windows
+            loop.add_signal_handler(signal.SIGHUP, on_hangup)
         log.info(
             "serving",
             extra={
@@ -145,6 +179,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGHUP)
             app.state.services = None
             await store.stop()
             await pool.stop()
@@ -157,10 +193,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "versioned models. Errors are RFC 9457 problem details."
         ),
         lifespan=lifespan,
+        # Served by routes.ui from vendored assets (no CDN), for air-gapped networks.
+        docs_url=None,
+        redoc_url=None,
     )
     # The request middleware counts requests here, also before and after the lifespan.
     app.state.metrics = app_metrics
     install_handlers(app)
+    install_openapi(app, settings)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -176,7 +216,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ],
         )
 
-    app.add_middleware(RequestContext)
+    app.add_middleware(RequestContext, log_probes=settings.log_probes)
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)
     async def metrics(svc: ServicesDep) -> Response:
@@ -184,8 +224,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         body = svc.metrics.render(svc.pool.status(), len(svc.registry.failures))
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    app.mount("/static", ui.static_files(), name="static")
+    app.include_router(ui.router)
     app.include_router(health.router)
     app.include_router(v1.router)
     app.include_router(jobs.router)
+    # Before v2: /v2/models/stats must not be read as the metadata of a model "stats".
+    app.include_router(repository.router)
     app.include_router(v2.router)
     return app

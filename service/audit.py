@@ -64,6 +64,32 @@ class AuditLog:
             atomic_write_json(head, {"lines": self._count, "last_hash": self._last})
             return record
 
+    def recent(self, limit: int, key_id: str | None = None) -> list[dict[str, Any]]:
+        """The last ``limit`` records, newest first (of API key ``key_id`` only, if
+        given), read from the end of the file without reading all of it."""
+        wanted: list[dict[str, Any]] = []
+        if not self.path.exists():
+            return wanted
+        with open(self.path, "rb") as fh:
+            pos = fh.seek(0, os.SEEK_END)
+            carry = b""
+            while pos > 0 and len(wanted) < limit:
+                start = max(0, pos - (1 << 16))
+                fh.seek(start)
+                lines = (fh.read(pos - start) + carry).split(b"\n")
+                pos = start
+                # The first piece is a line's end unless the file's start was reached.
+                carry = lines.pop(0) if pos > 0 else b""
+                for raw in reversed(lines):
+                    if not raw.strip():
+                        continue
+                    record = json.loads(raw)
+                    if key_id is None or record.get("api_key_id") == key_id:
+                        wanted.append(record)
+                        if len(wanted) == limit:
+                            break
+        return wanted
+
 
 @dataclass
 class VerifyResult:

@@ -55,7 +55,9 @@ def _json_body(
 
     items = []
     for i, b in enumerate(bags):
-        arr = np.asarray(b, dtype=np.float64)
+        # orjson serialises only C-contiguous arrays: a column slice or a transposed
+        # array is copied into that layout (a C-contiguous float64 one is not copied).
+        arr = np.ascontiguousarray(b, dtype=np.float64)
         item: dict[str, Any] = {"id": ids[i] if ids else f"bag-{i}", "points": arr}
         if markers is not None:
             item["markers"] = list(markers)
@@ -84,7 +86,7 @@ def _raise_for(response: httpx.Response) -> dict[str, Any]:
         problem = response.json()
     except ValueError:
         problem = {"detail": response.text}
-    detail = problem.get("detail") or response.reason_phrase
+    detail = problem.get("detail") or problem.get("error") or response.reason_phrase
     errors = problem.get("errors") or []
     message = f"{response.status_code}: {detail}" + (f" ({'; '.join(errors)})" if errors else "")
     raise BagserveError(message, response.status_code, problem)

@@ -12,16 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from .audit import AuditLog
 from .errors import Problem
 from .idempotency import IdempotencyStore
 from .jobs import JobStore
 from .metrics import Metrics
+from .model_stats import ModelStats
 from .pool import WorkerPool
 from .prediction import Caller, Predictor
 from .registry import ModelEntry, Registry
+from .repository import Repository
 from .security import ApiKeys
 from .settings import Settings
 
@@ -54,6 +57,10 @@ class Services:
     audit : AuditLog
     idempotency : IdempotencyStore
     jobs : JobStore
+    repository : Repository
+        Loads, reloads and unloads models while serving.
+    stats : ModelStats
+        Per-model inference counts and times (Triton's statistics).
     """
 
     settings: Settings
@@ -65,6 +72,8 @@ class Services:
     audit: AuditLog
     idempotency: IdempotencyStore
     jobs: JobStore
+    repository: Repository
+    stats: ModelStats
 
 
 async def services(request: Request) -> Services:
@@ -78,7 +87,18 @@ async def services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(services)]
 
 
-async def authenticate(request: Request, svc: ServicesDep) -> str | None:
+#: The two ways of presenting a key, declared for the OpenAPI document (Swagger UI's
+#: Authorize button); the check itself is :meth:`ApiKeys.check`, which reads both.
+_BEARER = HTTPBearer(auto_error=False, description="an API key as a bearer token")
+_API_KEY = APIKeyHeader(name="X-API-Key", auto_error=False, description="an API key")
+
+
+async def authenticate(
+    request: Request,
+    svc: ServicesDep,
+    _bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)] = None,
+    _key: Annotated[str | None, Security(_API_KEY)] = None,
+) -> str | None:
     """Check the API key (401 without a valid one); the key's id goes to the request's
     state, for the access log and the audit trail."""
     key_id = svc.auth.check(request)

@@ -1,4 +1,4 @@
-"""Typed predictions out: the native API's JSON, CSV and NPY answers.
+"""Typed predictions out: the native API's JSON, CSV, NPY and FHIR answers.
 
 One function per answer format, each taking the runtime's typed result
 (:mod:`bagserve.core.runtime`) and the ids and provenance of the request. The shape of
@@ -23,12 +23,13 @@ from bagserve.core.runtime import (
 
 from .codecs import JSON, NPY, media_type, npy_bytes
 from .errors import Problem
+from .fhir import FHIR_JSON, bundle
 
-__all__ = ["CSV_OUT", "FORMATS", "encode", "encode_document", "negotiate"]
+__all__ = ["CSV_OUT", "FHIR_JSON", "FORMATS", "encode", "encode_document", "negotiate"]
 
 CSV_OUT = "text/csv"
 #: What predict can answer, in the order offered.
-FORMATS = (JSON, CSV_OUT, NPY)
+FORMATS = (JSON, CSV_OUT, NPY, FHIR_JSON)
 
 
 def negotiate(accept: str | None) -> str:
@@ -42,6 +43,9 @@ def negotiate(accept: str | None) -> str:
             return CSV_OUT
         if t == NPY:
             return NPY
+        # application/json+fhir is the media type of FHIR before R3; still sent by some.
+        if t in (FHIR_JSON, "application/json+fhir"):
+            return FHIR_JSON
     raise Problem(406, f"cannot answer {accept!r}; available: {', '.join(FORMATS)}")
 
 
@@ -53,6 +57,9 @@ def encode(
     info: ArtifactInfo,
     *,
     cells: bool = True,
+    plots: list[dict[str, Any]] | None = None,
+    coverage: float | None = None,
+    refs: dict[str, str] | None = None,
 ) -> bytes:
     """The answer in ``fmt`` (one of :data:`FORMATS`); ``meta`` heads a JSON answer.
 
@@ -60,13 +67,17 @@ def encode(
     ``cells=False`` leaves out a per-cell model's label of every cell (its population
     summary stays). Per-cell classifiers in NPY: every cell's class probabilities
     when they were asked for, else the population counts per bag with
-    ``cells=False``, else the labels; columns follow the model's classes.
+    ``cells=False``, else the labels; columns follow the model's classes. FHIR
+    (:mod:`.fhir`): ``meta`` is the provenance, ``coverage`` that of the interval asked
+    for, ``refs`` the subject and specimen references.
     """
+    if fmt == FHIR_JSON:
+        return orjson.dumps(bundle(result, ids, meta, info, coverage=coverage, refs=refs))
     if fmt == NPY:
         return npy_bytes(np.asarray(_table(result, cells)))
     if fmt == CSV_OUT:
         return _csv(result, ids, cells)
-    return orjson.dumps(encode_document(result, ids, meta, info, cells=cells))
+    return orjson.dumps(encode_document(result, ids, meta, info, cells=cells, plots=plots))
 
 
 def encode_document(
@@ -76,16 +87,18 @@ def encode_document(
     info: ArtifactInfo,
     *,
     cells: bool = True,
+    plots: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The JSON answer as a document: ``meta`` and one entry per bag under
-    ``predictions`` (stored as such for jobs)."""
-    return {
-        **meta,
-        "predictions": [
-            {**_bag(result, i, bag_id, cells), **_trust(result, i, info)}
-            for i, bag_id in enumerate(ids)
-        ],
-    }
+    ``predictions`` (stored as such for jobs); ``plots``: per bag, cells for a
+    scatter plot (``?plot=N``)."""
+    answers = [
+        {**_bag(result, i, bag_id, cells), **_trust(result, i, info)}
+        for i, bag_id in enumerate(ids)
+    ]
+    for answer, plot in zip(answers, plots or [], strict=False):
+        answer["plot"] = plot
+    return {**meta, "predictions": answers}
 
 
 def _trust(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:

@@ -86,8 +86,15 @@ def problem_response(
     slug: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> Response:
-    """The ``application/problem+json`` response for an error (with the request id)."""
+    """The ``application/problem+json`` response for an error (with the request id).
+
+    Under ``/v2`` (the Open Inference Protocol) the answer is ``application/json`` with
+    the whole message in ``error``, as KServe's and Triton's clients read it; the
+    problem-details fields are kept beside it.
+    """
     request_id = getattr(request.state, "request_id", None) if request is not None else None
+    oip = request is not None and request.url.path.startswith("/v2/")
+    full = detail if not errors else f"{detail}: " + "; ".join(errors)
     body: dict[str, Any] = {
         "type": f"urn:bagserve:problem:{slug or _slug(status)}",
         "title": _TITLES.get(status, "Error"),
@@ -95,13 +102,14 @@ def problem_response(
         "detail": detail,
         "instance": None if request is None else request.url.path,
         "errors": list(errors or []),
-        "error": detail,
+        "error": full if oip else detail,
         "request_id": request_id,
     }
     hdrs = dict(headers or {})
     if request_id:
         hdrs["X-Request-ID"] = request_id
-    return Response(orjson.dumps(body), status_code=status, media_type=PROBLEM_JSON, headers=hdrs)
+    media_type = "application/json" if oip else PROBLEM_JSON
+    return Response(orjson.dumps(body), status_code=status, media_type=media_type, headers=hdrs)
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -65,5 +65,6 @@ class JobRunner:
             outcome.provenance(meta["request_id"]),
             entry.info,
             cells=options.cells,
+            plots=outcome.plots,
         )
         store.finish(job_id, "succeeded", {"status": 200, **document})

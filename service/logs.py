@@ -32,15 +32,28 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+#: Loggers of the server underneath, routed through the same handler: with
+#: ``log_format=json`` every line on stderr is JSON, uvicorn's start-up and shutdown
+#: lines included (its access log stays off: the service logs each request itself).
+SERVER_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.asgi")
+
+
 def configure_logging(fmt: str = "json", level: str = "info") -> None:
-    """Send the ``bagserve`` loggers to stderr, as JSON lines (``fmt='json'``) or text."""
+    """Send the ``bagserve`` and uvicorn loggers to stderr, as JSON lines
+    (``fmt='json'``) or text."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         JsonFormatter()
         if fmt == "json"
         else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
     )
-    root = logging.getLogger("bagserve")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
+    for name in ("bagserve", *SERVER_LOGGERS):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler] if name in ("bagserve", "uvicorn") else []
+        logger.setLevel(level.upper())
+        # uvicorn.error and uvicorn.asgi reach the handler through "uvicorn".
+        logger.propagate = name not in ("bagserve", "uvicorn")
+    access = logging.getLogger("uvicorn.access")
+    access.handlers[:] = []
+    access.propagate = False
+    access.disabled = True

@@ -172,6 +172,9 @@ class WorkerPool:
         self._tasks: set[asyncio.Task[None]] = set()
         self._queued: set[int] = set()
         self._in_use: set[int] = set()
+        #: Workers replaced by :meth:`reload` while computing: stopped once released.
+        self._retired: dict[int, _Worker] = {}
+        self._reloading = asyncio.Lock()
 
     # -- lifecycle
     def _spawn(self, index: int) -> _Worker:
@@ -211,6 +214,9 @@ class WorkerPool:
         """Make a worker available (once, however many paths release it)."""
         assert self._idle is not None
         self._in_use.discard(index)
+        retired = self._retired.pop(index, None)
+        if retired is not None:
+            self._executor.submit(retired.kill)
         if index not in self._queued:
             self._queued.add(index)
             self._idle.put_nowait(index)
@@ -234,6 +240,39 @@ class WorkerPool:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.buffers is not None:
             self.buffers.close()
+
+    async def reload(self, models: dict[str, Path]) -> None:
+        """Serve ``models`` from now on, without a moment of unavailability.
+
+        Each worker in turn is replaced by a new one that has loaded ``models`` (one
+        more process meanwhile); a worker computing a request finishes it and is
+        stopped when released. Requests keep being served by the other workers, and
+        by the old ones until they are replaced.
+
+        Raises
+        ------
+        RuntimeError
+            A new worker did not start (the old ones keep serving what they served).
+        """
+        loop = asyncio.get_running_loop()
+        async with self._reloading:
+            previous = self.models
+            self.models = {k: str(v) for k, v in models.items()}
+            try:
+                for index in sorted(self._workers):
+                    new = await loop.run_in_executor(self._executor, self._spawn, index)
+                    old = self._workers.get(index)
+                    self._workers[index] = new
+                    if old is None:
+                        continue
+                    if index in self._in_use:
+                        self._retired[index] = old
+                    else:
+                        await loop.run_in_executor(self._executor, old.kill)
+            except Exception:
+                self.models = previous
+                raise
+            log.info("workers reloaded", extra={"models": sorted(self.models)})
 
     def _respawn_later(self, index: int) -> None:
         """Replace a dead or killed worker in the background."""

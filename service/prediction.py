@@ -31,6 +31,7 @@ from .audit import AuditLog
 from .codecs import IncomingBag
 from .errors import Problem
 from .metrics import Metrics
+from .model_stats import ModelStats
 from .pool import InputRejected, QueueFull, WorkerLost, WorkerPool, WorkerTimeout
 from .registry import ModelEntry
 from .settings import Settings
@@ -43,6 +44,8 @@ __all__ = ["Caller", "Outcome", "PredictOptions", "Predictor"]
 CANCELLED = 499
 #: At most this many quantile levels or exceedance thresholds per request.
 MAX_DISTRIBUTION_QUERIES = 99
+#: At most this many cells per bag in a ``plot`` sample.
+MAX_PLOT_CELLS = 20_000
 
 Decoder = Callable[[], Awaitable[tuple[list[IncomingBag], list[str]]]]
 
@@ -90,6 +93,9 @@ class PredictOptions:
     probabilities : bool
         Per-cell classifiers: ``?probabilities=true`` adds every cell's class
         probabilities.
+    plot : int
+        Per-cell models: ``?plot=N`` adds up to ``N`` cells per bag (a seeded draw),
+        preprocessed as the model sees them, with their labels, for a scatter plot.
     """
 
     quantiles: tuple[float, ...] = ()
@@ -98,6 +104,7 @@ class PredictOptions:
     compensated: bool = False
     cells: bool = True
     probabilities: bool = False
+    plot: int = 0
 
     @classmethod
     def parse(cls, entry: ModelEntry, params: Mapping[str, Any]) -> PredictOptions:
@@ -117,7 +124,17 @@ class PredictOptions:
                 problems.append(f"{name} must be true or false, got {params[name]!r}")
             else:
                 parsed[name] = flag
-        cell_only = [n for n in ("cells", "probabilities") if n in parsed]
+        if params.get("plot") not in (None, ""):
+            try:
+                parsed["plot"] = int(params["plot"])
+            except (TypeError, ValueError):
+                parsed["plot"] = -1
+            if not 0 <= parsed["plot"] <= MAX_PLOT_CELLS:
+                problems.append(
+                    f"plot must be a number of cells from 0 to {MAX_PLOT_CELLS}, "
+                    f"got {params['plot']!r}"
+                )
+        cell_only = [n for n in ("cells", "probabilities", "plot") if n in parsed]
         if cell_only and entry.kind is not ModelKind.CELL:
             problems.append(f"{entry.key}: {cell_only[0]} applies to per-cell models only")
         if parsed.get("probabilities"):
@@ -162,7 +179,7 @@ class PredictOptions:
         out: dict[str, Any] = {k: list(v) for k, v in asked if v}
         if self.coverage is not None:
             out["coverage"] = self.coverage
-        for name in ("compensated", "cells", "probabilities"):
+        for name in ("compensated", "cells", "probabilities", "plot"):
             if getattr(self, name) != getattr(PredictOptions, name):
                 out[name] = getattr(self, name)
         return out
@@ -213,6 +230,8 @@ class Outcome:
     warnings: list[str]
     input_sha256: str
     timings: dict[str, float] = field(default_factory=dict)
+    #: Per bag, with ``?plot=N``: cells for a scatter plot (see :func:`_plot_samples`).
+    plots: list[dict[str, Any]] | None = None
 
     @property
     def sizes(self) -> list[int]:
@@ -281,15 +300,23 @@ class Predictor:
     metrics : Metrics
     audit : AuditLog or None
         Where each attempt is recorded (``None``: not audited).
+    stats : ModelStats, optional
+        Per-model counts and times (Triton's statistics extension).
     """
 
     def __init__(
-        self, settings: Settings, pool: WorkerPool, metrics: Metrics, audit: AuditLog | None
+        self,
+        settings: Settings,
+        pool: WorkerPool,
+        metrics: Metrics,
+        audit: AuditLog | None,
+        stats: ModelStats | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.metrics = metrics
         self.audit_log = audit
+        self.stats = stats
 
     async def run(
         self,
@@ -352,11 +379,11 @@ class Predictor:
             bags, decode_errors = await decode()
             # Added to what the caller parsed itself before (a /v2 document).
             timings["parse"] = timings.get("parse", 0.0) + time.perf_counter() - t0
-            result, warnings = await self.compute(
+            result, warnings, plots = await self.compute(
                 entry, bags, decode_errors, options, timings, lent, hash_input
             )
             ids = [b.id for b in bags]
-            outcome = Outcome(entry, ids, result, warnings, await input_hash(), timings)
+            outcome = Outcome(entry, ids, result, warnings, await input_hash(), timings, plots)
             status = 200
             return outcome
         except Problem as exc:
@@ -367,6 +394,9 @@ class Predictor:
             raise
         finally:
             self.metrics.observe_stages(timings)
+            if self.stats is not None and status != CANCELLED:
+                n_bags = 0 if outcome is None else len(outcome.ids)
+                self.stats.observe(entry.key, status == 200, timings, n_bags)
             self.record(caller, entry, await input_hash(), status, outcome, options)
 
     async def compute(
@@ -378,11 +408,12 @@ class Predictor:
         timings: dict[str, float],
         lent: SharedBuffer | None = None,
         on_valid: Callable[[], object] | None = None,
-    ) -> tuple[Prediction, list[str]]:
+    ) -> tuple[Prediction, list[str], list[dict[str, Any]] | None]:
         """Validate against the model, run on a worker, map pool failures to problems.
 
         ``on_valid`` is called once the bags are valid, just before they go to the
-        worker. Returns the typed prediction and the warnings for the caller.
+        worker. Returns the typed prediction, the warnings for the caller, and the
+        plot samples (``?plot=N``, else None).
         """
         settings = self.settings
         t0 = time.perf_counter()
@@ -459,7 +490,10 @@ class Predictor:
                         f"bag {bag.id!r}: {n} of {bag.points.shape[0]} cell(s) lie outside the "
                         "model's training range and were clipped into it"
                     )
-        return result, warnings
+        plots = None
+        if options.plot and isinstance(result, CellPrediction):
+            plots = _plot_samples(entry, arrays, result, options.plot)
+        return result, warnings, plots
 
     def _observe_domain(self, entry: ModelEntry, result: Prediction) -> None:
         """Domain scores and out-of-range answers per model, so drift shows on a dashboard."""
@@ -600,3 +634,28 @@ def _validate(
             422, f"{len(errors)} problem(s) in the request", errors=errors, slug="invalid-bags"
         )
     return arrays, weights, warnings
+
+
+def _plot_samples(
+    entry: ModelEntry, arrays: list[np.ndarray], result: CellPrediction, n: int
+) -> list[dict[str, Any]]:
+    """Up to ``n`` cells of each bag (a seeded draw, in cell order), transformed and
+    scaled as the model sees them, with their labels: what a scatter plot needs."""
+    pre = entry.info.preprocessing
+    markers = list(entry.info.markers)
+    rng = np.random.default_rng(0)
+    out = []
+    for i, points in enumerate(arrays):
+        rows = np.arange(points.shape[0])
+        if rows.size > n:
+            rows = np.sort(rng.choice(rows.size, n, replace=False))
+        cells = pre.scale_points(pre.transform_points(points[rows], markers))
+        out.append(
+            {
+                "markers": markers,
+                "cells": rows.tolist(),
+                "points": np.round(cells, 5).tolist(),
+                "labels": result.labels_of(i)[rows].tolist(),
+            }
+        )
+    return out

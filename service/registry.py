@@ -85,13 +85,23 @@ class Registry:
         self.models_dir = Path(models_dir)
         self.entries: dict[str, dict[str, ModelEntry]] = {}
         self.failures: dict[str, str] = {}
-        self._scan()
+        #: Models taken out of service by :meth:`unload` (kept out by later rescans).
+        self.unloaded: set[str] = set()
+        self.entries, self.failures = self._scan()
 
-    def _scan(self) -> None:
+    def _scan(
+        self, only: str | None = None
+    ) -> tuple[dict[str, dict[str, ModelEntry]], dict[str, str]]:
+        """Every valid artifact on disk (of model ``only``, if given) and the reasons
+        for the others; nothing is changed."""
+        entries: dict[str, dict[str, ModelEntry]] = {}
+        failures: dict[str, str] = {}
         if not self.models_dir.is_dir():
-            self.failures[str(self.models_dir)] = "models directory does not exist"
-            return
+            failures[str(self.models_dir)] = "models directory does not exist"
+            return entries, failures
         for mdir in sorted(p for p in self.models_dir.iterdir() if p.is_dir()):
+            if only is not None and mdir.name != only:
+                continue
             if not _NAME.match(mdir.name):
                 continue
             for vdir in sorted(p for p in mdir.iterdir() if p.is_dir()):
@@ -102,11 +112,74 @@ class Registry:
                     info = ArtifactInfo.read(vdir)
                     info.check_servable()
                 except ArtifactError as exc:
-                    self.failures[key] = str(exc)
+                    failures[key] = str(exc)
                     continue
-                self.entries.setdefault(mdir.name, {})[vdir.name] = ModelEntry(
+                entries.setdefault(mdir.name, {})[vdir.name] = ModelEntry(
                     mdir.name, vdir.name, info
                 )
+        return entries, failures
+
+    def plan(self, name: str | None = None) -> Registry:
+        """What serving would look like after a rescan (of model ``name`` only, which
+        is also taken back from :attr:`unloaded`), as a new registry; this one is
+        unchanged until :meth:`adopt`."""
+        nxt = Registry.__new__(Registry)
+        nxt.models_dir = self.models_dir
+        nxt.unloaded = set(self.unloaded) - ({name} if name else set())
+        if name is None:
+            entries, failures = self._scan()
+        else:
+            entries = {k: v for k, v in self.entries.items() if k != name}
+            failures = {k: v for k, v in self.failures.items() if not k.startswith(f"{name}/")}
+            found, failed = self._scan(only=name)
+            entries.update(found)
+            failures.update(failed)
+        nxt.entries = {k: v for k, v in entries.items() if k not in nxt.unloaded}
+        nxt.failures = failures
+        return nxt
+
+    def without(self, name: str) -> Registry:
+        """This registry with model ``name`` unloaded (see :meth:`plan`)."""
+        nxt = Registry.__new__(Registry)
+        nxt.models_dir = self.models_dir
+        nxt.unloaded = self.unloaded | {name}
+        nxt.entries = {k: v for k, v in self.entries.items() if k != name}
+        nxt.failures = dict(self.failures)
+        return nxt
+
+    def adopt(self, other: Registry) -> None:
+        """Serve what ``other`` serves, in place (every holder of this registry sees it)."""
+        self.entries, self.failures, self.unloaded = other.entries, other.failures, other.unloaded
+
+    def on_disk(self) -> list[dict[str, str]]:
+        """Every model version in the repository with its state, as Triton's repository
+        index lists them: READY (served) or UNAVAILABLE with the reason."""
+        found, failed = self._scan()
+        rows = []
+        for name in sorted(set(found) | {k.split("/")[0] for k in failed if "/" in k}):
+            for version in sorted(found.get(name, {}), key=_version_key):
+                served = self.get(name, version)
+                on_disk = found[name][version]
+                if name in self.unloaded:
+                    state, reason = "UNAVAILABLE", "unloaded"
+                elif served is None:
+                    state, reason = "UNAVAILABLE", "not loaded yet (load it)"
+                elif served.sha256 != on_disk.sha256:
+                    state, reason = "READY", "the artifact on disk changed: load it again"
+                else:
+                    state, reason = "READY", ""
+                rows.append({"name": name, "version": version, "state": state, "reason": reason})
+            for key, why in sorted(failed.items()):
+                if key.startswith(f"{name}/"):
+                    rows.append(
+                        {
+                            "name": name,
+                            "version": key.split("/", 1)[1],
+                            "state": "UNAVAILABLE",
+                            "reason": why,
+                        }
+                    )
+        return rows
 
     def all(self) -> list[ModelEntry]:
         """Every served model version."""

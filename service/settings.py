@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     idempotency_ttl: float = Field(86400.0, gt=0, description="seconds a stored answer is replayed")
     log_format: Literal["json", "text"] = "json"
     log_level: str = "info"
+    log_probes: bool = Field(
+        False, description="log /healthz, /readyz and /metrics requests (probes) too"
+    )
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

@@ -129,8 +129,14 @@ def build_models(directory: Path) -> Path:
     return directory
 
 
+class ServiceURL(str):
+    """The base URL of a running service, with the server's process id (``pid``)."""
+
+    pid: int
+
+
 @contextmanager
-def running_service(models: Path, **env: str) -> Iterator[str]:
+def running_service(models: Path, **env: str) -> Iterator[ServiceURL]:
     """``bagserve serve`` with BAGSERVE_* settings; yields its base URL.
 
     The data directory (jobs, idempotency, audit) defaults to a fresh one beside the
@@ -138,6 +144,10 @@ def running_service(models: Path, **env: str) -> Iterator[str]:
     """
     port = free_port()
     env.setdefault("BAGSERVE_DATA_DIR", str(models.parent / f"data-{port}"))
+    # A loaded CI machine (two test processes, each with a service and its workers)
+    # can take several times the usual time for the deliberately slow requests: the
+    # tests that check the timeout set their own.
+    env.setdefault("BAGSERVE_REQUEST_TIMEOUT", "300")
     environ = {k: v for k, v in os.environ.items() if not k.startswith("BAGSERVE_")}
     environ.update(
         {
@@ -152,7 +162,8 @@ def running_service(models: Path, **env: str) -> Iterator[str]:
     exe = Path(sys.executable).parent / "bagserve"
     log = open(models.parent / f"serve-{port}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen([str(exe), "serve"], env=environ, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = ServiceURL(f"http://127.0.0.1:{port}")
+    url.pid = proc.pid
     try:
         wait_ready(url, proc)
         yield url

@@ -458,6 +458,7 @@ def test_training_calibrates_per_cell_probabilities_out_of_fold(tmp_path):
 [model]
 name = "cells"
 output = "models"
+intended_use = "Research use: gating synthetic samples in the test suite."
 [data]
 files = "t*.csv"
 cell_label_column = "label"
@@ -477,6 +478,8 @@ n_splits = 3
     cal = result.metrics["probability_calibration"]
     assert 1e-3 < cal["temperature"] < 1e2 and cal["cells"] == int(tasks.n_points)
     assert cal["nll"] <= cal["nll_at_1"] + 1e-12
+    card = (result.path / "card.md").read_text()
+    assert "Research use: gating synthetic samples" in card and "| leave-tasks-out |" in card
     page = (result.path / "report" / "report.html").read_text()
     assert "Class probabilities" in page and f"{cal['cells']}" in page
     rt = ModelRuntime.open(result.path)

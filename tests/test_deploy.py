@@ -151,6 +151,15 @@ def test_wheel_installs_one_bagserve_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "bagserve/core/__init__.py" in names and "bagserve/service/app.py" in names
     assert "bagserve/cli.py" in names and "bagserve/core/estimators/transfer.py" in names
+    # The pages' assets ship with the package (offline docs and console).
+    for asset in (
+        "static/console/index.html",
+        "static/console/console.js",
+        "static/vendor/swagger-ui/swagger-ui-bundle.js",
+        "static/vendor/redoc/redoc.standalone.js",
+        "static/vendor/redoc/LICENSE",
+    ):
+        assert f"bagserve/service/{asset}" in names, asset
     # Nothing lands as a top-level `core` or `service`: PyPI's `service` package, or a
     # lab repository's own `core/` folder, would otherwise replace or shadow ours.
     top = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}

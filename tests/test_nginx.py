@@ -245,7 +245,12 @@ def test_timeouts_and_retries_fit_the_service():
 def test_predict_location_matches_the_prediction_routes():
     pattern = re.compile(PREDICT_LOCATION[1])
     app_paths = json.loads((ROOT / "openapi" / "openapi.json").read_text())["paths"]
-    posts = [p for p, ops in app_paths.items() if "post" in ops and p != "/v1/jobs"]
+    # Jobs and the repository operations have locations of their own.
+    posts = [
+        p
+        for p, ops in app_paths.items()
+        if "post" in ops and p != "/v1/jobs" and not p.startswith("/v2/repository/")
+    ]
     assert posts
     for path in posts:
         concrete = path.replace("{name}", "demo-dose").replace("{version}", "1")
@@ -452,6 +457,14 @@ def test_replicas_behind_nginx(nginx_exe, tmp_path):
         assert state["status"] == "succeeded"
         for _ in range(4):
             assert client.get(f"{st.nginx}{job}").status_code == 200
+
+        # Repository operations would change one replica only: refused, saying how.
+        r = client.post(f"{st.nginx}/v2/repository/index")
+        assert r.status_code == 409 and "SIGHUP" in r.json()["error"]
+        assert r.headers["content-type"] == "application/json"
+        r = client.post(f"{st.nginx}/v2/repository/models/demo-dose/unload")
+        assert r.status_code == 409
+        assert client.post(f"{st.nginx}{PREDICT}", json=body).status_code == 200
 
         # 8 MB of NPY streams through unchanged.
         rng = np.random.default_rng(0)

@@ -159,6 +159,8 @@ class Preprocessing:
         return specs
 
     def _transform(self, x: NDArray[np.float64], markers: Sequence[str]) -> NDArray[np.float64]:
+        if len(markers) != x.shape[1]:  # a model without a panel: columns by position
+            markers = [str(j) for j in range(x.shape[1])]
         specs = self.column_specs(markers)
         kinds = {s[0] for s in specs}
         if kinds == {"none"}:

@@ -7,14 +7,17 @@ as the caller asked (JSON, CSV or NPY; :mod:`..encoders`).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import PlainTextResponse
 from starlette.responses import Response
 
-from ..deps import CallerDep, LatestEntry, ServicesDep, VersionEntry, authenticate
+from .. import fhir
+from ..deps import CallerDep, LatestEntry, ServicesDep, VersionEntry, authenticate, lookup
 from ..encoders import encode, negotiate
 from ..idempotency import fingerprint
 from ..prediction import Caller, PredictOptions, provenance_headers
@@ -155,6 +158,17 @@ _PREDICT_DOC: dict[str, Any] = {
             ),
         },
         {
+            "name": "plot",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 0, "maximum": 20000, "default": 0},
+            "description": (
+                "Per-cell models (JSON): up to this many cells per bag, drawn with a fixed "
+                "seed, as the model sees them (compensated, transformed, scaled), with "
+                "their labels: `plot` {markers, cells (row numbers), points, labels}."
+            ),
+        },
+        {
             "name": "probabilities",
             "in": "query",
             "required": False,
@@ -165,6 +179,24 @@ _PREDICT_DOC: dict[str, Any] = {
                 "classes). Column order of CSV and NPY: the `Bagserve-Classes` header."
             ),
         },
+        *(
+            {
+                "name": name,
+                "in": "query",
+                "required": False,
+                "schema": {"type": "string"},
+                "example": example,
+                "description": (
+                    f"FHIR answers (`Accept: application/fhir+json`): the {what} of every "
+                    "Observation, as a FHIR reference (`Type/id`, an absolute URL or "
+                    "`urn:uuid:`)."
+                ),
+            }
+            for name, example, what in (
+                ("subject", "Patient/123", "subject (the patient)"),
+                ("specimen", "Specimen/9", "specimen (the sample)"),
+            )
+        ),
     ],
 }
 _IDEMPOTENCY = {
@@ -199,6 +231,7 @@ _PREDICT_RESPONSES: dict[int | str, dict[str, Any]] = {
             },
             "text/csv": {},
             "application/x-npy": {},
+            "application/fhir+json": {},
         },
     },
     401: {"description": "missing or invalid API key"},
@@ -235,6 +268,32 @@ async def get_model(svc: ServicesDep, entry: LatestEntry) -> dict[str, Any]:
     }
 
 
+@router.get(
+    "/models/{name}/card",
+    summary="The model card (Markdown)",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/markdown": {"schema": {"type": "string"}}}}},
+)
+async def model_card(name: str, svc: ServicesDep, version: str | None = None) -> PlainTextResponse:
+    """Intended use, training data, evaluation, panel, preprocessing and provenance of
+    the latest version (or ``?version=``), as ``bagserve train`` writes it."""
+    entry = lookup(svc.registry, name, version)
+    return PlainTextResponse(entry.info.card(), media_type="text/markdown; charset=utf-8")
+
+
+@router.get("/audit", summary="Recent audit-trail entries")
+async def recent_audit(
+    svc: ServicesDep, caller: CallerDep, limit: int = Query(50, ge=1, le=1000)
+) -> dict[str, Any]:
+    """The newest entries of the audit trail, newest first: with API keys, only the
+    caller's own (matched by key id); without keys, everyone's. No patient values
+    are in the trail (sizes, hashes, summaries of the answers)."""
+    if svc.audit is None:
+        return {"entries": [], "key_id": caller.key_id}
+    entries = await asyncio.to_thread(svc.audit.recent, limit, caller.key_id)
+    return {"entries": entries, "key_id": caller.key_id}
+
+
 async def _predict(
     request: Request, svc: ServicesDep, caller: Caller, entry: ModelEntry
 ) -> Response:
@@ -245,6 +304,7 @@ async def _predict(
     qp = request.query_params
     # Bad query parameters are refused before the body is read.
     options = PredictOptions.parse(entry, qp)
+    refs = fhir.references(qp) if fmt == fhir.FHIR_JSON else None
     t0 = time.perf_counter()
     body, lent = await read_body(request, svc.settings.max_body_bytes, svc.pool.buffers)
     read = {"read": time.perf_counter() - t0}
@@ -269,6 +329,9 @@ async def _predict(
             outcome.provenance(caller.request_id),
             entry.info,
             cells=options.cells,
+            plots=outcome.plots,
+            coverage=options.coverage,
+            refs=refs,
         )
         timings = {**outcome.timings, "encode": time.perf_counter() - t1}
         svc.metrics.observe_stages({"encode": timings["encode"]})
@@ -280,13 +343,14 @@ async def _predict(
             if stage in timings
         )
         classes = getattr(outcome.result, "classes", None)
-        if fmt != "application/json" and classes is not None:
+        if fmt in ("text/csv", "application/x-npy") and classes is not None:
             # The column order of CSV probability columns and NPY tables.
             headers["Bagserve-Classes"] = json.dumps([str(c) for c in classes.tolist()])
         warning = outcome.warning_header()
         if warning is not None:
             headers["Warning"] = warning
-        return Response(content, media_type=fmt, headers=headers)
+        media = f"{fmt}; fhirVersion=4.0" if fmt == fhir.FHIR_JSON else fmt
+        return Response(content, media_type=media, headers=headers)
 
     try:
         key = request.headers.get("idempotency-key")

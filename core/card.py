@@ -1,0 +1,139 @@
+"""Model cards: what a model is for, what it learned from, how well it did, in Markdown.
+
+A card follows Mitchell et al. (2019, "Model Cards for Model Reporting", FAT*): intended
+use and its limits (from the training configuration's ``[model]`` table:
+``description``, ``intended_use``, ``limitations``), the training data (files, bags,
+cells, the data's sha256), the evaluation (cross-validated metrics, probability
+calibration, hyperparameters at a grid edge), and what is needed to reproduce and audit
+it (panel, preprocessing, estimator, library versions, created). ``bagserve train``
+writes it as ``card.md`` in the artifact (hashed with the rest); for an artifact
+without one, :func:`render_card` makes it from the manifest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["render_card"]
+
+#: Metrics shown in the card's table (the others stay in report/metrics.json).
+_SHOWN = ("scheme", "n_folds", "accuracy", "macro_f1", "rmse", "mae", "r2", "spearman")
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def render_card(
+    metadata: Mapping[str, Any],
+    *,
+    estimator: str,
+    kind: str,
+    created: str | None = None,
+    sha256: str | None = None,
+    libraries: Mapping[str, str] | None = None,
+) -> str:
+    """The Markdown model card of a model from its manifest's metadata.
+
+    Parameters
+    ----------
+    metadata : mapping
+        The manifest's ``metadata`` (name, version, description, config, panel,
+        preprocessing, metrics, training data, ...); missing parts are left out.
+    estimator, kind : str
+        The estimator's class and what it answers.
+    created, sha256 : str, optional
+        When the artifact was written and its manifest's sha256.
+    libraries : mapping, optional
+        Library versions recorded at training.
+    """
+    config = metadata.get("config") or {}
+    model_cfg = config.get("model", {}) if isinstance(config, Mapping) else {}
+    name = metadata.get("name") or model_cfg.get("name") or "model"
+    version = metadata.get("version") or model_cfg.get("version") or "?"
+    lines = [f"# Model card: {name} / {version}", ""]
+    description = metadata.get("description") or model_cfg.get("description")
+    if description:
+        lines += [str(description), ""]
+    lines += ["## Intended use", ""]
+    lines += [
+        str(
+            model_cfg.get("intended_use")
+            or "Not stated in the training configuration (`[model] intended_use`)."
+        ),
+        "",
+    ]
+    if model_cfg.get("limitations"):
+        lines += ["## Limitations", "", str(model_cfg["limitations"]), ""]
+    lines += [
+        "Every answer carries an applicability-domain report: a bag unlike the training "
+        "bags is flagged `out_of_range` and should not be trusted without review.",
+        "",
+        "## Model",
+        "",
+        f"- Estimator: `{estimator}` ({kind})",
+    ]
+    panel = metadata.get("panel") or {}
+    if panel.get("markers"):
+        lines.append(f"- Panel: {', '.join(f'`{m}`' for m in panel['markers'])}")
+    pre = metadata.get("preprocessing") or {}
+    if pre:
+        comp = pre.get("compensation", "none")
+        comp_text = comp if isinstance(comp, str) else f"matrix from {comp.get('source')}"
+        lines.append(
+            f"- Preprocessing: compensation {comp_text}; transform {pre.get('transform')}; "
+            f"scaling {pre.get('scale')}"
+        )
+    coding = metadata.get("fhir")
+    if coding:
+        unit = f", unit `{coding['unit']}` (UCUM)" if coding.get("unit") else ""
+        lines.append(
+            f"- Reported as: `{coding['system']}` code `{coding['code']}`"
+            + (f" ({coding['display']})" if coding.get("display") else "")
+            + unit
+        )
+    lines += ["", "## Training data", ""]
+    files = metadata.get("training_files") or []
+    bags = metadata.get("training_bags") or []
+    if files:
+        lines.append(
+            f"- {len(files)} file(s): {', '.join(files[:8])}" + (" ..." if len(files) > 8 else "")
+        )
+    elif bags:
+        lines.append(f"- {len(bags)} bag(s)")
+    if metadata.get("label_level"):
+        lines.append(f"- Labels: one per {metadata['label_level']}")
+    if metadata.get("training_data_sha256"):
+        lines.append(f"- Data sha256: `{metadata['training_data_sha256']}`")
+    metrics = metadata.get("metrics") or {}
+    shown = {k: metrics[k] for k in _SHOWN if k in metrics}
+    if shown:
+        lines += ["", "## Evaluation (cross-validated)", ""]
+        lines += ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+        lines += ["| " + " | ".join(_fmt(v) for v in shown.values()) + " |", ""]
+    other = {k: v for k, v in metrics.items() if k not in shown and isinstance(v, int | float)}
+    for k, v in other.items():
+        lines.append(f"- {k}: {_fmt(v)}")
+    calibration = metadata.get("probability_calibration")
+    if calibration:
+        lines.append(
+            f"- Class probabilities: temperature {_fmt(calibration['temperature'])} "
+            f"({calibration.get('method', '')}; {calibration.get('cells')} cells)"
+        )
+    edges = metadata.get("grid_edges") or []
+    if edges:
+        lines.append(
+            f"- {len(edges)} hyperparameter(s) chosen at the edge of a grid: "
+            + ", ".join(str(e.get("parameter")) for e in edges)
+        )
+    lines += ["", "## Provenance", ""]
+    if created:
+        lines.append(f"- Created: {created}")
+    if sha256:
+        lines.append(f"- Manifest sha256: `{sha256}`")
+    if libraries:
+        lines.append("- Libraries: " + ", ".join(f"{k} {v}" for k, v in sorted(libraries.items())))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,426 @@
+"""Predictions as HL7 FHIR R4: a ``Bundle`` of one ``Observation`` per bag.
+
+``Accept: application/fhir+json`` on a predict route answers a ``collection`` Bundle.
+Each bag's Observation carries:
+
+* ``code``: the model's output coding from its training configuration (``[fhir]``,
+  :mod:`bagserve.core.fhir_coding`), bagserve's own code system otherwise;
+* the value: ``valueQuantity`` (regressors, conditional means; UCUM unit when
+  configured), ``valueCodeableConcept`` (classifiers, with the class codings), or for
+  per-cell classifiers one ``component`` per class whose ``valueRatio`` is the class's
+  cells over the bag's cells (count and fraction in one);
+* the prediction interval as a ``component`` with a ``valueRange``. It is not put in
+  ``referenceRange``: FHIR defines that as the normal range a value is judged against,
+  and a receiving system would flag patients against the model's uncertainty.
+  A clinical normal range configured for the model (``[fhir] reference_range``) is the
+  ``referenceRange``, with the high/low/normal ``interpretation`` it implies;
+* ``interpretation`` ``EX`` (v3 ObservationInterpretation "outside threshold") when the
+  bag lies outside the model's applicability domain, and a ``note`` naming the nearest
+  training bags;
+* ``device``: a contained ``Device`` with the model's name, version and sha256 (and the
+  bagserve version); ``derivedFrom``: a contained ``DocumentReference`` whose
+  ``masterIdentifier`` is the sha256 of the request body and whose attachment names
+  the bag;
+* ``subject`` and ``specimen`` when the caller gives them (``?subject=Patient/123``,
+  ``?specimen=Specimen/9``), ``issued``, and an identifier ``request id/bag id``.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+from bagserve.core.fhir_coding import CATEGORIES, UCUM, Coding, OutputCoding
+from bagserve.core.runtime import (
+    ArtifactInfo,
+    CellPrediction,
+    ClassificationPrediction,
+    ConditionalPrediction,
+    Prediction,
+)
+
+from bagserve import __version__
+
+from .errors import Problem
+
+__all__ = ["FHIR_JSON", "bundle", "references"]
+
+#: The FHIR R4 JSON media type (answered with ``fhirVersion=4.0``).
+FHIR_JSON = "application/fhir+json"
+#: Identifier systems and codes of bagserve's own (no registry assigns these).
+_SHA256 = "urn:bagserve:sha256"
+_REQUEST = "urn:bagserve:request-id"
+_PREDICTION = "urn:bagserve:prediction"
+_CATEGORY = "http://terminology.hl7.org/CodeSystem/observation-category"
+_INTERPRETATION = "http://terminology.hl7.org/CodeSystem/v3-ObservationInterpretation"
+_REFERENCE_MEANING = "http://terminology.hl7.org/CodeSystem/referencerange-meaning"
+#: A relative reference (``Patient/123``), an absolute URL, or a ``urn:uuid``.
+_REFERENCE = re.compile(
+    r"^([A-Z][A-Za-z]+/[A-Za-z0-9\-.]{1,64}(/_history/[A-Za-z0-9\-.]{1,64})?"
+    r"|urn:uuid:[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+    r"|https?://\S+)$"
+)
+_FLAGS = {
+    "EX": "outside threshold",
+    "H": "High",
+    "L": "Low",
+    "N": "Normal",
+}
+
+
+def references(params: Mapping[str, Any]) -> dict[str, str]:
+    """The ``subject`` and ``specimen`` query parameters, checked (422 otherwise)."""
+    out: dict[str, str] = {}
+    for name, example in (("subject", "Patient/123"), ("specimen", "Specimen/9")):
+        value = params.get(name)
+        if value is None:
+            continue
+        if not _REFERENCE.match(str(value)):
+            raise Problem(
+                422,
+                f"{name} must be a FHIR reference such as {example!r}, an absolute URL "
+                f"or urn:uuid:..., got {value!r}",
+            )
+        out[name] = str(value)
+    return out
+
+
+def bundle(
+    result: Prediction,
+    ids: list[str],
+    provenance: Mapping[str, Any],
+    info: ArtifactInfo,
+    *,
+    coverage: float | None = None,
+    refs: Mapping[str, str] | None = None,
+    issued: datetime | None = None,
+) -> dict[str, Any]:
+    """The answer as a FHIR R4 ``collection`` Bundle of one Observation per bag.
+
+    Parameters
+    ----------
+    result : Prediction
+        The runtime's typed answer.
+    ids : list of str
+        Bag ids, in request order.
+    provenance : mapping
+        ``model`` (name, version, sha256), ``request_id``, ``input_sha256``,
+        ``warnings``, as heads every bagserve answer.
+    info : ArtifactInfo
+        The model's artifact: its output coding, estimator, training bag names.
+    coverage : float, optional
+        The coverage of the interval or prediction set, when one was asked for.
+    refs : mapping, optional
+        ``subject`` and ``specimen`` references (see :func:`references`).
+    issued : datetime, optional
+        When the answer was made (now by default).
+    """
+    when = _instant(issued or datetime.now(UTC))
+    request_id = str(provenance["request_id"])
+    # Deterministic entry URLs: the same request (an idempotent replay) names its
+    # observations the same way.
+    space = uuid.uuid5(uuid.NAMESPACE_URL, f"{_REQUEST}:{request_id}")
+    builder = _Observations(result, provenance, info, coverage, dict(refs or {}), when)
+    return {
+        "resourceType": "Bundle",
+        "identifier": {"system": _REQUEST, "value": request_id},
+        "type": "collection",
+        "timestamp": when,
+        "entry": [
+            {"fullUrl": f"urn:uuid:{uuid.uuid5(space, str(i))}", "resource": builder.of(i, bag)}
+            for i, bag in enumerate(ids)
+        ],
+    }
+
+
+class _Observations:
+    """Builds bag ``i``'s Observation; what is the same for every bag is made once."""
+
+    def __init__(
+        self,
+        result: Prediction,
+        provenance: Mapping[str, Any],
+        info: ArtifactInfo,
+        coverage: float | None,
+        refs: dict[str, str],
+        issued: str,
+    ) -> None:
+        self.result, self.info, self.coverage, self.issued = result, info, coverage, issued
+        self.model = dict(provenance["model"])
+        self.request_id = str(provenance["request_id"])
+        self.input_sha256 = str(provenance["input_sha256"])
+        self.warnings = [str(w) for w in provenance.get("warnings") or []]
+        self.coding: OutputCoding = info.output_coding
+        self.refs = refs
+        self.device = _device(self.model, info.estimator)
+
+    # ------------------------------------------------------------------ the resource
+    def of(self, i: int, bag_id: str) -> dict[str, Any]:
+        c = self.coding
+        obs: dict[str, Any] = {
+            "resourceType": "Observation",
+            "contained": [self.device, self._input(bag_id)],
+            "identifier": [{"system": _REQUEST, "value": f"{self.request_id}/{bag_id}"}],
+            "status": "final",
+            "category": [
+                {
+                    "coding": [
+                        {
+                            "system": _CATEGORY,
+                            "code": c.category,
+                            "display": CATEGORIES[c.category],
+                        }
+                    ]
+                }
+            ],
+            "code": {"coding": [c.code.to_json()], "text": c.code.display or c.code.code},
+        }
+        if "subject" in self.refs:
+            obs["subject"] = {"reference": self.refs["subject"]}
+        obs["issued"] = self.issued
+        value, components = self._value(i)
+        obs.update(value)
+        flags, notes = self._interpretation(i, value)
+        if flags:
+            obs["interpretation"] = flags
+        notes += self.warnings
+        if notes:
+            obs["note"] = [{"text": n} for n in notes]
+        if "specimen" in self.refs:
+            obs["specimen"] = {"reference": self.refs["specimen"]}
+        obs["device"] = {
+            "reference": "#model",
+            "display": f"bagserve model {self.model['name']} version {self.model['version']}",
+        }
+        if c.reference_range is not None and "valueQuantity" in value:
+            obs["referenceRange"] = [self._reference_range()]
+        obs["derivedFrom"] = [{"reference": "#input", "display": f"bag {bag_id}"}]
+        if components:
+            obs["component"] = components
+        return obs
+
+    def _input(self, bag_id: str) -> dict[str, Any]:
+        """The uploaded sample, by the sha256 of the request body."""
+        return {
+            "resourceType": "DocumentReference",
+            "id": "input",
+            "masterIdentifier": {"system": _SHA256, "value": self.input_sha256},
+            "status": "current",
+            "description": (
+                f"bag {bag_id} of the request body whose sha256 is the master identifier"
+            ),
+            "content": [{"attachment": {"title": bag_id}}],
+        }
+
+    # ------------------------------------------------------------------ values
+    def _value(self, i: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The Observation's ``value[x]`` and its components."""
+        r, name = self.result, self.model["name"]
+        components: list[dict[str, Any]] = []
+        if isinstance(r, CellPrediction):
+            if r.classes is None:
+                # A per-cell regressor: the bag's mean cell value.
+                cells = np.asarray(r.labels_of(i), dtype=np.float64)
+                components.append(
+                    _component(
+                        _own("cell-mean", "Mean over the bag's cells"),
+                        {"valueQuantity": self._quantity(float(cells.mean()))},
+                    )
+                )
+                return {}, components
+            counts = r.counts[i] if r.counts is not None else None
+            assert counts is not None
+            total = int(counts.sum())
+            for k, label in enumerate(r.classes.tolist()):
+                coding = self.coding.class_coding(name, label)
+                components.append(
+                    _component(
+                        coding,
+                        {
+                            "valueRatio": {
+                                "numerator": _cells(int(counts[k])),
+                                "denominator": _cells(total),
+                            }
+                        },
+                        text=f"{label} cells",
+                    )
+                )
+            return {}, components
+        if isinstance(r, ClassificationPrediction):
+            label = r.labels[i].item()
+            coding = self.coding.class_coding(name, label)
+            value = {"valueCodeableConcept": {"coding": [coding.to_json()], "text": str(label)}}
+            if r.probabilities is not None:
+                for k, c in enumerate(r.classes.tolist()):
+                    components.append(
+                        _component(
+                            self.coding.class_coding(name, c),
+                            {"valueQuantity": _probability(float(r.probabilities[i, k]))},
+                            text=f"probability of {c}",
+                        )
+                    )
+            return value, components
+        estimate = np.atleast_1d(np.asarray(r.estimate[i], dtype=np.float64))
+        if estimate.size == 1:
+            value = {"valueQuantity": self._quantity(float(estimate[0]))}
+        else:
+            value = {}
+            for j, v in enumerate(estimate.tolist()):
+                components.append(
+                    _component(
+                        _own(f"output-{j}", f"Output {j}"), {"valueQuantity": self._quantity(v)}
+                    )
+                )
+        if r.interval is not None:
+            lo, hi = (float(v) for v in r.interval[i])
+            level = f"{100 * self.coverage:g}% " if self.coverage is not None else ""
+            components.append(
+                _component(
+                    _own("prediction-interval", f"{level}prediction interval"),
+                    {"valueRange": {"low": self._quantity(lo), "high": self._quantity(hi)}},
+                )
+            )
+        if isinstance(r, ConditionalPrediction):
+            for level, q in zip(r.levels.tolist(), r.quantiles[i].tolist(), strict=True):
+                components.append(
+                    _component(
+                        _own(f"quantile-{level:g}", f"Quantile {level:g}"),
+                        {"valueQuantity": self._quantity(q)},
+                    )
+                )
+            for t, p in zip(r.thresholds.tolist(), r.exceedance[i].tolist(), strict=True):
+                components.append(
+                    _component(
+                        _own(f"exceedance-{t:g}", f"Probability above {t:g}"),
+                        {"valueQuantity": _probability(p)},
+                    )
+                )
+        return value, components
+
+    def _quantity(self, value: float) -> dict[str, Any]:
+        q: dict[str, Any] = {"value": _decimal(value)}
+        if self.coding.unit is not None:
+            q["unit"] = self.coding.unit_display or self.coding.unit
+            q["system"] = UCUM
+            q["code"] = self.coding.unit
+        return q
+
+    # ------------------------------------------------------------------ judgement
+    def _interpretation(
+        self, i: int, value: Mapping[str, Any]
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """Flags (applicability domain, reference range) and the notes that explain them."""
+        flags: list[dict[str, Any]] = []
+        notes: list[str] = []
+        rng = self.coding.reference_range
+        if rng is not None and "valueQuantity" in value:
+            v = value["valueQuantity"]["value"]
+            low, high = rng
+            code = (
+                "L"
+                if low is not None and v < low
+                else "H"
+                if high is not None and v > high
+                else "N"
+            )
+            flags.append(_flag(code))
+        domain = self.result.domain
+        if domain is not None:
+            nearest = ", ".join(self.info.nearest_names(domain, i)) or "not recorded"
+            if bool(domain.out_of_range[i]):
+                flags.append(_flag(code="EX", text="outside the model's applicability domain"))
+                notes.append(
+                    "Outside the model's applicability domain (score "
+                    f"{float(domain.score[i]):.4g}): the sample is unlike every training "
+                    f"sample; nearest training samples: {nearest}."
+                )
+            else:
+                notes.append(
+                    f"Within the model's applicability domain (score "
+                    f"{float(domain.score[i]):.4g}); nearest training samples: {nearest}."
+                )
+        r = self.result
+        if isinstance(r, ClassificationPrediction) and r.sets is not None:
+            level = f"{100 * self.coverage:g}% " if self.coverage is not None else ""
+            members = ", ".join(str(c) for c in r.set_of(i)) or "empty"
+            notes.append(f"{level}prediction set: {members}.")
+        if getattr(r, "clipped", None) is not None and int(r.clipped[i]):
+            notes.append(
+                f"{int(r.clipped[i])} cells lay outside the training range and were clipped "
+                "into it."
+            )
+        return flags, notes
+
+    def _reference_range(self) -> dict[str, Any]:
+        rng = self.coding.reference_range
+        assert rng is not None
+        out: dict[str, Any] = {}
+        if rng[0] is not None:
+            out["low"] = self._quantity(rng[0])
+        if rng[1] is not None:
+            out["high"] = self._quantity(rng[1])
+        out["type"] = {
+            "coding": [{"system": _REFERENCE_MEANING, "code": "normal", "display": "Normal Range"}]
+        }
+        return out
+
+
+def _device(model: Mapping[str, Any], estimator: str) -> dict[str, Any]:
+    """The model as a contained Device: name, version, sha256 of its manifest."""
+    return {
+        "resourceType": "Device",
+        "id": "model",
+        "identifier": [{"system": _SHA256, "value": str(model["sha256"])}],
+        "status": "active",
+        "manufacturer": "bagserve",
+        "deviceName": [{"name": str(model["name"]), "type": "model-name"}],
+        "type": {"text": f"bagserve {estimator} model"},
+        "version": [
+            {"type": {"text": "model"}, "value": str(model["version"])},
+            {"type": {"text": "bagserve"}, "value": __version__},
+        ],
+    }
+
+
+def _own(code: str, display: str) -> Coding:
+    return Coding(_PREDICTION, code, display)
+
+
+def _component(coding: Coding, value: dict[str, Any], *, text: str | None = None) -> dict[str, Any]:
+    return {
+        "code": {"coding": [coding.to_json()], "text": text or coding.display or coding.code},
+        **value,
+    }
+
+
+def _cells(n: int) -> dict[str, Any]:
+    return {"value": n, "unit": "cells", "system": UCUM, "code": "{cells}"}
+
+
+def _probability(p: float) -> dict[str, Any]:
+    return {"value": _decimal(p), "unit": "probability", "system": UCUM, "code": "1"}
+
+
+def _flag(code: str, text: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "coding": [{"system": _INTERPRETATION, "code": code, "display": _FLAGS[code]}]
+    }
+    if text:
+        out["text"] = text
+    return out
+
+
+def _decimal(value: float) -> float:
+    """A FHIR decimal: finite (JSON has no NaN), at most 15 significant digits kept."""
+    if not np.isfinite(value):
+        raise ValueError(f"a FHIR decimal must be finite, got {value!r}")
+    return float(f"{value:.15g}")
+
+
+def _instant(when: datetime) -> str:
+    """A FHIR ``instant``: seconds and a zone are required."""
+    return when.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

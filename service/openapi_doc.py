@@ -1,0 +1,269 @@
+"""The OpenAPI document: every response described, errors as problem details.
+
+FastAPI describes what the route signatures say; this module completes the document
+once, when it is first asked for:
+
+* ``components.schemas.Problem``: the RFC 9457 body of every error, referenced by
+  each error response (``application/problem+json``; ``application/json`` under
+  ``/v2``, as the Open Inference Protocol's clients expect), including the 422 that
+  FastAPI would describe with its own validation schema, which this service never
+  sends;
+* a schema for every success response, named where it is the service's own
+  (``PredictAnswer``, ``Readiness``, ``JobAccepted``, ``InferAnswer``) and typed by
+  media type elsewhere (CSV text, NPY bytes, Prometheus text);
+* the API-key security schemes (see :mod:`.deps`) on every authenticated operation,
+  and 401 among its responses; when the service runs without keys, an anonymous
+  alternative (``{}``) says that a key is optional.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from .settings import Settings
+
+__all__ = ["install_openapi"]
+
+_PROBLEM: dict[str, Any] = {
+    "type": "object",
+    "description": "RFC 9457 problem details, with every problem listed in `errors`.",
+    "required": ["type", "title", "status", "detail"],
+    "properties": {
+        "type": {"type": "string", "example": "urn:bagserve:problem:invalid-bags"},
+        "title": {"type": "string", "example": "Unprocessable content"},
+        "status": {"type": "integer", "example": 422},
+        "detail": {"type": "string", "example": "2 problem(s) in the request"},
+        "instance": {"type": ["string", "null"], "example": "/v1/models/yeast/predict"},
+        "errors": {"type": "array", "items": {"type": "string"}},
+        "error": {
+            "type": "string",
+            "description": "The message for Open Inference Protocol clients (`/v2`: in full).",
+        },
+        "request_id": {"type": ["string", "null"]},
+    },
+}
+_DOMAIN: dict[str, Any] = {
+    "type": "object",
+    "description": "How close the bag is to the training bags (applicability domain).",
+    "properties": {
+        "score": {"type": "number", "description": "about 1 for a typical training bag"},
+        "out_of_range": {"type": "boolean"},
+        "nearest": {"type": "array", "items": {"type": "string"}},
+    },
+}
+_POPULATION_ROW: dict[str, Any] = {
+    "type": "object",
+    "required": ["class", "count", "percent"],
+    "properties": {
+        "class": {"type": ["string", "number", "integer", "boolean"]},
+        "count": {"type": "integer"},
+        "percent": {"type": "number"},
+        "mean_probability": {"type": "number"},
+    },
+}
+_PREDICTION: dict[str, Any] = {
+    "type": "object",
+    "description": (
+        "One bag's answer. Bag models: `prediction` (a value, a vector or a class), with "
+        "`interval`, `set`, `scores`, `probabilities`, `quantiles`, `exceedance` as asked "
+        "and available. Per-cell models: `population`, `labels` (unless cells=false), "
+        "`probabilities` (on request) and `report`."
+    ),
+    "required": ["id"],
+    "properties": {
+        "id": {"type": "string"},
+        "prediction": {},
+        "interval": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2},
+        "set": {"type": "array", "items": {}},
+        "scores": {"type": "object", "additionalProperties": {"type": "number"}},
+        "probabilities": {"type": "object"},
+        "quantiles": {"type": "object", "additionalProperties": {"type": "number"}},
+        "exceedance": {"type": "object", "additionalProperties": {"type": "number"}},
+        "domain": {"$ref": "#/components/schemas/Domain"},
+        "n_points": {"type": "integer"},
+        "labels": {"type": "array", "items": {}},
+        "population": {"type": "array", "items": {"$ref": "#/components/schemas/PopulationRow"}},
+        "report": {"type": "object"},
+    },
+}
+_MODEL_REF: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "version": {"type": "string"},
+        "sha256": {"type": "string"},
+    },
+}
+_PREDICT_ANSWER: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "request_id", "input_sha256", "predictions"],
+    "properties": {
+        "model": {"$ref": "#/components/schemas/ModelRef"},
+        "request_id": {"type": "string"},
+        "input_sha256": {"type": "string"},
+        "warnings": {"type": "array", "items": {"type": "string"}},
+        "predictions": {"type": "array", "items": {"$ref": "#/components/schemas/Prediction"}},
+    },
+}
+_READINESS: dict[str, Any] = {
+    "type": "object",
+    "required": ["status", "models", "workers"],
+    "properties": {
+        "status": {"type": "string", "enum": ["ready", "not ready"]},
+        "models": {"type": "array", "items": {"type": "string"}},
+        "model_failures": {"type": "object", "additionalProperties": {"type": "string"}},
+        "workers": {"type": "object"},
+    },
+}
+_JOB_ACCEPTED: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "status"],
+    "properties": {
+        "id": {"type": "string"},
+        "status": {"type": "string"},
+        "model": {"type": "string"},
+        "version": {"type": "string"},
+    },
+    "additionalProperties": True,
+}
+_TENSOR: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "datatype", "shape"],
+    "properties": {
+        "name": {"type": "string"},
+        "datatype": {"type": "string"},
+        "shape": {"type": "array", "items": {"type": "integer"}},
+        "parameters": {"type": "object"},
+        "data": {"type": "array", "items": {}},
+    },
+}
+_INFER_ANSWER: dict[str, Any] = {
+    "type": "object",
+    "required": ["model_name", "outputs"],
+    "properties": {
+        "model_name": {"type": "string"},
+        "model_version": {"type": "string"},
+        "id": {"type": "string"},
+        "parameters": {"type": "object"},
+        "outputs": {"type": "array", "items": {"$ref": "#/components/schemas/Tensor"}},
+    },
+}
+_MODEL_READY: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "ready": {"type": "boolean"}},
+}
+_FHIR_BUNDLE: dict[str, Any] = {
+    "type": "object",
+    "description": (
+        "An HL7 FHIR R4 Bundle of type collection: one Observation per bag (value, "
+        "interval component, interpretation EX outside the applicability domain, the "
+        "model as a contained Device, the input's sha256 as a contained "
+        "DocumentReference). Valid against the FHIR R4 JSON schema."
+    ),
+    "required": ["resourceType", "type", "entry"],
+    "properties": {
+        "resourceType": {"type": "string", "enum": ["Bundle"]},
+        "type": {"type": "string", "enum": ["collection"]},
+        "identifier": {"type": "object"},
+        "timestamp": {"type": "string"},
+        "entry": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"fullUrl": {"type": "string"}, "resource": {"type": "object"}},
+            },
+        },
+    },
+}
+_SCHEMAS = {
+    "Problem": _PROBLEM,
+    "FhirBundle": _FHIR_BUNDLE,
+    "Domain": _DOMAIN,
+    "PopulationRow": _POPULATION_ROW,
+    "Prediction": _PREDICTION,
+    "ModelRef": _MODEL_REF,
+    "PredictAnswer": _PREDICT_ANSWER,
+    "Readiness": _READINESS,
+    "JobAccepted": _JOB_ACCEPTED,
+    "Tensor": _TENSOR,
+    "InferAnswer": _INFER_ANSWER,
+    "ModelReady": _MODEL_READY,
+}
+#: Success schemas by (path suffix, status) where FastAPI has none of its own.
+_SUCCESS = {
+    ("/predict", "200"): "PredictAnswer",
+    ("/readyz", "200"): "Readiness",
+    ("/health/ready", "200"): "ModelReady",
+    ("/ready", "200"): "ModelReady",
+    ("/infer", "200"): "InferAnswer",
+    ("/v1/jobs", "202"): "JobAccepted",
+}
+_BY_MEDIA = {
+    "text/csv": {"type": "string"},
+    "text/plain": {"type": "string"},
+    "application/x-npy": {"type": "string", "format": "binary"},
+    "application/fhir+json": {"$ref": "#/components/schemas/FhirBundle"},
+}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _complete(doc: dict[str, Any], keys_required: bool) -> dict[str, Any]:
+    """Add the problem schema, success schemas, 401s and the anonymous alternative."""
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(_SCHEMAS)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    for path, operations in doc["paths"].items():
+        error_type = "application/json" if path.startswith("/v2") else "application/problem+json"
+        for op in operations.values():
+            responses = op.setdefault("responses", {})
+            if op.get("security"):
+                responses.setdefault("401", {"description": "missing or invalid API key"})
+                if not keys_required:
+                    op["security"] = [*op["security"], {}]
+            responses.setdefault("500", {"description": "internal error (details in the log)"})
+            if path == "/metrics":
+                responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+            for status, response in responses.items():
+                if status == "503" and path in ("/readyz", "/v2/health/ready"):
+                    # Readiness answers its own body when not ready, not a problem.
+                    name = "Readiness" if path == "/readyz" else "ModelReady"
+                    response["content"] = {"application/json": {"schema": _ref(name)}}
+                    continue
+                if int(status) >= 400:
+                    response["content"] = {error_type: {"schema": _ref("Problem")}}
+                    continue
+                named = next(
+                    (
+                        schema
+                        for (suffix, code), schema in _SUCCESS.items()
+                        if path.endswith(suffix) and code == status
+                    ),
+                    None,
+                )
+                content = response.setdefault("content", {"application/json": {}})
+                for media, spec in content.items():
+                    if spec.get("schema"):
+                        continue
+                    if named is not None and media == "application/json":
+                        spec["schema"] = _ref(named)
+                    else:
+                        spec["schema"] = _BY_MEDIA.get(media, {"type": "object"})
+    return doc
+
+
+def install_openapi(app: FastAPI, settings: Settings) -> None:
+    """Replace ``app.openapi`` by one that completes FastAPI's document (once)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _complete(generate(), bool(settings.api_keys))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

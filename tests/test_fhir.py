@@ -1,0 +1,400 @@
+"""FHIR R4 answers: every one valid against the official FHIR R4 JSON schema, and equal
+in content to the native JSON answer to the same request.
+
+The service runs under uvicorn on 127.0.0.1; the models are the demo models and two
+trained here from configurations with ``[fhir]`` tables (a regressor with a unit and a
+reference range, a classifier with class codings).
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import hashlib
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from bagserve.core import read_manifest
+from bagserve.core.demo import build_demo_models
+from bagserve.core.errors import ConfigError
+from bagserve.core.fhir_coding import OutputCoding
+from bagserve.core.training import GridEdgeWarning, train
+
+from .conftest import SHARED_DATA
+from .service_harness import running_service
+from .test_cli import example
+
+ROOT = Path(__file__).resolve().parents[1]
+FHIR = "application/fhir+json"
+YEAST = SHARED_DATA / "cytoflow_yeast" / "dose_response"
+DOSE_BAG = json.loads((ROOT / "examples" / "requests" / "dose_bag.json").read_text())
+GATING_CSV = (ROOT / "examples" / "requests" / "gating_sample.csv").read_bytes()
+INTERPRETATION = "http://terminology.hl7.org/CodeSystem/v3-ObservationInterpretation"
+#: The lab's own code system in the configurations below (never fetched).
+LAB = "http://lab.example.org/fhir/CodeSystem/assays"
+SNOMED = "http://snomed.info/sct"
+DOSE_FHIR = {
+    "system": LAB,
+    "code": "yeast-ip-dose",
+    "display": "Inducer (IP) dose, log10",
+    "unit": "[lg]",
+    "unit_display": "log10",
+    "reference_range": [-1.0, 0.4],
+}
+LEVEL_CLASSES = {
+    "high": {"system": SNOMED, "code": "75540009", "display": "High"},
+    "low": {"system": SNOMED, "code": "62482003", "display": "Low"},
+}
+
+
+@pytest.fixture(scope="module")
+def validator() -> jsonschema.Draft6Validator:
+    schema = json.loads(
+        gzip.decompress((ROOT / "tests" / "fhir" / "fhir.schema.json.gz").read_bytes())
+    )
+    assert schema["id"] == "http://hl7.org/fhir/json-schema/4.0"
+    jsonschema.Draft6Validator.check_schema(schema)
+    return jsonschema.Draft6Validator(schema)
+
+
+def assert_valid(validator: jsonschema.Draft6Validator, doc: dict[str, Any]) -> None:
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    assert not errors, [f"{list(e.absolute_path)}: {e.message[:200]}" for e in errors[:5]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("fhir")
+    directory = tmp / "models"
+    build_demo_models(directory)
+    cfg = example(
+        "yeast_dose",
+        tmp,
+        model={"name": "coded-dose", "output": str(directory)},
+        search={"representation__p": [2]},
+        fhir=DOSE_FHIR,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GridEdgeWarning)  # reported in test_training_honesty
+        train(cfg, progress=False)
+    # A bag classifier from the same files: the upper half of the doses is "high".
+    rows = (ROOT / "examples" / "yeast_dose" / "doses.csv").read_text().splitlines()[1:]
+    doses = {r.split(",")[0]: float(r.split(",")[2]) for r in rows}
+    median = sorted(doses.values())[len(doses) // 2]
+    (tmp / "level").mkdir()
+    labels = tmp / "levels.csv"
+    labels.write_text(
+        "file,level\n"
+        + "".join(f"{f},{'high' if d >= median else 'low'}\n" for f, d in doses.items())
+    )
+    cfg = example(
+        "yeast_dose",
+        tmp / "level",
+        model={"name": "coded-level", "output": str(directory)},
+        data={"labels": str(labels), "label_column": "level"},
+        estimator={"class": "DistributionRidgeClassifier"},
+        search={"representation__p": [2]},
+        fhir={
+            "system": LAB,
+            "code": "yeast-ip-level",
+            "display": "Inducer level",
+            "classes": LEVEL_CLASSES,
+        },
+    )
+    train(cfg, progress=False)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def url(models) -> Iterator[str]:
+    with running_service(models) as u:
+        yield u
+
+
+@pytest.fixture
+def http(url) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=url, timeout=120) as client:
+        yield client
+
+
+def both(
+    http: httpx.Client,
+    path: str,
+    body: bytes,
+    params: dict[str, str] | None = None,
+    ctype: str = "application/json",
+) -> tuple[httpx.Response, httpx.Response]:
+    """The same request answered as FHIR and as bagserve's own JSON."""
+    answers = []
+    for accept in (FHIR, "application/json"):
+        r = http.post(
+            path, content=body, params=params, headers={"accept": accept, "content-type": ctype}
+        )
+        assert r.status_code == 200, r.text
+        answers.append(r)
+    return answers[0], answers[1]
+
+
+def observations(bundle: dict[str, Any]) -> list[dict[str, Any]]:
+    assert bundle["resourceType"] == "Bundle" and bundle["type"] == "collection"
+    urls = [e["fullUrl"] for e in bundle["entry"]]
+    assert len(set(urls)) == len(urls) and all(u.startswith("urn:uuid:") for u in urls)
+    return [e["resource"] for e in bundle["entry"]]
+
+
+def contained(obs: dict[str, Any], reference: str) -> dict[str, Any]:
+    """The contained resource a local reference (``#id``) points at."""
+    assert reference.startswith("#")
+    (found,) = [r for r in obs["contained"] if r["id"] == reference[1:]]
+    return found
+
+
+def check_provenance(obs: dict[str, Any], fhir: httpx.Response, body: bytes, bag: str) -> None:
+    """device: the model (name, version, sha256); derivedFrom: the body's sha256."""
+    device = contained(obs, obs["device"]["reference"])
+    assert device["resourceType"] == "Device"
+    assert device["deviceName"][0]["name"] == fhir.headers["x-model-name"]
+    assert device["version"][0]["value"] == fhir.headers["x-model-version"]
+    assert device["identifier"][0]["value"] == fhir.headers["x-model-sha256"]
+    (source,) = obs["derivedFrom"]
+    document = contained(obs, source["reference"])
+    assert document["resourceType"] == "DocumentReference"
+    # The oracle: hashlib on the bytes sent.
+    assert document["masterIdentifier"]["value"] == hashlib.sha256(body).hexdigest()
+    assert document["content"][0]["attachment"]["title"] == bag
+    # Every contained resource is referred to (FHIR invariant dom-3).
+    refs = {obs["device"]["reference"], *(d["reference"] for d in obs["derivedFrom"])}
+    assert refs == {f"#{r['id']}" for r in obs["contained"]}
+    request_id = fhir.headers["x-request-id"]
+    assert obs["identifier"][0]["value"] == f"{request_id}/{bag}"
+
+
+def flags(obs: dict[str, Any]) -> set[str]:
+    out = set()
+    for concept in obs.get("interpretation", []):
+        for coding in concept["coding"]:
+            assert coding["system"] == INTERPRETATION
+            out.add(coding["code"])
+    return out
+
+
+def component(obs: dict[str, Any], code: str) -> dict[str, Any]:
+    (found,) = [c for c in obs["component"] if c["code"]["coding"][0]["code"] == code]
+    return found
+
+
+def test_regression_with_interval_and_domain(http, validator):
+    """demo-dose: value, 90% interval as a component, EX outside the domain."""
+    far = copy.deepcopy(DOSE_BAG["bags"][0])
+    far["id"] = "far-away"
+    far["points"] = [[40 * v for v in p] for p in far["points"]]
+    body = json.dumps({"bags": [DOSE_BAG["bags"][0], far]}).encode()
+    params = {"interval": "0.9", "subject": "Patient/p-17", "specimen": "Specimen/s-3"}
+    fhir, native = both(http, "/v1/models/demo-dose/predict", body, params)
+    assert fhir.headers["content-type"] == "application/fhir+json; fhirVersion=4.0"
+    bundle = fhir.json()
+    assert_valid(validator, bundle)
+    assert bundle["identifier"]["value"] == fhir.headers["x-request-id"]
+    expected = native.json()["predictions"]
+    obs = observations(bundle)
+    assert len(obs) == 2
+    out_of_domain = []
+    for o, e in zip(obs, expected, strict=True):
+        check_provenance(o, fhir, body, e["id"])
+        assert o["status"] == "final"
+        assert o["code"]["coding"] == [
+            {
+                "system": "urn:bagserve:model",
+                "code": "demo-dose",
+                "display": "Inducer dose (log10 units) from a sample's reporter distribution.",
+            }
+        ]
+        assert o["subject"] == {"reference": "Patient/p-17"}
+        assert o["specimen"] == {"reference": "Specimen/s-3"}
+        assert o["valueQuantity"]["value"] == pytest.approx(e["prediction"], rel=1e-12)
+        interval = component(o, "prediction-interval")
+        assert interval["code"]["text"] == "90% prediction interval"
+        low, high = interval["valueRange"]["low"]["value"], interval["valueRange"]["high"]["value"]
+        assert [low, high] == pytest.approx(e["interval"], rel=1e-12)
+        # The interval is not a clinical normal range.
+        assert "referenceRange" not in o
+        assert ("EX" in flags(o)) == e["domain"]["out_of_range"]
+        out_of_domain.append(e["domain"]["out_of_range"])
+        for name in e["domain"]["nearest"]:
+            assert name in o["note"][0]["text"]
+    # The far bag is outside the domain and the demo bag inside it.
+    assert out_of_domain == [False, True]
+
+
+def test_per_cell_population_as_ratios(http, validator):
+    """demo-gating: one component per class, its cells over the bag's cells."""
+    fhir, native = both(
+        http, "/v1/models/demo-gating/predict", GATING_CSV, {"id": "tube-1"}, "text/csv"
+    )
+    bundle = fhir.json()
+    assert_valid(validator, bundle)
+    (o,) = observations(bundle)
+    (expected,) = native.json()["predictions"]
+    check_provenance(o, fhir, GATING_CSV, "tube-1")
+    assert "valueQuantity" not in o and "valueCodeableConcept" not in o
+    population = expected["population"]
+    assert len(o["component"]) == len(population)
+    for c, row in zip(o["component"], population, strict=True):
+        assert c["code"]["coding"][0] == {
+            "system": "urn:bagserve:model:demo-gating:class",
+            "code": str(row["class"]),
+            "display": str(row["class"]),
+        }
+        ratio = c["valueRatio"]
+        assert ratio["numerator"]["value"] == row["count"]
+        assert ratio["denominator"]["value"] == expected["n_points"]
+        assert ratio["numerator"]["code"] == ratio["denominator"]["code"] == "{cells}"
+        assert 100 * ratio["numerator"]["value"] / ratio["denominator"]["value"] == pytest.approx(
+            row["percent"], rel=1e-12
+        )
+    assert (
+        sum(c["valueRatio"]["numerator"]["value"] for c in o["component"]) == expected["n_points"]
+    )
+    assert ("EX" in flags(o)) == expected["report"]["out_of_range"]
+
+
+def test_configured_code_unit_and_reference_range(http, models, validator):
+    """coded-dose: the [fhir] table's code and UCUM unit; H/L/N against its range."""
+    meta = read_manifest(models / "coded-dose" / "1")["metadata"]
+    assert meta["fhir"] == {**DOSE_FHIR, "category": "laboratory"}
+    card = (models / "coded-dose" / "1" / "card.md").read_text()
+    assert (
+        f"- Reported as: `{LAB}` code `yeast-ip-dose` (Inducer (IP) dose, log10), unit `[lg]`"
+        in card
+    )
+    names = ["Yeast_B1_B01.fcs", "Yeast_B8_B08.fcs", "Yeast_C9_C09.fcs"]
+    files = [("files", (n, (YEAST / n).read_bytes(), "application/vnd.isac.fcs")) for n in names]
+    fhir = http.post("/v1/models/coded-dose/predict", files=files, headers={"accept": FHIR})
+    native = http.post("/v1/models/coded-dose/predict", files=files)
+    assert fhir.status_code == native.status_code == 200, fhir.text
+    bundle = fhir.json()
+    assert_valid(validator, bundle)
+    low, high = DOSE_FHIR["reference_range"]
+    seen = []
+    for o, e in zip(observations(bundle), native.json()["predictions"], strict=True):
+        assert o["code"]["coding"] == [
+            {"system": LAB, "code": "yeast-ip-dose", "display": "Inducer (IP) dose, log10"}
+        ]
+        q = o["valueQuantity"]
+        assert q == {
+            "value": pytest.approx(e["prediction"], rel=1e-12),
+            "unit": "log10",
+            "system": "http://unitsofmeasure.org",
+            "code": "[lg]",
+        }
+        (rng,) = o["referenceRange"]
+        assert (rng["low"]["value"], rng["high"]["value"]) == (low, high)
+        assert rng["low"]["code"] == "[lg]"
+        want = "L" if q["value"] < low else "H" if q["value"] > high else "N"
+        assert flags(o) - {"EX"} == {want}
+        seen.append(want)
+    # The highest dose, a middle one and the lowest: one of each.
+    assert seen == ["H", "N", "L"]
+
+
+def test_classifier_codes_its_classes(http, validator):
+    """coded-level: the class codings of [fhir.classes]; the prediction set as a note."""
+    names = ["Yeast_B1_B01.fcs", "Yeast_C9_C09.fcs"]
+    files = [("files", (n, (YEAST / n).read_bytes(), "application/vnd.isac.fcs")) for n in names]
+    params = {"interval": "0.8"}
+    fhir = http.post(
+        "/v1/models/coded-level/predict", files=files, params=params, headers={"accept": FHIR}
+    )
+    native = http.post("/v1/models/coded-level/predict", files=files, params=params)
+    assert fhir.status_code == native.status_code == 200, fhir.text
+    bundle = fhir.json()
+    assert_valid(validator, bundle)
+    labels = []
+    for o, e in zip(observations(bundle), native.json()["predictions"], strict=True):
+        concept = o["valueCodeableConcept"]
+        assert concept["coding"] == [LEVEL_CLASSES[e["prediction"]]]
+        assert concept["text"] == e["prediction"]
+        members = ", ".join(e["set"]) or "empty"
+        assert f"80% prediction set: {members}." in [n["text"] for n in o["note"]]
+        if "probabilities" in e:
+            for label, p in e["probabilities"].items():
+                (c,) = [c for c in o["component"] if c["code"]["coding"][0] == LEVEL_CLASSES[label]]
+                assert c["valueQuantity"]["value"] == pytest.approx(p, rel=1e-12)
+        labels.append(e["prediction"])
+    assert labels == ["high", "low"]
+
+
+def test_references_checked_before_the_body_and_legacy_media_type(http):
+    for params in ({"subject": "patient 17"}, {"specimen": "Specimen/"}):
+        r = http.post(
+            "/v1/models/demo-dose/predict", json=DOSE_BAG, params=params, headers={"accept": FHIR}
+        )
+        assert r.status_code == 422, r.text
+        name = next(iter(params))
+        assert f"{name} must be a FHIR reference" in r.json()["detail"]
+    # application/json+fhir (before FHIR R3) is answered as R4 JSON too.
+    r = http.post(
+        "/v1/models/demo-dose/predict", json=DOSE_BAG, headers={"accept": "application/json+fhir"}
+    )
+    assert r.status_code == 200 and r.json()["resourceType"] == "Bundle"
+    # Without Accept FHIR, the FHIR parameters change nothing.
+    r = http.post("/v1/models/demo-dose/predict", json=DOSE_BAG, params={"subject": "Patient/1"})
+    assert r.status_code == 200 and "predictions" in r.json()
+
+
+def test_idempotent_replay_is_the_same_bundle(http):
+    headers = {"accept": FHIR, "Idempotency-Key": "fhir-replay-1"}
+    first = http.post("/v1/models/demo-dose/predict", json=DOSE_BAG, headers=headers)
+    again = http.post("/v1/models/demo-dose/predict", json=DOSE_BAG, headers=headers)
+    assert first.status_code == again.status_code == 200
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert again.content == first.content
+
+
+def test_the_schema_check_can_fail(http, validator):
+    """The validator refuses what FHIR refuses: the checks above are not vacuous."""
+    r = http.post("/v1/models/demo-dose/predict", json=DOSE_BAG, headers={"accept": FHIR})
+    bundle = r.json()
+    assert_valid(validator, bundle)
+    for breaks in (
+        lambda o: o.pop("code"),
+        lambda o: o["valueQuantity"].update(value="0.3"),
+        lambda o: o.update(status="done"),
+        lambda o: o.update(issued="23 Nov 2026"),
+        lambda o: o["code"]["coding"][0].update(system="not a uri"),
+        lambda o: o.update(valueWhatever=1),
+    ):
+        broken = copy.deepcopy(bundle)
+        breaks(broken["entry"][0]["resource"])
+        assert not validator.is_valid(broken)
+
+
+def test_output_coding_config_errors(tmp_path):
+    good = {"system": LAB, "code": "x"}
+    for spec, message in (
+        ({**good, "sytem": LAB}, r"unknown key\(s\) \['sytem'\]"),
+        ({"code": "x"}, "missing system"),
+        ({**good, "system": "loinc"}, "absolute URI"),
+        ({**good, "code": " x"}, "code must be"),
+        ({**good, "category": "lab"}, "category must be one of"),
+        ({**good, "reference_range": [2, 1]}, "low 2.0 is above high 1.0"),
+        ({**good, "reference_range": ["", ""]}, "at least one end"),
+        ({**good, "classes": {"a": {"code": "1"}}}, r"\[fhir.classes\] 'a': missing system"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            OutputCoding.from_config(spec)
+    with pytest.raises(ConfigError, match=r"\['medium'\] are not classes of the model"):
+        OutputCoding.from_config({**good, "classes": {"medium": good}}, classes=["high", "low"])
+    coding = OutputCoding.from_config({**good, "reference_range": ["", 5]})
+    assert coding.reference_range == (None, 5.0)
+    assert OutputCoding.from_json(coding.to_json(), "m") == coding
+    # Checked before any fitting: a bad table fails at once.
+    cfg = example("yeast_dose", tmp_path, fhir={"system": "loinc", "code": "1"})
+    with pytest.raises(ConfigError, match="absolute URI"):
+        train(cfg, progress=False)

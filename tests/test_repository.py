@@ -1,0 +1,179 @@
+"""Model repository operations, Triton's configuration and statistics, and the
+protocol details a lab's tools trip over, against the real service."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from bagserve.core.demo import build_demo_models, demo_samples
+
+from bagserve import __version__
+
+from .service_harness import running_service
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("repo") / "models"
+    build_demo_models(directory)
+    return directory
+
+
+def dose_body(seed: int = 3) -> dict:
+    bags, _, markers = demo_samples("dose", 1, seed)
+    return {"bags": [{"id": "b", "markers": markers, "points": np.asarray(bags[0]).tolist()}]}
+
+
+def states(url: str) -> dict[str, tuple[str, str]]:
+    rows = httpx.post(f"{url}/v2/repository/index", timeout=30).json()
+    return {f"{r['name']}/{r['version']}": (r["state"], r["reason"]) for r in rows}
+
+
+def test_models_load_reload_and_unload_while_serving(models, tmp_path):
+    """New and changed models are served after a load, and an unloaded one is not,
+    without a restart and without a failed request meanwhile; SIGHUP reloads all."""
+    repo = tmp_path / "models"
+    shutil.copytree(models, repo)
+    with running_service(repo) as url:
+        assert states(url) == {"demo-dose/1": ("READY", ""), "demo-gating/1": ("READY", "")}
+        # New artifacts on disk are listed, not served, until loaded.
+        shutil.copytree(repo / "demo-dose" / "1", repo / "demo-dose" / "2")
+        shutil.copytree(repo / "demo-dose" / "1", repo / "extra" / "1")
+        assert states(url)["extra/1"] == ("UNAVAILABLE", "not loaded yet (load it)")
+        assert httpx.get(f"{url}/v1/models/extra").status_code == 404
+
+        # Requests keep flowing while the workers are replaced.
+        body, statuses, stop = dose_body(), [], threading.Event()
+
+        def hammer() -> None:
+            while not stop.is_set():
+                r = httpx.post(f"{url}/v1/models/demo-dose/predict", json=body, timeout=60)
+                statuses.append(r.status_code)
+
+        thread = threading.Thread(target=hammer)
+        thread.start()
+        try:
+            r = httpx.post(f"{url}/v2/repository/models/extra/load", timeout=120)
+            assert r.status_code == 200 and r.json()["served"] == ["extra/1"], r.text
+            r = httpx.post(f"{url}/v2/repository/models/demo-dose/load", timeout=120)
+            assert r.json()["served"] == ["demo-dose/1", "demo-dose/2"]
+        finally:
+            stop.set()
+            thread.join()
+        assert statuses and set(statuses) == {200}, statuses
+        extra = httpx.post(f"{url}/v1/models/extra/predict", json=body, timeout=60)
+        assert extra.status_code == 200
+        assert httpx.get(f"{url}/v1/models/demo-dose").json()["latest"] == "2"
+        assert httpx.get(f"{url}/readyz").json()["workers"]["alive"] == 2
+
+        # Unload: answered 404 at once, listed as unloaded, served again after a load.
+        assert httpx.post(f"{url}/v2/repository/models/demo-gating/unload").status_code == 200
+        gone = httpx.get(f"{url}/v1/models/demo-gating")
+        assert gone.status_code == 404 and "unknown model" in gone.json()["detail"]
+        assert states(url)["demo-gating/1"] == ("UNAVAILABLE", "unloaded")
+        assert httpx.post(f"{url}/v2/repository/models/demo-gating/load", timeout=120).is_success
+        assert httpx.get(f"{url}/v1/models/demo-gating").status_code == 200
+        # Loading what is not there is refused with the reason, in the protocol's form.
+        missing = httpx.post(f"{url}/v2/repository/models/nope/load")
+        assert missing.status_code == 404
+        assert missing.headers["content-type"] == "application/json"
+        assert "no servable version of model 'nope'" in missing.json()["error"]
+
+        # SIGHUP: everything on disk, at once.
+        shutil.copytree(repo / "demo-dose" / "1", repo / "late" / "1")
+        os.kill(url.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while "late/1" not in httpx.get(f"{url}/readyz").json()["models"]:
+            assert time.monotonic() < deadline, "SIGHUP did not load the new model"
+            time.sleep(0.3)
+        assert httpx.post(f"{url}/v1/models/late/predict", json=body, timeout=60).is_success
+
+
+def test_triton_model_config_and_statistics(models):
+    with running_service(models) as url:
+        config = httpx.get(f"{url}/v2/models/demo-dose/config").json()
+        assert config["name"] == "demo-dose" and config["max_batch_size"] == 0
+        assert config["input"][0] == {"name": "points", "data_type": "TYPE_FP64", "dims": [-1, 3]}
+        assert [o["name"] for o in config["output"]][:1] == ["prediction"]
+        assert (
+            config["parameters"]["sha256"]["string_value"]
+            == httpx.get(f"{url}/v2/models/demo-dose").json()["parameters"]["sha256"]
+        )
+        for _ in range(2):
+            httpx.post(f"{url}/v1/models/demo-dose/predict", json=dose_body(), timeout=60)
+        bad = dose_body()
+        bad["bags"][0]["points"] = [[1.0, 2.0]]
+        httpx.post(f"{url}/v1/models/demo-dose/predict", json=bad, timeout=60)
+        (stats,) = httpx.get(f"{url}/v2/models/demo-dose/stats").json()["model_stats"]
+        inference = stats["inference_stats"]
+        assert stats["version"] == "1" and stats["execution_count"] == 2
+        assert inference["success"]["count"] == 2 and inference["fail"]["count"] == 1
+        assert inference["compute_infer"]["ns"] > 0 and stats["last_inference"] > 0
+        every = httpx.get(f"{url}/v2/models/stats").json()["model_stats"]
+        assert [s["name"] for s in every] == ["demo-dose", "demo-gating"]
+        one = httpx.get(f"{url}/v2/models/demo-dose/versions/1/stats").json()
+        assert one["model_stats"][0]["execution_count"] == 2
+        assert httpx.get(f"{url}/v2/models/nope/stats").status_code == 404
+
+
+def test_protocol_details_lab_tools_rely_on(models, tmp_path):
+    from bagserve.service.client import Client
+
+    with running_service(models) as url:
+        # /v2 errors: application/json, the whole message in "error" (KServe, Triton).
+        r = httpx.post(
+            f"{url}/v2/models/demo-dose/infer",
+            json={
+                "inputs": [
+                    {"name": "points", "datatype": "FP64", "shape": [1, 2], "data": [1.0, 2.0]}
+                ]
+            },
+        )
+        assert r.status_code == 422 and r.headers["content-type"] == "application/json"
+        assert "the model takes 3" in r.json()["error"]
+        # /v1 errors stay RFC 9457 problem details.
+        r = httpx.get(f"{url}/v1/models/nope")
+        assert r.headers["content-type"] == "application/problem+json"
+        # The client takes any array layout (a column slice is not C-contiguous).
+        bags, _, markers = demo_samples("dose", 1, 3)
+        wide = np.hstack([np.asarray(bags[0]), np.zeros((bags[0].shape[0], 1))])
+        with Client(url) as client:
+            sliced = client.predict("demo-dose", [wide[:, :3]], markers=markers)
+            packed = client.predict("demo-dose", [np.asarray(bags[0])], markers=markers)
+        assert sliced["predictions"][0]["prediction"] == packed["predictions"][0]["prediction"]
+        # `bagserve predict --url` names an unknown model.
+        sample = tmp_path / "s.csv"
+        sample.write_text(",".join(markers) + "\n" + "1,2,3\n4,5,6\n")
+        exe = Path(sys.executable).parent / "bagserve"
+        done = subprocess.run(
+            [str(exe), "predict", "--url", url, "no-such-model", str(sample)],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode != 0 and "unknown model 'no-such-model'" in done.stderr
+        for _ in range(3):
+            httpx.get(f"{url}/healthz")
+            httpx.get(f"{url}/readyz")
+        httpx.get(f"{url}/v1/models", headers={"x-request-id": "logged-request"})
+        time.sleep(0.3)
+        log = (models.parent / f"serve-{url.rsplit(':', 1)[1]}.log").read_text()
+    # JSON-only logs, uvicorn's own lines included; probes not logged by default.
+    lines = [x for x in log.splitlines() if x.strip()]
+    records = [json.loads(x) for x in lines]  # fails on any plain-text line
+    assert any(r["logger"].startswith("uvicorn") for r in records)
+    paths = [r.get("path") for r in records if r.get("message") == "request"]
+    assert "/v1/models" in paths and "/healthz" not in paths and "/readyz" not in paths
+    # --version
+    done = subprocess.run([str(exe), "--version"], capture_output=True, text=True)
+    assert done.stdout.strip() == f"bagserve {__version__}"
