@@ -2,13 +2,15 @@
 #   docker build -t bagserve .
 #   docker run -p 127.0.0.1:8000:8000 -v "$PWD/models:/models:ro" bagserve
 # Models are artifacts under /models/<name>/<version>/ (bagserve train / bagserve demo),
-# mounted read-only; /data keeps jobs, idempotency records and the audit trail;
+# mounted read-only; /data keeps the SQLite database of jobs, idempotency records and
+# the audit trail (or BAGSERVE_DATABASE_URL names a PostgreSQL database);
 # settings are BAGSERVE_* variables (service/settings.py, the package bagserve.service).
 
 FROM python:3.11-slim AS build
-# Optional input formats served by the image (Parquet, AnnData .h5ad); an empty
-# EXTRAS builds the smaller image without them (--build-arg EXTRAS=).
-ARG EXTRAS=parquet,anndata
+# Optional input formats served by the image (Parquet, AnnData .h5ad) and PostgreSQL
+# for shared state (compose's scale profile); an empty EXTRAS builds the smaller image
+# without them (--build-arg EXTRAS=).
+ARG EXTRAS=parquet,anndata,postgres
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY core ./core

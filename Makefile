@@ -42,6 +42,7 @@ test: lint
 bench: $(BIN)/.dev-installed
 	$(BIN)/python bench/bench_gram.py
 	$(BIN)/python bench/bench_service.py
+	$(BIN)/python bench/bench_jobs.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_density.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_scale.py

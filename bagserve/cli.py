@@ -212,14 +212,49 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
+def _audit_source(args: argparse.Namespace):
+    """The audit chain a command reads: ``--database``, else the service's settings
+    (BAGSERVE_DATABASE_URL, or the SQLite file in BAGSERVE_DATA_DIR)."""
+    from .service.audit import AuditLog
+    from .service.database import Database
+    from .service.settings import Settings
+
+    settings = Settings()
+    data_dir = Path(args.data_dir) if args.data_dir else settings.data_dir
+    url = args.database or settings.database_url
+    if url is None and not (data_dir / "bagserve.sqlite3").exists():
+        raise SystemExit(
+            f"error: no audit database: {data_dir / 'bagserve.sqlite3'} does not exist"
+        )
+    return AuditLog(Database(url, data_dir, pool_size=1))
+
+
 def _cmd_audit_verify(args: argparse.Namespace) -> int:
     from .service.audit import verify
 
-    result = verify(args.file)
+    if args.file is not None:
+        where, result = args.file, verify(args.file)
+    else:
+        log = _audit_source(args)
+        where, result = log.db.where, log.verify()
+        log.db.close()
     if not result.ok:
-        print(f"error: {args.file}: {result.problem}", file=sys.stderr)
+        print(f"error: {where}: {result.problem}", file=sys.stderr)
         return 1
-    print(f"ok: {result.lines} line(s), chain intact, last hash {result.last_hash}")
+    print(f"ok: {result.lines} record(s), chain intact, last hash {result.last_hash}")
+    return 0
+
+
+def _cmd_audit_export(args: argparse.Namespace) -> int:
+    log = _audit_source(args)
+    try:
+        result = log.export(args.output)
+    finally:
+        log.db.close()
+    if not result.ok:
+        print(f"error: {log.db.where}: {result.problem}; nothing written", file=sys.stderr)
+        return 1
+    print(f"{args.output}: {result.lines} record(s), last hash {result.last_hash}")
     return 0
 
 
@@ -349,9 +384,23 @@ def _parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="the service's audit trail")
     asub = a.add_subparsers(dest="audit_command", required=True)
-    av = asub.add_parser("verify", help="check the hash chain: exit 1 on an edited or deleted line")
-    av.add_argument("file")
+    av = asub.add_parser(
+        "verify", help="check the hash chain: exit 1 on an edited, reordered or deleted record"
+    )
+    av.add_argument("file", nargs="?", help="an exported trail; default: the service's database")
     av.set_defaults(func=_cmd_audit_verify)
+    ae = asub.add_parser(
+        "export", help="write the chain as JSON lines (+ FILE.head) after verifying it"
+    )
+    ae.add_argument("output")
+    ae.set_defaults(func=_cmd_audit_export)
+    for audit_parser in (av, ae):
+        audit_parser.add_argument(
+            "--database", help="postgresql://... ; default: BAGSERVE_DATABASE_URL, else SQLite"
+        )
+        audit_parser.add_argument(
+            "--data-dir", help="where the SQLite database is; default: BAGSERVE_DATA_DIR"
+        )
 
     o = sub.add_parser("openapi", help="print (or write) the service's OpenAPI document")
     o.add_argument("--output", help="e.g. openapi/openapi.json")

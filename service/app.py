@@ -23,11 +23,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bagserve import __version__
 
 from .audit import AuditLog
+from .database import Database
 from .deps import Services, ServicesDep
 from .errors import install_handlers
+from .file_import import import_files
 from .idempotency import IdempotencyStore
 from .job_runner import JobRunner
-from .jobs import JobStore
+from .jobs import JobStore, replica_id
 from .logs import configure_logging
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .model_stats import ModelStats
@@ -119,6 +121,16 @@ async def _reload_quietly(repository: Repository) -> None:
         log.exception("reload on SIGHUP failed; the models served before are still served")
 
 
+async def _sweep_keys(idempotency: IdempotencyStore) -> None:
+    """Delete expired idempotency answers now and then (any replica may)."""
+    while True:
+        await asyncio.sleep(min(idempotency.ttl, 60.0))
+        try:
+            await asyncio.to_thread(idempotency.sweep)
+        except Exception:
+            log.exception("cannot sweep idempotency records")
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; models load and workers start in the lifespan."""
     settings = settings or Settings()
@@ -136,10 +148,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             {e.key: e.info.path for e in registry.all()}, settings.workers, settings.queue_size
         )
         data = Path(settings.data_dir)
-        audit = AuditLog(settings.audit_log or data / "audit.jsonl")
+        db = await asyncio.to_thread(
+            Database, settings.database_url, data, pool_size=settings.database_pool
+        )
+        imported = await asyncio.to_thread(import_files, db, data, settings.audit_log)
+        audit = AuditLog(db)
         stats = ModelStats()
         predictor = Predictor(settings, pool, app_metrics, audit, stats)
-        store = JobStore(data / "jobs", settings.jobs_ttl)
+        owner = replica_id()
+        idempotency = IdempotencyStore(
+            db, settings.idempotency_ttl, lease=settings.lease, owner=owner
+        )
+        store = JobStore(
+            db, settings.jobs_ttl, lease=settings.lease, poll=settings.job_poll, owner=owner
+        )
         svc = Services(
             settings=settings,
             auth=auth,
@@ -148,15 +170,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             pool=pool,
             predictor=predictor,
             audit=audit,
-            idempotency=IdempotencyStore(data / "idempotency", settings.idempotency_ttl),
+            idempotency=idempotency,
             jobs=store,
             repository=Repository(registry, pool),
             stats=stats,
         )
         await pool.start()
-        recovered = store.recover()
         store.start(JobRunner(store, registry, predictor), concurrency=settings.workers)
         app.state.services = svc
+        sweeper = asyncio.get_running_loop().create_task(_sweep_keys(idempotency))
         # SIGHUP: reload the models directory, as daemons reload their configuration.
         loop = asyncio.get_running_loop()
         reloads: set[asyncio.Task[Any]] = set()
@@ -173,7 +195,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             extra={
                 "models": [e.key for e in registry.all()],
                 "workers": settings.workers,
-                "jobs_recovered": recovered,
+                "database": db.where,
+                "replica": owner,
+                "jobs": await asyncio.to_thread(store.counts),
+                "imported": imported,
             },
         )
         try:
@@ -182,8 +207,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signal.SIGHUP)
             app.state.services = None
+            sweeper.cancel()
             await store.stop()
             await pool.stop()
+            await asyncio.to_thread(db.close)
 
     app = FastAPI(
         title="bagserve",

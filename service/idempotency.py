@@ -1,28 +1,33 @@
 """``Idempotency-Key``: a retried request gets the stored answer, not a second computation.
 
-The answer to a keyed request (its status, headers and body) is written to disk with a
-fingerprint of the request (method, path, query, content type, accept, body). A request
-with the same key and fingerprint replays it (header ``Idempotent-Replayed: true``);
-the same key with another request is refused (422). Concurrent requests with one key
-wait for the first one's answer. Answers that invite a retry (429, 5xx) are not kept.
+The answer to a keyed request (its status, headers and body) is stored in the service's
+database (:mod:`.database`) with a fingerprint of the request (method, path, query,
+content type, accept, body), so every replica replays it. A request with the same key
+and fingerprint replays it (header ``Idempotent-Replayed: true``); the same key with
+another request is refused (422). Concurrent requests with one key, on one replica or
+several, wait for the first one's answer: the first claims the key (a row without an
+answer, leased to its replica and renewed while it computes); the others poll it. If
+the claiming replica dies, its lease runs out and a waiting request takes the key over.
+Answers that invite a retry (429, 5xx) are not kept: the claim is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
+import contextlib
 import json
 import re
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
+from typing import Any
 
-from bagserve.core.atomic import atomic_write_json
 from bagserve.core.hashing import chunks_sha256, text_sha256
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .errors import Problem
+from .database import Database
+from .errors import Problem, problem_response
+from .jobs import replica_id
 
 __all__ = ["IdempotencyStore", "fingerprint"]
 
@@ -52,45 +57,115 @@ def fingerprint(request: Request, body: bytes | memoryview) -> str:
 
 
 class IdempotencyStore:
-    """Stored answers to keyed requests, one file per key, kept ``ttl`` seconds.
+    """Stored answers to keyed requests, kept ``ttl`` seconds, shared by the replicas.
 
     Parameters
     ----------
-    directory : Path
+    db : Database
     ttl : float
         Seconds an answer is replayed.
+    lease : float
+        Seconds a replica holds a key it computes without renewing the claim.
+    owner : str, optional
+        This replica's name.
     """
 
-    def __init__(self, directory: Path, ttl: float):
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+    #: Seconds between looks at a key another request is computing.
+    wait_poll = 0.05
+
+    def __init__(
+        self, db: Database, ttl: float, *, lease: float = 30.0, owner: str | None = None
+    ) -> None:
+        self.db = db
         self.ttl = ttl
+        self.lease = lease
+        self.owner = owner or replica_id()
         self._locks: dict[str, asyncio.Lock] = {}
 
-    def _path(self, key: str) -> Path:
-        return self.directory / (text_sha256(key) + ".json")
+    # ------------------------------------------------------------------ storage
+    def _begin(self, key_hash: str, fp: str) -> tuple[str, dict[str, Any] | None]:
+        """``("mine", None)`` when this request now holds the key, ``("replay",
+        record)``, ``("wait", None)`` while another request computes it, or
+        ``("reused", None)`` for a key used by another request."""
+        now = time.time()
+        with self.db.transaction() as cur:
+            inserted = cur.execute(
+                "INSERT INTO idempotency (key_hash, fingerprint, created, owner, lease_until) "
+                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (key_hash) DO NOTHING",
+                (key_hash, fp, now, self.owner, now + self.lease),
+            ).rowcount
+            if inserted == 1:
+                return "mine", None
+            lock = " FOR UPDATE" if self.db.dialect == "postgresql" else ""
+            row = cur.execute(
+                "SELECT fingerprint, stored, lease_until, status, headers, body "
+                "FROM idempotency WHERE key_hash = %s" + lock,
+                (key_hash,),
+            ).fetchone()
+            if row is None:  # deleted in between (an answer not kept): try again
+                return "wait", None
+            fingerprint_, stored, lease_until, status, headers, body = row
+            answered = stored is not None
+            expired = answered and now - float(stored) > self.ttl
+            abandoned = not answered and float(lease_until or 0) < now
+            if expired or abandoned:
+                cur.execute(
+                    "UPDATE idempotency SET fingerprint = %s, created = %s, stored = NULL, "
+                    "owner = %s, lease_until = %s, status = NULL, headers = NULL, body = NULL "
+                    "WHERE key_hash = %s",
+                    (fp, now, self.owner, now + self.lease, key_hash),
+                )
+                return "mine", None
+            if fingerprint_ != fp:
+                return "reused", None
+            if not answered:
+                return "wait", None
+            return "replay", {
+                "status": int(status),
+                "headers": json.loads(headers),
+                "body": bytes(body),
+            }
 
-    def _load(self, key: str) -> dict | None:
-        path = self._path(key)
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        if time.time() - record["stored"] > self.ttl:
-            path.unlink(missing_ok=True)
-            return None
-        return record
+    def _renew(self, key_hash: str) -> None:
+        with self.db.transaction() as cur:
+            cur.execute(
+                "UPDATE idempotency SET lease_until = %s WHERE key_hash = %s AND owner = %s "
+                "AND stored IS NULL",
+                (time.time() + self.lease, key_hash, self.owner),
+            )
 
-    def _store(self, key: str, fp: str, response: Response) -> None:
-        record = {
-            "stored": time.time(),
-            "fingerprint": fp,
-            "status": response.status_code,
-            "headers": {k: v for k, v in response.headers.items() if k.lower() in _KEPT_HEADERS},
-            "body": base64.b64encode(response.body).decode(),
-        }
-        atomic_write_json(self._path(key), record)
+    def _store(self, key_hash: str, response: Response) -> None:
+        headers = {k: v for k, v in response.headers.items() if k.lower() in _KEPT_HEADERS}
+        with self.db.transaction() as cur:
+            cur.execute(
+                "UPDATE idempotency SET stored = %s, status = %s, headers = %s, body = %s, "
+                "owner = NULL, lease_until = NULL WHERE key_hash = %s AND owner = %s",
+                (
+                    time.time(),
+                    response.status_code,
+                    json.dumps(headers),
+                    bytes(response.body),
+                    key_hash,
+                    self.owner,
+                ),
+            )
 
+    def _drop(self, key_hash: str) -> None:
+        with self.db.transaction() as cur:
+            cur.execute(
+                "DELETE FROM idempotency WHERE key_hash = %s AND owner = %s AND stored IS NULL",
+                (key_hash, self.owner),
+            )
+
+    def sweep(self) -> int:
+        """Delete answers older than the ttl; how many."""
+        with self.db.transaction() as cur:
+            return cur.execute(
+                "DELETE FROM idempotency WHERE stored IS NOT NULL AND stored < %s",
+                (time.time() - self.ttl,),
+            ).rowcount
+
+    # ------------------------------------------------------------------ use
     async def run(self, key: str, fp: str, produce: Callable[[], Awaitable[Response]]) -> Response:
         """The stored answer for ``key`` (same fingerprint ``fp``), or ``produce()``'s,
         stored when it is final; 422 when the key was used for another request.
@@ -101,30 +176,41 @@ class IdempotencyStore:
                 "Idempotency-Key must be 1 to 255 printable ASCII characters",
                 slug="invalid-idempotency-key",
             )
+        key_hash = text_sha256(key)
+        # Requests on this replica queue here; other replicas' through the database.
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
-            record = self._load(key)
-            if record is not None:
-                if record["fingerprint"] != fp:
+            while True:
+                state, record = await asyncio.to_thread(self._begin, key_hash, fp)
+                if state == "mine":
+                    break
+                if state == "reused":
                     raise Problem(
                         422,
                         "this Idempotency-Key was used for a different request",
                         slug="idempotency-key-reused",
                     )
-                headers = {**record["headers"], "Idempotent-Replayed": "true"}
-                media = headers.pop("content-type", None)
-                return Response(
-                    base64.b64decode(record["body"]),
-                    status_code=record["status"],
-                    headers=headers,
-                    media_type=media,
-                )
+                if state == "replay":
+                    assert record is not None
+                    headers = {**record["headers"], "Idempotent-Replayed": "true"}
+                    media = headers.pop("content-type", None)
+                    return Response(
+                        record["body"],
+                        status_code=record["status"],
+                        headers=headers,
+                        media_type=media,
+                    )
+                await asyncio.sleep(self.wait_poll)
+            return await self._produce(key_hash, produce)
+
+    async def _produce(self, key_hash: str, produce: Callable[[], Awaitable[Response]]) -> Response:
+        keeper = asyncio.ensure_future(self._keep(key_hash))
+        kept = False
+        try:
             try:
                 response = await produce()
             except Problem as exc:
                 if exc.status < 500 and exc.status != 429:
-                    from .errors import problem_response
-
                     response = problem_response(
                         None,
                         exc.status,
@@ -133,8 +219,22 @@ class IdempotencyStore:
                         slug=exc.slug,
                         headers=exc.headers,
                     )
-                    self._store(key, fp, response)
+                    await asyncio.to_thread(self._store, key_hash, response)
+                    kept = True
                 raise
             if response.status_code < 500 and response.status_code != 429:
-                self._store(key, fp, response)
+                await asyncio.to_thread(self._store, key_hash, response)
+                kept = True
             return response
+        finally:
+            keeper.cancel()
+            if not kept:
+                # Shielded: a request cancelled mid-way still frees its key.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(asyncio.to_thread(self._drop, key_hash))
+
+    async def _keep(self, key_hash: str) -> None:
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self._renew, key_hash)

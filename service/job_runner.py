@@ -2,10 +2,12 @@
 
 A job is the same prediction as ``POST /v1/models/{name}/predict``, decoded from the
 body and query stored at submission, audited under the job's own request id and API
-key id, its JSON answer (or problem) written next to the request.
+key id, its JSON answer (or problem) stored with the job.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from .encoders import encode_document
 from .errors import Problem
@@ -34,14 +36,16 @@ class JobRunner:
 
     async def __call__(self, job_id: str) -> None:
         store = self.store
-        meta = store.meta(job_id)
+        meta = await asyncio.to_thread(store.meta, job_id)
         entry = self.registry.get(meta["model"], meta["version"])
         if entry is None:
             detail = f"model {meta['model']}/{meta['version']} is no longer served"
-            store.finish(job_id, "failed", {"status": 404, "detail": detail})
+            await asyncio.to_thread(
+                store.finish, job_id, "failed", {"status": 404, "detail": detail}
+            )
             return
         caller = Caller(meta["request_id"], meta.get("api_key_id"), f"/v1/jobs/{job_id}")
-        body = store.body(job_id)
+        body = await asyncio.to_thread(store.body, job_id)
         options = PredictOptions.from_json(meta.get("options"))
         try:
             outcome = await self.predictor.run(
@@ -55,9 +59,8 @@ class JobRunner:
                 input_sha256=meta["input_sha256"],
             )
         except Problem as exc:
-            store.finish(
-                job_id, "failed", {"status": exc.status, "detail": exc.detail, "errors": exc.errors}
-            )
+            problem = {"status": exc.status, "detail": exc.detail, "errors": exc.errors}
+            await asyncio.to_thread(store.finish, job_id, "failed", problem)
             return
         document = encode_document(
             outcome.result,
@@ -67,4 +70,4 @@ class JobRunner:
             cells=options.cells,
             plots=outcome.plots,
         )
-        store.finish(job_id, "succeeded", {"status": 200, **document})
+        await asyncio.to_thread(store.finish, job_id, "succeeded", {"status": 200, **document})

@@ -397,7 +397,10 @@ class Predictor:
             if self.stats is not None and status != CANCELLED:
                 n_bags = 0 if outcome is None else len(outcome.ids)
                 self.stats.observe(entry.key, status == 200, timings, n_bags)
-            self.record(caller, entry, await input_hash(), status, outcome, options)
+            fields = self.record(caller, entry, await input_hash(), status, outcome, options)
+            if fields is not None and self.audit_log is not None:
+                # Shielded: an abandoned request is still recorded.
+                await asyncio.shield(asyncio.to_thread(self.audit_log.append, **fields))
 
     async def compute(
         self,
@@ -513,14 +516,15 @@ class Predictor:
         status: int,
         outcome: Outcome | None,
         options: PredictOptions | None = None,
-    ) -> None:
-        """One audit line for a prediction attempt on a known model (success or failure).
+    ) -> dict[str, Any] | None:
+        """The audit record of a prediction attempt on a known model (success or
+        failure); None when the service keeps no audit trail.
 
         A caller's declaration that the cells were compensated already is recorded: the
         model's own compensation was skipped on the caller's word.
         """
         if self.audit_log is None:
-            return
+            return None
         fields: dict[str, Any] = {
             "request_id": caller.request_id,
             "api_key_id": caller.key_id,
@@ -536,7 +540,7 @@ class Predictor:
             fields["compensated_by_caller"] = True
         if caller.files and self.settings.audit_file_names:
             fields["files"] = caller.files
-        self.audit_log.append(**fields)
+        return fields
 
 
 def _validate(

@@ -37,9 +37,30 @@ class Settings(BaseSettings):
         default_factory=list, description="empty: CORS off"
     )
     data_dir: Path = Field(
-        Path("bagserve-data"), description="writable: jobs, idempotency records, audit trail"
+        Path("bagserve-data"),
+        description="writable: the SQLite database of jobs, idempotency records and audit trail",
     )
-    audit_log: Path | None = Field(None, description="default: DATA_DIR/audit.jsonl")
+    database_url: str | None = Field(
+        None,
+        description=(
+            "postgresql://user:password@host:5432/db to share state between replicas on "
+            "several hosts; default: SQLite in DATA_DIR/bagserve.sqlite3"
+        ),
+    )
+    database_pool: int = Field(8, ge=1, le=256, description="PostgreSQL connections at most")
+    lease: float = Field(
+        30.0,
+        gt=0,
+        description=(
+            "seconds a replica holds a running job or a key it computes without renewing; "
+            "after that another replica takes it over"
+        ),
+    )
+    job_poll: float = Field(0.5, gt=0, description="seconds between looks for queued jobs")
+    audit_log: Path | None = Field(
+        None,
+        description="a pre-database audit file to import once; default: DATA_DIR/audit.jsonl",
+    )
     audit_file_names: bool = Field(False, description="keep uploaded file names in the audit trail")
     jobs_ttl: float = Field(86400.0, gt=0, description="seconds a finished job's result is kept")
     idempotency_ttl: float = Field(86400.0, gt=0, description="seconds a stored answer is replayed")

@@ -28,6 +28,8 @@ from bagserve.core import (
 )
 from bagserve.core.demo import build_demo_models
 from bagserve.core.io import Panel, Preprocessing, read_sample
+from bagserve.service.audit import AuditLog
+from bagserve.service.database import Database
 
 from .conftest import SHARED_DATA
 
@@ -193,3 +195,19 @@ def wait_ready(
             pass
         time.sleep(0.2)
     raise TimeoutError(f"service not ready: {None if last is None else last.text}")
+
+
+def audit_log(data_dir: Path) -> AuditLog:
+    """The audit chain of a service whose state is SQLite in ``data_dir``."""
+    return AuditLog(Database(None, data_dir, pool_size=1))
+
+
+def audit_count(data_dir: Path) -> int:
+    """Records in that chain (0 before the service made its database)."""
+    if not (data_dir / "bagserve.sqlite3").exists():
+        return 0
+    log = audit_log(data_dir)
+    try:
+        return log.count()
+    finally:
+        log.db.close()

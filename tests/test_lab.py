@@ -17,7 +17,7 @@ from bagserve.core.demo import demo_samples
 from bagserve.service.audit import verify
 
 from .conftest import SHARED_DATA
-from .service_harness import build_models, running_service
+from .service_harness import audit_count, audit_log, build_models, running_service
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -240,8 +240,7 @@ def test_accepted_jobs_survive_a_restart(models, tmp_path):
 def test_idempotent_predict_and_jobs(url, data_dir):
     bags, markers = dose_bags(1, seed=11)
     body = {"bags": [{"markers": markers, "points": bags[0].tolist()}]}
-    audit = data_dir / "audit.jsonl"
-    before = len(audit.read_text().splitlines()) if audit.exists() else 0
+    before = audit_count(data_dir)
     key = {"Idempotency-Key": "order-7f3a"}
     results = []
 
@@ -259,7 +258,7 @@ def test_idempotent_predict_and_jobs(url, data_dir):
     assert len({r.content for r in results}) == 1
     assert sum(r.headers.get("idempotent-replayed") == "true" for r in results) == 3
     # Computed (and audited) once.
-    assert len(audit.read_text().splitlines()) == before + 1
+    assert audit_count(data_dir) == before + 1
     other = {"bags": [{"markers": markers, "points": (bags[0] + 1).tolist()}]}
     r = httpx.post(f"{url}/v1/models/demo-dose/predict", json=other, headers=key)
     assert r.status_code == 422 and r.json()["type"].endswith("idempotency-key-reused")
@@ -348,22 +347,29 @@ def test_idempotency_and_jobs_with_large_npy_bodies(url, data_dir):
 
 
 # ----------------------------------------------------------------- audit, metrics
-def test_audit_trail_lines_and_verification(url, data_dir, tmp_path):
+def test_audit_trail_records_and_verification(url, data_dir, tmp_path):
     bags, markers = dose_bags(2, seed=5)
     v1(url, bags, markers)
     httpx.post(f"{url}/v1/models/demo-dose/predict", json={"bags": [{"points": [[1.0, 2.0]]}]})
-    lines = [json.loads(x) for x in (data_dir / "audit.jsonl").read_text().splitlines()]
-    ok, bad = lines[-2], lines[-1]
+    bad, ok = audit_log(data_dir).recent(2)
     assert ok["status"] == 200 and ok["bag_sizes"] == [b.shape[0] for b in bags]
     assert ok["model"]["name"] == "demo-dose" and len(ok["model"]["sha256"]) == 64
     assert len(ok["input_sha256"]) == 64 and ok["request_id"] and "mean" in ok["output"]
     assert bad["status"] == 422 and "output" not in bad
-    text = (data_dir / "audit.jsonl").read_text()
-    assert str(bags[0][0, 0]) not in text  # no point values
     exe = str(Path(sys.executable).parent / "bagserve")
-    assert subprocess.run([exe, "audit", "verify", str(data_dir / "audit.jsonl")]).returncode == 0
-    copy = tmp_path / "audit.jsonl"
-    head = (data_dir / "audit.jsonl.head").read_text()
+    where = ["--data-dir", str(data_dir)]
+    assert subprocess.run([exe, "audit", "verify", *where]).returncode == 0
+    exported = tmp_path / "audit.jsonl"
+    out = subprocess.run(
+        [exe, "audit", "export", str(exported), *where], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    text = exported.read_text()
+    assert str(bags[0][0, 0]) not in text  # no point values
+    assert json.loads(text.splitlines()[-1]) == bad
+    assert subprocess.run([exe, "audit", "verify", str(exported)]).returncode == 0
+    copy = tmp_path / "copy.jsonl"
+    head = (tmp_path / "audit.jsonl.head").read_text()
     cases = {
         "edited": lambda ls: [ls[0].replace('"status":200', '"status":201'), *ls[1:]],
         "deleted": lambda ls: [ls[0], *ls[2:]],
@@ -371,7 +377,7 @@ def test_audit_trail_lines_and_verification(url, data_dir, tmp_path):
     }
     for name, mutate in cases.items():
         copy.write_text("\n".join(mutate(text.splitlines())) + "\n")
-        (tmp_path / "audit.jsonl.head").write_text(head)
+        (tmp_path / "copy.jsonl.head").write_text(head)
         result = verify(copy)
         assert not result.ok, name
         out = subprocess.run([exe, "audit", "verify", str(copy)], capture_output=True, text=True)
@@ -584,14 +590,13 @@ def test_a_compensating_model_compensates_uploads_and_refuses_what_it_cannot(url
     )
     assert r.status_code == 200, r.text
     np.testing.assert_allclose(r.json()["predictions"][0]["prediction"], local[0], rtol=1e-9)
-    time.sleep(0.2)
-    lines = [
-        json.loads(x)
-        for p in (models.parent / "data").glob("audit*")
-        for x in p.read_text().splitlines()
-        if "declared-compensated" in x
+    # The audit record is committed before the answer is sent.
+    records = [
+        r
+        for r in audit_log(models.parent / "data").recent(50)
+        if r["request_id"] == "declared-compensated"
     ]
-    assert lines and lines[-1]["compensated_by_caller"] is True
+    assert records and records[0]["compensated_by_caller"] is True
 
 
 def test_per_cell_models_answer_a_population_summary(url, models):

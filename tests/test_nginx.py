@@ -131,6 +131,11 @@ def replica_services(doc: dict) -> dict[str, dict]:
     return {n: s for n, s in doc["services"].items() if s.get("image", "").startswith("bagserve:")}
 
 
+def scale_replicas(doc: dict) -> dict[str, dict]:
+    """The replicas behind nginx: the scale profile's bagserve services."""
+    return {n: s for n, s in replica_services(doc).items() if s.get("profiles") == ["scale"]}
+
+
 def http_block() -> Directive:
     return parse_nginx(NGINX_CONF.read_text()).one("http")
 
@@ -151,24 +156,44 @@ PREDICT_LOCATION = (
 def test_compose_scale_profile_leaves_the_default_alone():
     doc = compose()
     services = doc["services"]
-    # `docker compose up` without a profile starts what it started before: bagserve only.
+    # `docker compose up` without a profile starts what it started before: bagserve only,
+    # its state in SQLite on its own data volume.
     assert [n for n, s in services.items() if not s.get("profiles")] == ["bagserve"]
-    replicas = replica_services(doc)
-    assert len(replicas) >= 3
-    base = replicas["bagserve"]
-    data_volumes = set()
+    base = services["bagserve"]
+    assert "BAGSERVE_DATABASE_URL" not in base["environment"]
+    assert "./models:/models:ro" in base["volumes"] and "bagserve-data:/data" in base["volumes"]
+    replicas = scale_replicas(doc)
+    assert len(replicas) >= 2
     for name, svc in replicas.items():
-        if name != "bagserve":
-            assert svc["profiles"] == ["scale"] and "ports" not in svc
-            # Identical to the default service but for the profile and the data volume.
-            same = {k: v for k, v in svc.items() if k not in ("profiles", "volumes")}
-            assert same == {k: v for k, v in base.items() if k not in ("ports", "volumes")}
-        assert "./models:/models:ro" in svc["volumes"]
-        (data,) = [v for v in svc["volumes"] if v.endswith(":/data")]
-        data_volumes.add(data.split(":")[0])
-        assert data.split(":")[0] in doc["volumes"]
-    # Jobs, idempotency records and the audit chain are single-writer: one volume each.
-    assert len(data_volumes) == len(replicas)
+        assert svc["profiles"] == ["scale"] and "ports" not in svc, name
+        # The default service's settings plus the shared database, nothing else.
+        env = dict(svc["environment"])
+        url = env.pop("BAGSERVE_DATABASE_URL")
+        assert re.fullmatch(
+            r"postgresql://bagserve:\$\{BAGSERVE_DB_PASSWORD:-[^}]+\}@postgres:5432/bagserve", url
+        )
+        assert env.pop("BAGSERVE_DATA_DIR").startswith("/tmp/")
+        assert env == base["environment"], name
+        same = {
+            k: v
+            for k, v in svc.items()
+            if k not in ("profiles", "volumes", "environment", "depends_on")
+        }
+        assert same == {
+            k: v for k, v in base.items() if k not in ("ports", "volumes", "environment")
+        }
+        assert svc["volumes"] == ["./models:/models:ro"]
+        assert svc["depends_on"] == {"postgres": {"condition": "service_healthy"}}
+
+    postgres = services["postgres"]
+    assert postgres["profiles"] == ["scale"] and "ports" not in postgres
+    assert re.fullmatch(r"postgres:\d+\.\d+(-alpine)?", postgres["image"]), "pin the image"
+    (volume,) = postgres["volumes"]
+    name, target = volume.split(":")
+    assert name in doc["volumes"] and target == "/var/lib/postgresql/data"
+    assert postgres["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
+    assert postgres["environment"]["POSTGRES_USER"] == "bagserve"
+    assert postgres["environment"]["POSTGRES_DB"] == "bagserve"
 
     nginx = services["nginx"]
     assert nginx["profiles"] == ["scale"]
@@ -200,19 +225,18 @@ def test_body_limit_agrees_with_the_service():
 
 def test_upstreams_are_the_compose_replicas():
     http = http_block()
-    replicas = set(replica_services(compose()))
+    replicas = set(scale_replicas(compose()))
     expected = {f"{name}:8000" for name in replicas}
-    for name, method in (("bagserve", "least_conn"), ("bagserve_keyed", "hash")):
-        upstream = http.one("upstream", name)
-        assert upstream.find(method)
-        servers = upstream.find("server")
-        assert {s.args[0] for s in servers} == expected
-        # Passive health checks: open-source nginx has no active ones.
-        for s in servers:
-            assert {a.split("=")[0] for a in s.args[1:]} >= {"max_fails", "fail_timeout"}
-    assert [s.args for s in http.one("upstream", "bagserve_jobs").find("server")] == [
-        ["bagserve:8000"]
-    ]
+    # One pool for everything: jobs and idempotency records are in the shared database,
+    # so nothing is pinned to a replica (no hash on keys, no jobs-only upstream).
+    assert [u.args for u in http.find("upstream")] == [["bagserve"]]
+    upstream = http.one("upstream", "bagserve")
+    assert upstream.find("least_conn")
+    servers = upstream.find("server")
+    assert {s.args[0] for s in servers} == expected
+    # Passive health checks: open-source nginx has no active ones.
+    for s in servers:
+        assert {a.split("=")[0] for a in s.args[1:]} >= {"max_fails", "fail_timeout"}
     # Reused connections must be dropped before uvicorn drops them on its side.
     uvicorn_keep_alive = uvicorn.Config(app=None).timeout_keep_alive
     for upstream in http.find("upstream"):
@@ -233,8 +257,9 @@ def test_timeouts_and_retries_fit_the_service():
     # POSTs are never repeated once sent: no non_idempotent anywhere.
     assert predict.one("proxy_next_upstream").args == ["error", "timeout"]
     jobs = location(server, "/v1/jobs")
-    assert jobs.value("proxy_next_upstream") == "off"
-    assert jobs.value("proxy_pass") == "http://bagserve_jobs"
+    assert jobs.one("proxy_next_upstream").args == ["error", "timeout"]
+    assert jobs.value("proxy_pass") == "http://bagserve"
+    assert predict.value("proxy_pass") == "http://bagserve"
     rest = location(server, "/")
     assert "http_503" in rest.one("proxy_next_upstream").args
     assert not [d for d in walk(server) if "non_idempotent" in d.args]
@@ -275,7 +300,7 @@ def nginx_exe() -> str:
 
 
 def render(listen: int, replicas: dict[str, int]) -> str:
-    """The shipped configuration with compose's replicas (``bagserve``, ``bagserve-2``,
+    """The shipped configuration with compose's replicas (``replica-1``, ``replica-2``,
     ...) replaced by ``127.0.0.1`` ports, those not given dropped, and the listen
     address moved to 127.0.0.1."""
 
@@ -284,7 +309,7 @@ def render(listen: int, replicas: dict[str, int]) -> str:
         return "" if port is None else f"{m['indent']}server 127.0.0.1:{port}{m['params']};"
 
     text, n = re.subn(
-        r"^(?P<indent>[ \t]*)server (?P<host>bagserve(?:-\d+)?):8000(?P<params>[^;]*);$",
+        r"^(?P<indent>[ \t]*)server (?P<host>replica-\d+):8000(?P<params>[^;]*);$",
         server,
         NGINX_CONF.read_text(),
         flags=re.MULTILINE,
@@ -304,7 +329,7 @@ def nginx_command(exe: str, prefix: Path, *extra: str) -> list[str]:
 
 
 def test_nginx_accepts_the_configuration(nginx_exe, tmp_path):
-    (tmp_path / "nginx.conf").write_text(render(free_port(), {"bagserve": free_port()}))
+    (tmp_path / "nginx.conf").write_text(render(free_port(), {"replica-1": free_port()}))
     r = subprocess.run(nginx_command(nginx_exe, tmp_path, "-t"), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "test is successful" in r.stderr
@@ -344,6 +369,9 @@ def replicas_behind_nginx(nginx_exe: str, root: Path) -> Iterator[Stack]:
                 **base,
                 "BAGSERVE_MODELS_DIR": str(models),
                 "BAGSERVE_DATA_DIR": str(root / f"data-{i}"),
+                # Replicas on one host share state in one SQLite file (PostgreSQL
+                # across hosts: tests/test_shared_state.py).
+                "BAGSERVE_DATABASE_URL": f"sqlite:///{root / 'state.sqlite3'}",
                 "BAGSERVE_HOST": "127.0.0.1",
                 "BAGSERVE_PORT": str(port),
                 "BAGSERVE_WORKERS": "1",
@@ -361,7 +389,7 @@ def replicas_behind_nginx(nginx_exe: str, root: Path) -> Iterator[Stack]:
         prefix = root / "nginx"
         prefix.mkdir()
         listen = free_port()
-        conf = render(listen, {"bagserve": ports[0], "bagserve-2": ports[1]})
+        conf = render(listen, {"replica-1": ports[0], "replica-2": ports[1]})
         (prefix / "nginx.conf").write_text(conf)
         logs.append(prefix / "nginx.log")
         out = stack.enter_context(open(logs[-1], "wb"))
@@ -436,14 +464,14 @@ def test_replicas_behind_nginx(nginx_exe, tmp_path):
         r = client.get(f"{st.nginx}/v1/models/")
         assert r.status_code == 307 and r.headers["location"] == f"{st.nginx}/v1/models"
 
-        # An Idempotency-Key reaches the replica that stored its answer, every time.
+        # A key's answer is replayed by whichever replica gets the retry (shared state).
         for key in ("k-1", "k-2", "k-3", "k-4"):
             first = client.post(f"{st.nginx}{PREDICT}", json=body, headers={"Idempotency-Key": key})
             again = client.post(f"{st.nginx}{PREDICT}", json=body, headers={"Idempotency-Key": key})
             assert first.status_code == again.status_code == 200
             assert again.headers.get("idempotent-replayed") == "true", key
 
-        # Jobs all go to one replica, so polling finds the job whichever replica is idle.
+        # Jobs: submitted to one replica, polled through either.
         r = client.post(f"{st.nginx}/v1/jobs", params={"model": "demo-dose"}, json=body)
         assert r.status_code == 202, r.text
         job = r.headers["location"]

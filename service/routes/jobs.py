@@ -5,6 +5,7 @@ The computation itself is :class:`~bagserve.service.job_runner.JobRunner`'s.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -15,7 +16,6 @@ from starlette.responses import Response
 from ..deps import ServicesDep, authenticate, lookup
 from ..errors import Problem
 from ..idempotency import fingerprint
-from ..jobs import JobStore
 from ..prediction import PredictOptions
 from ..uploads import accepted_content_type, read_limited
 from .v1 import _PREDICT_DOC
@@ -23,13 +23,15 @@ from .v1 import _PREDICT_DOC
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
 
 
-def _view(store: JobStore, meta: dict[str, Any]) -> dict[str, Any]:
+def _view(meta: dict[str, Any], result: dict[str, Any] | None = None) -> dict[str, Any]:
     view = {
-        k: meta[k] for k in ("id", "status", "created", "updated", "model", "version") if k in meta
+        k: meta[k]
+        for k in ("id", "status", "created", "updated", "model", "version", "attempts")
+        if k in meta
     }
     view["links"] = {"self": f"/v1/jobs/{meta['id']}"}
     if meta["status"] in ("succeeded", "failed"):
-        view["result"] = store.result(meta["id"])
+        view["result"] = result
     return view
 
 
@@ -65,7 +67,8 @@ async def submit(request: Request, svc: ServicesDep) -> Response:
     body = await read_limited(request, svc.settings.max_body_bytes)
 
     async def accept() -> Response:
-        meta = svc.jobs.create(
+        meta = await asyncio.to_thread(
+            svc.jobs.create,
             body,
             model=entry.name,
             version=entry.version,
@@ -76,8 +79,9 @@ async def submit(request: Request, svc: ServicesDep) -> Response:
             api_key_id=request.state.key_id,
             input_sha256=bytes_sha256(body),
         )
+        svc.jobs.wake()
         return Response(
-            orjson.dumps(_view(svc.jobs, meta)),
+            orjson.dumps(_view(meta)),
             status_code=202,
             media_type="application/json",
             headers={"Location": f"/v1/jobs/{meta['id']}"},
@@ -92,10 +96,12 @@ async def submit(request: Request, svc: ServicesDep) -> Response:
 @router.get("/{job_id}", summary="Status and, when finished, the result")
 async def status(svc: ServicesDep, job_id: str) -> dict[str, Any]:
     """The job's status, and its result (or problem) once finished."""
-    return _view(svc.jobs, svc.jobs.meta(job_id))
+    return _view(*await asyncio.to_thread(svc.jobs.view, job_id))
 
 
 @router.delete("/{job_id}", summary="Cancel a queued or running job")
 async def cancel(svc: ServicesDep, job_id: str) -> dict[str, Any]:
     """Cancel a queued or running job (a finished one is left as it is)."""
-    return _view(svc.jobs, svc.jobs.cancel(job_id))
+    meta = await asyncio.to_thread(svc.jobs.cancel, job_id)
+    svc.jobs.abandon(job_id)
+    return _view(*await asyncio.to_thread(svc.jobs.view, meta["id"]))

@@ -1,0 +1,257 @@
+"""The service's shared state in a database: SQLite (embedded) or PostgreSQL.
+
+Jobs, idempotency records and the audit trail live in one database, so that every
+replica of the service sees the same jobs, replays the same answers and extends the
+same audit chain. Two engines behind one small interface:
+
+* SQLite, the default: one file, ``DATA_DIR/bagserve.sqlite3``, in WAL mode (readers
+  never wait for the writer), ``synchronous=FULL`` (a committed job or audit line
+  survives a power cut). Writers are serialised by ``BEGIN IMMEDIATE``; replicas on one
+  host may share the file.
+* PostgreSQL (``BAGSERVE_DATABASE_URL=postgresql://...``), through psycopg 3 and its
+  connection pool, for replicas on several hosts. Queue claims use row locks
+  (``FOR UPDATE SKIP LOCKED``).
+
+SQL is written once with ``%s`` placeholders; for SQLite they become ``?``. The schema
+is created and migrated in code (:data:`MIGRATIONS`), under a lock, by whichever replica
+starts first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["GENESIS", "MIGRATIONS", "Database", "DatabaseError"]
+
+#: The ``prev`` of the first audit record.
+GENESIS = "0" * 64
+
+#: Schema versions in order: each a list of statements; ``{blob}``, ``{real}`` and
+#: ``{bigint}`` are the engine's types.
+MIGRATIONS: list[list[str]] = [
+    [
+        """CREATE TABLE jobs (
+            id TEXT PRIMARY KEY,
+            status TEXT NOT NULL,
+            created {real} NOT NULL,
+            updated {real} NOT NULL,
+            meta TEXT NOT NULL,
+            body {blob} NOT NULL,
+            result TEXT,
+            owner TEXT,
+            lease_until {real},
+            attempts INTEGER NOT NULL DEFAULT 0
+        )""",
+        "CREATE INDEX jobs_by_status ON jobs (status, created)",
+        """CREATE TABLE idempotency (
+            key_hash TEXT PRIMARY KEY,
+            fingerprint TEXT NOT NULL,
+            created {real} NOT NULL,
+            stored {real},
+            owner TEXT,
+            lease_until {real},
+            status INTEGER,
+            headers TEXT,
+            body {blob}
+        )""",
+        """CREATE TABLE audit (
+            seq {bigint} PRIMARY KEY,
+            api_key_id TEXT,
+            record TEXT NOT NULL
+        )""",
+        "CREATE INDEX audit_by_key ON audit (api_key_id, seq)",
+        """CREATE TABLE audit_head (
+            id INTEGER PRIMARY KEY,
+            seq {bigint} NOT NULL,
+            last_hash TEXT NOT NULL
+        )""",
+        f"INSERT INTO audit_head (id, seq, last_hash) VALUES (1, 0, '{GENESIS}')",
+        """CREATE TABLE imports (
+            source TEXT PRIMARY KEY,
+            done {real} NOT NULL,
+            summary TEXT NOT NULL
+        )""",
+    ],
+]
+
+_TYPES = {
+    "sqlite": {"blob": "BLOB", "real": "REAL", "bigint": "INTEGER"},
+    "postgresql": {"blob": "BYTEA", "real": "DOUBLE PRECISION", "bigint": "BIGINT"},
+}
+#: Any fixed number: the advisory lock that serialises migrations across replicas.
+_MIGRATION_LOCK = 0x6261677365727665
+
+
+class DatabaseError(RuntimeError):
+    """The database cannot be opened or migrated (the message says which and why)."""
+
+
+class Cursor:
+    """One transaction's statements, the same on both engines."""
+
+    def __init__(self, raw: Any, dialect: str) -> None:
+        self._raw = raw
+        self._sqlite = dialect == "sqlite"
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Cursor:
+        if self._sqlite:
+            sql = sql.replace("%s", "?")
+        self._raw.execute(sql, tuple(params))
+        return self
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        return self._raw.fetchone()
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        return list(self._raw.fetchall())
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        return iter(self._raw)
+
+    @property
+    def rowcount(self) -> int:
+        return int(self._raw.rowcount)
+
+
+class Database:
+    """A connection (pool) to the state database; thread-safe.
+
+    Parameters
+    ----------
+    url : str or None
+        ``postgresql://...`` for PostgreSQL; otherwise ``sqlite:///PATH`` or None.
+    data_dir : Path
+        Where the SQLite file goes when ``url`` is None.
+    pool_size : int
+        PostgreSQL connections at most.
+    """
+
+    def __init__(self, url: str | None, data_dir: Path, *, pool_size: int = 8) -> None:
+        self.dialect: Literal["sqlite", "postgresql"]
+        if url and url.startswith(("postgresql://", "postgres://")):
+            self.dialect = "postgresql"
+            self._open_postgres(url, pool_size)
+            self.where = _redact(url)
+        else:
+            self.dialect = "sqlite"
+            path = Path(url[len("sqlite:///") :]) if url else Path(data_dir) / "bagserve.sqlite3"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.path = path
+            self.where = str(path)
+            self._local = threading.local()
+            self._connections: list[sqlite3.Connection] = []
+            self._lock = threading.Lock()
+        self.migrate()
+
+    # ------------------------------------------------------------------ engines
+    def _open_postgres(self, url: str, pool_size: int) -> None:
+        try:
+            import psycopg  # noqa: F401
+            from psycopg_pool import ConnectionPool
+        except ImportError as exc:  # pragma: no cover - depends on the extra
+            raise DatabaseError(
+                "BAGSERVE_DATABASE_URL names PostgreSQL but psycopg is not installed: "
+                "pip install 'bagserve[postgres]'"
+            ) from exc
+        self._pool = ConnectionPool(
+            url, min_size=1, max_size=pool_size, open=False, name="bagserve"
+        )
+        try:
+            self._pool.open(wait=True, timeout=30)
+        except Exception as exc:
+            self._pool.close()
+            raise DatabaseError(f"cannot connect to {_redact(url)}: {exc}") from exc
+
+    def _sqlite_connection(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            # Autocommit mode: transactions are begun explicitly below.
+            conn = sqlite3.connect(
+                self.path, isolation_level=None, timeout=60.0, check_same_thread=False
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA busy_timeout=60000")
+            self._local.conn = conn
+            with self._lock:
+                self._connections.append(conn)
+        return conn
+
+    @contextlib.contextmanager
+    def transaction(self, *, write: bool = True) -> Iterator[Cursor]:
+        """One transaction, committed when the block ends, rolled back on an error.
+
+        ``write=True`` on SQLite takes the write lock at once (``BEGIN IMMEDIATE``), so
+        that a read-then-write (a queue claim, the audit head) is never interleaved
+        with another writer; PostgreSQL uses row locks in the statements instead.
+        """
+        if self.dialect == "postgresql":
+            with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+                yield Cursor(cur, self.dialect)
+            return
+        conn = self._sqlite_connection()
+        cur = conn.cursor()
+        cur.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+        try:
+            yield Cursor(cur, self.dialect)
+        except BaseException:
+            conn.rollback()
+            raise
+        else:
+            conn.commit()
+        finally:
+            cur.close()
+
+    def close(self) -> None:
+        if self.dialect == "postgresql":
+            self._pool.close()
+            return
+        with self._lock:
+            for conn in self._connections:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+            self._connections.clear()
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------ schema
+    def migrate(self) -> int:
+        """Bring the schema to the latest version; returns the version."""
+        types = _TYPES[self.dialect]
+        try:
+            with self.transaction() as cur:
+                if self.dialect == "postgresql":
+                    cur.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+                cur.execute("CREATE TABLE IF NOT EXISTS bagserve_schema (version INTEGER NOT NULL)")
+                row = cur.execute("SELECT max(version) FROM bagserve_schema").fetchone()
+                current = int(row[0]) if row and row[0] is not None else 0
+                if current > len(MIGRATIONS):
+                    raise DatabaseError(
+                        f"{self.where}: schema version {current} is newer than this bagserve "
+                        f"({len(MIGRATIONS)}); upgrade bagserve"
+                    )
+                for version in range(current + 1, len(MIGRATIONS) + 1):
+                    for statement in MIGRATIONS[version - 1]:
+                        cur.execute(statement.format(**types))
+                    cur.execute("INSERT INTO bagserve_schema (version) VALUES (%s)", (version,))
+                return len(MIGRATIONS)
+        except DatabaseError:
+            raise
+        except Exception as exc:
+            raise DatabaseError(
+                f"{self.where}: cannot create or migrate the schema: {exc}"
+            ) from exc
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    head, sep, tail = url.partition("://")
+    if "@" not in tail:
+        return url
+    credentials, _, host = tail.rpartition("@")
+    user = credentials.split(":", 1)[0]
+    return f"{head}{sep}{user}:***@{host}"
