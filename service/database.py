@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["GENESIS", "MIGRATIONS", "Database", "DatabaseError"]
+__all__ = ["GENESIS", "MIGRATIONS", "Database", "DatabaseError", "unavailable"]
 
 #: The ``prev`` of the first audit record.
 GENESIS = "0" * 64
@@ -85,6 +86,19 @@ _TYPES = {
 }
 #: Any fixed number: the advisory lock that serialises migrations across replicas.
 _MIGRATION_LOCK = 0x6261677365727665
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot be reached or used right now (a lost
+    connection, an exhausted pool, a locked or unreadable SQLite file), as opposed to a
+    bug: the service answers 503 for those."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return True
+    psycopg = sys.modules.get("psycopg")
+    if psycopg is not None and isinstance(exc, psycopg.OperationalError):
+        return True
+    pool = sys.modules.get("psycopg_pool")
+    return pool is not None and isinstance(exc, pool.PoolTimeout)
 
 
 class DatabaseError(RuntimeError):
@@ -158,8 +172,11 @@ class Database:
                 "BAGSERVE_DATABASE_URL names PostgreSQL but psycopg is not installed: "
                 "pip install 'bagserve[postgres]'"
             ) from exc
+        # A request waits at most 10 s for a connection: past that the database is
+        # treated as unavailable (503) rather than holding the client for the pool's
+        # default 30 s.
         self._pool = ConnectionPool(
-            url, min_size=1, max_size=pool_size, open=False, name="bagserve"
+            url, min_size=1, max_size=pool_size, open=False, name="bagserve", timeout=10.0
         )
         try:
             self._pool.open(wait=True, timeout=30)
@@ -206,6 +223,15 @@ class Database:
             conn.commit()
         finally:
             cur.close()
+
+    def ping(self, timeout: float = 2.0) -> None:
+        """Raise unless the database answers a query within ``timeout`` seconds."""
+        if self.dialect == "postgresql":
+            with self._pool.connection(timeout=timeout) as conn:
+                conn.execute("SELECT 1")
+            return
+        with self.transaction(write=False) as cur:
+            cur.execute("SELECT 1")
 
     def close(self) -> None:
         if self.dialect == "postgresql":

@@ -146,7 +146,19 @@ def install_handlers(app: FastAPI) -> None:
         # No internals in the answer; the log has the traceback with the request id.
         import logging
 
+        from .database import unavailable
+
         logging.getLogger("bagserve").exception(
             "unhandled error", extra={"request_id": getattr(request.state, "request_id", None)}
         )
+        if unavailable(exc):
+            # Nothing is answered that could not be recorded (jobs, audit trail).
+            return problem_response(
+                request,
+                503,
+                "the state database (jobs, idempotency records, audit trail) does not "
+                "answer; nothing was recorded, try again later",
+                slug="database-unavailable",
+                headers={"Retry-After": "5"},
+            )
         return problem_response(request, 500, "internal error; the server log has the details")

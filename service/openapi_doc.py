@@ -115,6 +115,10 @@ _READINESS: dict[str, Any] = {
         "models": {"type": "array", "items": {"type": "string"}},
         "model_failures": {"type": "object", "additionalProperties": {"type": "string"}},
         "workers": {"type": "object"},
+        "database": {
+            "type": "string",
+            "description": "`ok`, or why the state database cannot be reached",
+        },
     },
 }
 _JOB_ACCEPTED: dict[str, Any] = {

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,7 +25,13 @@ import pytest
 
 from .service_harness import free_port
 
-__all__ = ["postgres_bin", "postgres_server"]
+__all__ = ["PostgresURL", "postgres_bin", "postgres_server"]
+
+
+class PostgresURL(str):
+    """The server's URL; ``stop()`` shuts the server down early (an outage)."""
+
+    stop: Callable[[], None]
 
 
 def postgres_bin() -> Path | None:
@@ -51,7 +57,7 @@ def _require() -> Path:
 
 
 @contextmanager
-def postgres_server() -> Iterator[str]:
+def postgres_server() -> Iterator[PostgresURL]:
     """Start a private PostgreSQL on 127.0.0.1; yields ``postgresql://...``."""
     bindir = _require()
     # Not under pytest's tmp_path: its parents are private to root, and the server
@@ -132,9 +138,20 @@ def postgres_server() -> Iterator[str]:
             capture_output=True,
             text=True,
         )
-        yield f"postgresql://bagserve@127.0.0.1:{port}/bagserve"
+        url = PostgresURL(f"postgresql://bagserve@127.0.0.1:{port}/bagserve")
+        server = proc
+
+        def stop() -> None:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+        url.stop = stop
+        yield url
     finally:
-        if proc is not None:
+        if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
                 proc.wait(timeout=30)

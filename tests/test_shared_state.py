@@ -284,6 +284,29 @@ def test_claims_are_exclusive_and_a_poison_job_is_failed(database, tmp_path):
         db.close()
 
 
+def test_readiness_follows_the_database(models, tmp_path):
+    """A replica whose database is gone is not ready (nginx and orchestrators route
+    around it) and refuses what it cannot record, with a clear problem."""
+    with postgres_server() as pg:
+        env = {**REPLICA_ENV, "BAGSERVE_DATABASE_URL": pg}
+        with running_service(models, BAGSERVE_DATA_DIR=str(tmp_path / "d"), **env) as url:
+            ready = httpx.get(f"{url}/readyz", timeout=10)
+            assert ready.status_code == 200 and ready.json()["database"] == "ok"
+            pg.stop()
+            down = httpx.get(f"{url}/readyz", timeout=10)
+            assert down.status_code == 503
+            assert down.json()["database"].startswith("unreachable:")
+            r = httpx.post(
+                f"{url}/v1/jobs", params={"model": "demo-dose"}, json=dose_body(1), timeout=30
+            )
+            assert r.status_code == 503 and r.headers["retry-after"] == "5"
+            assert r.json()["type"].endswith("database-unavailable")
+            # A prediction that cannot be audited is not answered either.
+            r = httpx.post(f"{url}/v1/models/demo-dose/predict", json=dose_body(1), timeout=60)
+            assert r.status_code == 503 and "nothing was recorded" in r.json()["detail"]
+            assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+
+
 def test_tampering_in_the_database_is_found(models, tmp_path):
     """Edit, delete or cut a record in the database: verify names it."""
     data = tmp_path / "data"

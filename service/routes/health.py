@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
@@ -18,20 +20,35 @@ async def healthz() -> dict[str, str]:
 
 @router.get(
     "/readyz",
-    summary="Readiness: models loaded and every worker alive",
-    responses={503: {"description": "not ready (a worker is being replaced, or no model loaded)"}},
+    summary="Readiness: models loaded, every worker alive, the state database reachable",
+    responses={
+        503: {
+            "description": (
+                "not ready (a worker is being replaced, no model loaded, or the database "
+                "does not answer)"
+            )
+        }
+    },
 )
 async def readyz(svc: ServicesDep) -> JSONResponse:
-    """Ready when every worker is alive and at least one model is served."""
+    """Ready when every worker is alive, at least one model is served and the database
+    (jobs, idempotency, audit) answers: a replica that cannot record its audit trail
+    must not take predictions."""
     registry = svc.registry
     pool = svc.pool
     workers = pool.status()
     models = [e.key for e in registry.all()]
-    ready = pool.ready and bool(models)
+    try:
+        await asyncio.wait_for(asyncio.to_thread(svc.jobs.db.ping), 3.0)
+        database = "ok"
+    except Exception as exc:
+        database = f"unreachable: {type(exc).__name__}: {exc}"[:300]
+    ready = pool.ready and bool(models) and database == "ok"
     body = {
         "status": "ready" if ready else "not ready",
         "models": models,
         "model_failures": registry.failures,
         "workers": workers,
+        "database": database,
     }
     return JSONResponse(body, status_code=200 if ready else 503)
