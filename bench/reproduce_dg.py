@@ -10,7 +10,10 @@
 
 Methods: ``pooling`` (k_P ≡ 1), ``MTL`` (bagserve's default: exact Nyström task map with
 a CV-chosen share of pooling τ, so an unfamiliar task falls back to the pooled model),
-``MTL paper RFF`` (the paper's two-layer random features, §7.2).
+``MTL paper RFF`` (the paper's two-layer random features, §7.2). Beside them on GvHD, on
+the same splits, the simple baselines of ``bench/dg_baselines.py``: pooled LDA, logistic
+regression and histogram gradient boosting, each with and without per-sample
+standardisation (``--baselines-only`` runs just those).
 
 Usage::
 
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 from bagserve.core import MarginalTransferClassifier
 from bagserve.core.datasets import load_flowcap_gvhd, make_ellipse_tasks
+from dg_baselines import BASELINES, baseline_predictions, scores
 from sklearn.metrics import f1_score
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -93,11 +97,13 @@ def synthetic(quick: bool, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def gvhd(quick: bool, seed: int) -> list[dict[str, Any]]:
+def gvhd(quick: bool, seed: int, baselines_only: bool = False) -> list[dict[str, Any]]:
     tasks, y, samples = load_flowcap_gvhd(GVHD)
     held_out = samples[:3] if quick else samples
+    methods = {} if baselines_only else METHODS
+    shown = [*methods, *BASELINES]
     rows = []
-    print(f"\n{'sample':>6} | " + " | ".join(f"{m + ' acc / F1':>26}" for m in METHODS) + " | time")
+    print(f"\n{'sample':>6} | " + " | ".join(f"{m + ' acc / F1':>26}" for m in shown) + " | time")
     for k in held_out:
         t0 = time.perf_counter()
         i = samples.index(k)
@@ -105,7 +111,15 @@ def gvhd(quick: bool, seed: int) -> list[dict[str, Any]]:
         y_train = np.concatenate([y[tasks.offsets[t] : tasks.offsets[t + 1]] for t in train])
         y_test = y[tasks.offsets[i] : tasks.offsets[i + 1]]
         res = {}
-        for name, params in METHODS.items():
+        simple = baseline_predictions(
+            [np.asarray(tasks[int(t)]) for t in train],
+            [y[tasks.offsets[t] : tasks.offsets[t + 1]] for t in train],
+            [np.asarray(tasks[i])],
+            seed=seed,
+        )
+        for name, (pred, fit_seconds) in simple.items():
+            res[name] = {**scores(y_test, pred[0]), "fit_seconds": fit_seconds}
+        for name, params in methods.items():
             model = MarginalTransferClassifier(random_state=seed, **params)
             model.fit(tasks[train], y_train)
             pred = model.predict(tasks[i])
@@ -114,18 +128,14 @@ def gvhd(quick: bool, seed: int) -> list[dict[str, Any]]:
                 "macro_f1": float(f1_score(y_test, pred, average="macro")),
                 "out_of_range": model.task_report(tasks[i])[0].out_of_range,
             }
-        cells = " | ".join(
-            f"{res[m]['accuracy']:12.4f} / {res[m]['macro_f1']:.4f}" for m in METHODS
-        )
+        cells = " | ".join(f"{res[m]['accuracy']:12.4f} / {res[m]['macro_f1']:.4f}" for m in shown)
         print(f"{k:>6} | {cells} | {time.perf_counter() - t0:.0f} s", flush=True)
         rows.append({"sample": k, **res})
     means = {
         m: {s: float(np.mean([r[m][s] for r in rows])) for s in ("accuracy", "macro_f1")}
-        for m in METHODS
+        for m in shown
     }
-    cells = " | ".join(
-        f"{means[m]['accuracy']:12.4f} / {means[m]['macro_f1']:.4f}" for m in METHODS
-    )
+    cells = " | ".join(f"{means[m]['accuracy']:12.4f} / {means[m]['macro_f1']:.4f}" for m in shown)
     print(f"{'mean':>6} | {cells}")
     return rows
 
@@ -137,15 +147,19 @@ def main() -> None:
     parser.add_argument("--part", choices=("synthetic", "gvhd", "both"), default="both")
     parser.add_argument("--quick", action="store_true", help="a smaller grid / 3 samples")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--baselines-only", action="store_true", help="GvHD: the simple baselines only"
+    )
     args = parser.parse_args()
     out: dict[str, Any] = {"quick": args.quick, "seed": args.seed}
     if args.part in ("synthetic", "both"):
         out["synthetic"] = synthetic(args.quick, args.seed)
     if args.part in ("gvhd", "both"):
-        out["gvhd"] = gvhd(args.quick, args.seed)
+        out["gvhd"] = gvhd(args.quick, args.seed, args.baselines_only)
     if not args.quick:
         RESULTS.mkdir(exist_ok=True)
-        path = RESULTS / f"reproduce_dg{'' if args.part == 'both' else '_' + args.part}.json"
+        part = "" if args.part == "both" else "_" + args.part
+        path = RESULTS / f"reproduce_dg{part}{'_baselines' if args.baselines_only else ''}.json"
         path.write_text(json.dumps(out, indent=2) + "\n")
         print(f"\nwrote {path}")
 

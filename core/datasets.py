@@ -11,6 +11,8 @@
   paper 004 (Algorithm 1);
 * :func:`make_cytometry_tasks` — synthetic flow-cytometry-like samples: shared cell
   populations, sample-specific proportions and instrument/batch shifts;
+* :func:`make_batched_cytometry_tasks` — the same in batches with affine, non-linear
+  and population shifts per batch (domain generalisation across batches);
 * :func:`make_pendulum_transitions` — transitions of the under-actuated pendulum of
   paper 002's experiment (Deisenroth et al. 2009);
 * :func:`load_flowcap_gvhd` — the FlowCAP-I GvHD samples with per-cell gates, read from
@@ -33,6 +35,7 @@ __all__ = [
     "GaussianMixtures",
     "load_digits_clouds",
     "load_flowcap_gvhd",
+    "make_batched_cytometry_tasks",
     "make_cytometry_tasks",
     "make_dose_response_bags",
     "make_ellipse_tasks",
@@ -270,6 +273,70 @@ def make_cytometry_tasks(
         arrays.append(a * x + b)
         labels.append(pop)
     return Bags.from_arrays(arrays), np.concatenate(labels).astype(np.int64)
+
+
+def make_batched_cytometry_tasks(
+    n_batches: int,
+    tasks_per_batch: int,
+    n_cells: int,
+    n_markers: int = 8,
+    n_populations: int = 4,
+    random_state: Any = None,
+    *,
+    panel_seed: int = 0,
+    strength: float = 1.0,
+) -> tuple[Bags, NDArray[np.int64], NDArray[np.int64]]:
+    """Synthetic flow samples in batches (centres, runs, instruments) that differ in
+    more than an affine shift: the hard case for models trained on other batches.
+
+    Populations as in :func:`make_cytometry_tasks` (``panel_seed``). Each *batch* gets
+
+    * an affine distortion per marker, ``x ↦ a ⊙ x + b`` (``log a ~ N(0, (0.25 s)²)``,
+      ``b ~ N(0, (1.2 s)²)``),
+    * a monotone non-linear one per marker, ``x ↦ x + c ⊙ tanh(x - d)`` with
+      ``c ~ U(0, 0.8 s)`` and ``d ~ N(0, 1)`` (a compressed or stretched region, as a
+      changed detector voltage or a different compensation leaves it),
+    * population shifts: every population's centre moves by ``N(0, (0.35 s)²)`` per
+      marker (biology or staining that differs between centres),
+
+    where ``s`` is ``strength``; each *sample* adds its own proportions (Dirichlet(2)) and
+    a small affine jitter (``log a ~ N(0, 0.05²)``, ``b ~ N(0, 0.2²)``).
+
+    Returns
+    -------
+    tasks : Bags
+        ``n_batches * tasks_per_batch`` samples of ``n_cells`` cells, batch after batch.
+    y : ndarray of shape (n_tasks * n_cells,)
+        Population of every cell.
+    batches : ndarray of shape (n_tasks,)
+        The batch of every sample.
+    """
+    panel = np.random.default_rng([panel_seed, n_markers, n_populations])
+    centres = panel.normal(0.0, 1.5, size=(n_populations, n_markers))
+    spreads = panel.uniform(0.4, 0.8, size=(n_populations, n_markers))
+    rng = check_generator(random_state)
+    arrays, labels, batches = [], [], []
+    for batch in range(n_batches):
+        a = np.exp(rng.normal(0.0, 0.25 * strength, size=n_markers))
+        b = rng.normal(0.0, 1.2 * strength, size=n_markers)
+        c = rng.uniform(0.0, 0.8 * strength, size=n_markers)
+        d = rng.normal(0.0, 1.0, size=n_markers)
+        shifted = centres + rng.normal(0.0, 0.35 * strength, size=centres.shape)
+        for _ in range(tasks_per_batch):
+            props = rng.dirichlet(np.full(n_populations, 2.0))
+            pop = rng.choice(n_populations, size=n_cells, p=props)
+            x = shifted[pop] + spreads[pop] * rng.standard_normal((n_cells, n_markers))
+            x = a * (x + c * np.tanh(x - d)) + b
+            jitter_a = np.exp(rng.normal(0.0, 0.05, size=n_markers))
+            jitter_b = rng.normal(0.0, 0.2, size=n_markers)
+            arrays.append(jitter_a * x + jitter_b)
+            labels.append(pop)
+            batches.append(batch)
+    return (
+        Bags.from_arrays(arrays),
+        np.concatenate(labels).astype(np.int64),
+        np.asarray(batches, dtype=np.int64),
+    )
 
 
 def make_dose_response_bags(

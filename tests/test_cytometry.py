@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from bagserve.core import Bags, MarginalTransferClassifier, MeanEmbedding
 from bagserve.core.calibration import fit_temperature, probabilities
-from bagserve.core.datasets import make_cytometry_tasks
+from bagserve.core.datasets import make_batched_cytometry_tasks, make_cytometry_tasks
 from bagserve.core.errors import DataError
 from bagserve.core.io import (
     Compensation,
@@ -486,3 +486,25 @@ n_splits = 3
     assert rt.info.probability_temperature == pytest.approx(cal["temperature"])
     out = rt.predict(Bags.from_arrays([tasks.points[:50]]), probabilities=True)
     assert out.probabilities.shape == (50, np.unique(y).size)
+
+
+def test_batched_cytometry_tasks_differ_by_batch_not_within():
+    """The batch generator: shapes, batch ids, reproducible, and batch effects that a
+    per-sample mean sees (samples of one batch closer than samples of two)."""
+    tasks, y, batches = make_batched_cytometry_tasks(2, 5, 400, random_state=3, strength=2.0)
+    assert len(tasks) == 10 and tasks.n_points == 4000 and y.shape == (4000,)
+    assert batches.tolist() == [0] * 5 + [1] * 5
+    again, y2, _ = make_batched_cytometry_tasks(2, 5, 400, random_state=3, strength=2.0)
+    np.testing.assert_array_equal(np.asarray(again[7]), np.asarray(tasks[7]))
+    np.testing.assert_array_equal(y2, y)
+
+    # Per-population means (labels known here), so proportions do not blur the check.
+    def centre(t: int) -> np.ndarray:
+        x, lab = np.asarray(tasks[t]), y[tasks.offsets[t] : tasks.offsets[t + 1]]
+        return np.concatenate([x[lab == k].mean(axis=0) for k in range(4)])
+
+    centres = np.array([centre(t) for t in range(10)])
+    d = np.linalg.norm(centres[:, None] - centres[None], axis=-1)
+    within = d[:5, :5][np.triu_indices(5, 1)].max()
+    between = d[:5, 5:].min()
+    assert between > 2 * within
