@@ -416,3 +416,20 @@ def subsample_bags(bags: Bags, size: int | None, seed: int, *, canonical: bool =
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     w = None if bags.weights is None else bags.weights[rows]
     return Bags(bags.points[rows], offsets, w, validate=False)
+
+
+def standardise_each_bag(bags: Bags) -> Bags:
+    """Each bag's points centred and scaled by that bag's own (weighted) mean and
+    standard deviation per coordinate; a constant coordinate is only centred.
+
+    The simplest per-sample normalisation against batch effects (an affine change of
+    every marker per sample): it is undone exactly, whatever the sample's proportions.
+    """
+    idx = bags.bag_index()
+    w = bags.weights if bags.weights is not None else (1.0 / bags.sizes)[idx]
+    x = bags.points
+    mean = segment_sum(w[:, None] * x, bags.offsets)
+    centred = x - mean[idx]
+    sd = np.sqrt(segment_sum(w[:, None] * centred**2, bags.offsets))
+    sd = np.where(sd > 0, sd, 1.0)
+    return Bags(centred / sd[idx], bags.offsets, bags.weights, validate=False)

@@ -535,3 +535,43 @@ def test_scores_do_not_depend_on_batch_or_cell_order_bit_for_bit(ellipses, solve
     np.testing.assert_array_equal(model.decision_function(new)[200:400], alone)
     perm = np.random.default_rng(0).permutation(200)
     np.testing.assert_array_equal(model.decision_function(new[1][perm]), alone[perm])
+
+
+def test_per_task_standardisation_is_part_of_the_model(tmp_path):
+    """normalise="standard" equals the same model on tasks standardised beforehand
+    (the oracle: numpy's mean and std per task), is blind to a per-task affine change
+    of the markers, and survives saving."""
+    from bagserve.core import load, save
+    from bagserve.core.bags import standardise_each_bag
+
+    rng = np.random.default_rng(0)
+    tasks, y, _ = make_ellipse_tasks(8, 60, random_state=1)
+    new, _, _ = make_ellipse_tasks(2, 80, random_state=2)
+    arrays = [np.asarray(t) for t in new]
+    manual = [(a - a.mean(axis=0)) / a.std(axis=0) for a in arrays]
+    np.testing.assert_allclose(
+        np.asarray(standardise_each_bag(new).points), np.vstack(manual), rtol=1e-12
+    )
+    params = {
+        "point_bandwidth": 1.0,
+        "tau": 0.3,
+        "alpha": 1e-3,
+        "task_gamma": 1.0,
+        "random_state": 0,
+    }
+    model = MarginalTransferClassifier(normalise="standard", **params).fit(tasks, y)
+    plain = MarginalTransferClassifier(**params).fit(standardise_each_bag(tasks), y)
+    np.testing.assert_allclose(
+        model.decision_function(new), plain.decision_function(manual), rtol=1e-9, atol=1e-12
+    )
+    # A batch effect x -> a * x + b per marker (a > 0) on a new task changes nothing.
+    a, b = rng.uniform(0.5, 2.0, size=2), rng.normal(0, 3, size=2)
+    moved = [a * x + b for x in arrays]
+    np.testing.assert_allclose(
+        model.decision_function(moved), model.decision_function(arrays), rtol=1e-8, atol=1e-10
+    )
+    again = load(save(model, tmp_path / "m"))
+    assert again.normalise == "standard"
+    np.testing.assert_array_equal(again.predict(new), model.predict(new))
+    with pytest.raises(ValueError, match="normalise must be"):
+        MarginalTransferClassifier(normalise="quantile", **params).fit(tasks, y)
