@@ -16,8 +16,6 @@ Writes bench/results/bench_jobs.json.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,44 +36,25 @@ from bagserve.service.database import Database  # noqa: E402
 
 from bench._report import report  # noqa: E402
 from tests.postgres import postgres_server  # noqa: E402
-from tests.service_harness import free_port, wait_ready  # noqa: E402
+from tests.service_harness import running_service  # noqa: E402
 
 
 @contextmanager
 def replicas(models: Path, database: str, n: int, root: Path) -> Iterator[list[str]]:
-    exe = Path(sys.executable).parent / "bagserve"
-    base = {k: v for k, v in os.environ.items() if not k.startswith("BAGSERVE_")}
+    """``n`` replicas (the tests' launcher), one compute worker each, on ``database``."""
     with ExitStack() as stack:
-        urls, procs = [], []
-        for i in range(n):
-            port = free_port()
-            env = {
-                **base,
-                "BAGSERVE_MODELS_DIR": str(models),
-                "BAGSERVE_DATA_DIR": str(root / f"data-{i}"),
-                "BAGSERVE_DATABASE_URL": database,
-                "BAGSERVE_HOST": "127.0.0.1",
-                "BAGSERVE_PORT": str(port),
-                "BAGSERVE_WORKERS": "1",
-                "BAGSERVE_LOG_LEVEL": "warning",
-            }
-            proc = subprocess.Popen(
-                [str(exe), "serve"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        yield [
+            stack.enter_context(
+                running_service(
+                    models,
+                    BAGSERVE_DATA_DIR=str(root / f"data-{i}"),
+                    BAGSERVE_DATABASE_URL=database,
+                    BAGSERVE_WORKERS="1",
+                    BAGSERVE_LOG_LEVEL="warning",
+                )
             )
-            stack.callback(_stop, proc)
-            procs.append(proc)
-            urls.append(f"http://127.0.0.1:{port}")
-        for url, proc in zip(urls, procs, strict=True):
-            wait_ready(url, proc)
-        yield urls
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+            for i in range(n)
+        ]
 
 
 def succeeded(database: str) -> int:

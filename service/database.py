@@ -124,9 +124,6 @@ class Cursor:
     def fetchall(self) -> list[tuple[Any, ...]]:
         return list(self._raw.fetchall())
 
-    def __iter__(self) -> Iterator[tuple[Any, ...]]:
-        return iter(self._raw)
-
     @property
     def rowcount(self) -> int:
         return int(self._raw.rowcount)

@@ -139,12 +139,6 @@ class JobStore:
             raise Problem(404, f"unknown job {job_id!r}", slug="unknown-job")
         return bytes(row[0])
 
-    def result(self, job_id: str) -> dict[str, Any] | None:
-        """The job's answer or problem, once finished (else ``None``)."""
-        with self.db.transaction(write=False) as cur:
-            row = cur.execute("SELECT result FROM jobs WHERE id = %s", (job_id,)).fetchone()
-        return json.loads(row[0]) if row and row[0] is not None else None
-
     def view(self, job_id: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Metadata and result in one read (what a poll answers)."""
         with self.db.transaction(write=False) as cur:

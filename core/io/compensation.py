@@ -34,7 +34,7 @@ from numpy.typing import NDArray
 from ..errors import DataError
 from ..hashing import bytes_sha256
 from .panel import normalise_marker
-from .readers import Sample
+from .readers import Sample, _is_number
 
 __all__ = ["Compensation", "Spillover", "parse_spillover_keyword", "read_spillover_csv"]
 
@@ -129,14 +129,6 @@ def read_spillover_csv(path: str | os.PathLike[str]) -> Spillover:
                     f"{label}: row {i + 2}, channel {header[j]!r}: {c!r} is not a number"
                 )
     return Spillover(tuple(header), np.asarray(body, dtype=np.float64))
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _key(name: str) -> str:

@@ -17,8 +17,9 @@ from fastapi.responses import PlainTextResponse
 from starlette.responses import Response
 
 from .. import fhir
+from ..codecs import NPY
 from ..deps import CallerDep, LatestEntry, ServicesDep, VersionEntry, authenticate, lookup
-from ..encoders import encode, negotiate
+from ..encoders import CSV_OUT, encode, negotiate
 from ..idempotency import fingerprint
 from ..prediction import Caller, PredictOptions, provenance_headers
 from ..registry import ModelEntry
@@ -343,7 +344,7 @@ async def _predict(
             if stage in timings
         )
         classes = getattr(outcome.result, "classes", None)
-        if fmt in ("text/csv", "application/x-npy") and classes is not None:
+        if fmt in (CSV_OUT, NPY) and classes is not None:
             # The column order of CSV probability columns and NPY tables.
             headers["Bagserve-Classes"] = json.dumps([str(c) for c in classes.tolist()])
         warning = outcome.warning_header()
