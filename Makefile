@@ -45,6 +45,8 @@ bench: $(BIN)/.dev-installed
 	$(BIN)/python bench/bench_jobs.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_density.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg.py
+	$(BENCH_ENV) $(BIN)/python bench/bench_dg_baselines.py
+	$(BENCH_ENV) $(BIN)/python bench/bench_dg_regression.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_scale.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_conformal.py
 	$(BENCH_ENV) $(BIN)/python bench/reproduce_density.py

@@ -35,6 +35,7 @@ __all__ = [
     "GaussianMixtures",
     "load_digits_clouds",
     "load_flowcap_gvhd",
+    "load_state_productivity",
     "make_batched_cytometry_tasks",
     "make_cytometry_tasks",
     "make_dose_response_bags",
@@ -374,6 +375,65 @@ def make_dose_response_bags(
 
 
 GVHD_CHANNELS = ("FSC.H", "SSC.H", "FL1.H", "FL2.H", "FL3.H", "FL4.H")
+
+
+#: US Census divisions of the 48 contiguous states (the batches of
+#: :func:`load_state_productivity`).
+CENSUS_DIVISIONS = {
+    "New England": ("CT", "ME", "MA", "NH", "RI", "VT"),
+    "Middle Atlantic": ("NJ", "NY", "PA"),
+    "East North Central": ("IL", "IN", "MI", "OH", "WI"),
+    "West North Central": ("IA", "KS", "MN", "MO", "NE", "ND", "SD"),
+    "South Atlantic": ("DE", "FL", "GA", "MD", "NC", "SC", "VA", "WV"),
+    "East South Central": ("AL", "KY", "MS", "TN"),
+    "West South Central": ("AR", "LA", "OK", "TX"),
+    "Mountain": ("AZ", "CO", "ID", "MT", "NV", "NM", "UT", "WY"),
+    "Pacific": ("CA", "OR", "WA"),
+}
+
+
+def load_state_productivity() -> tuple[Bags, NDArray[np.float64], NDArray[np.str_], list[str]]:
+    """Munnell's state productivity and public capital panel as grouped regression tasks.
+
+    Munnell, "Why has productivity declined? Productivity and public investment", New
+    England Economic Review (1990): 48 contiguous US states x 17 years (1970-1986), as
+    the ``linearmodels`` package ships it (``linearmodels.datasets.munnell``; install
+    ``linearmodels``, which the dev extra has). Each state is a task, each state-year a
+    point with 4 inputs: log public capital, log private capital, log employment and
+    the unemployment rate; the target is log gross state product. Real per-site data
+    with strong site effects: the test bed of marginal-transfer *regression*.
+
+    Returns
+    -------
+    tasks : Bags
+        One bag per state (17 points x 4 inputs), states in alphabetical order of
+        their postal codes.
+    y : ndarray of shape (816,)
+        Log gross state product, task after task.
+    divisions : ndarray of str, shape (48,)
+        Each state's census division (:data:`CENSUS_DIVISIONS`): its batch.
+    states : list of str
+        The postal codes.
+    """
+    try:
+        from linearmodels.datasets import munnell
+    except ImportError as exc:  # pragma: no cover - the dev extra installs it
+        raise ImportError(
+            "load_state_productivity reads the data linearmodels ships: pip install linearmodels"
+        ) from exc
+    df = munnell.load().sort_values(["ST_ABB", "YR"])
+    division = {st: name for name, states in CENSUS_DIVISIONS.items() for st in states}
+    arrays, targets, groups, states = [], [], [], []
+    for st, part in df.groupby("ST_ABB", sort=True):
+        arrays.append(
+            np.column_stack(
+                [np.log(part["P_CAP"]), np.log(part["PC"]), np.log(part["EMP"]), part["UNEMP"]]
+            ).astype(np.float64)
+        )
+        targets.append(np.log(part["GSP"].to_numpy(dtype=np.float64)))
+        groups.append(division[str(st)])
+        states.append(str(st))
+    return Bags.from_arrays(arrays), np.concatenate(targets), np.array(groups), states
 
 
 def load_flowcap_gvhd(

@@ -64,6 +64,9 @@ class DomainReport:
         has no radial kernel, 0 where padded).
     distance : ndarray of shape (n_bags,)
         The embedding distance to the nearest training bag, uncalibrated.
+    fallback : ndarray of bool, shape (n_bags,)
+        The bag was out of range and answered by the model's invariant fallback
+        (marginal transfer with ``normalise="auto"``); all false by default.
     """
 
     score: NDArray[np.float64]
@@ -71,6 +74,12 @@ class DomainReport:
     nearest: NDArray[np.int64]
     similarities: NDArray[np.float64]
     distance: NDArray[np.float64]
+    fallback: NDArray[np.bool_] | None = None
+
+    def __post_init__(self) -> None:
+        if self.fallback is None:
+            # Frozen: the default is set once, as an array like the others.
+            object.__setattr__(self, "fallback", np.zeros(np.shape(self.out_of_range), bool))
 
     def nearest_of(self, i: int) -> list[int]:
         """The nearest training bags of bag ``i``, padding dropped."""

@@ -358,11 +358,13 @@ class ArtifactInfo:
         return [names[t] if t < len(names) else f"#{t}" for t in domain.nearest_of(i)]
 
     def domain_of(self, domain: DomainReport, i: int) -> dict[str, Any]:
-        """Bag ``i``'s domain report as JSON: ``score``, ``out_of_range``, ``nearest``."""
+        """Bag ``i``'s domain report as JSON: ``score``, ``out_of_range``, ``nearest``,
+        ``fallback``."""
         return {
             "score": float(domain.score[i]),
             "out_of_range": bool(domain.out_of_range[i]),
             "nearest": self.nearest_names(domain, i),
+            "fallback": bool(domain.fallback[i]),
         }
 
     @property

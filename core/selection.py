@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_ALPHA_GRID",
     "gamma_grid",
     "grid_edge",
+    "leave_one_group_out_folds",
     "leave_tasks_out_folds",
     "median_heuristic_gamma",
     "ridge_selection_scores",
@@ -181,6 +182,32 @@ def leave_tasks_out_folds(
             val = np.sort(part)
             folds.append((np.setdiff1d(np.arange(n_tasks), val), val))
     return folds
+
+
+def leave_one_group_out_folds(
+    groups: ArrayLike,
+) -> list[tuple[NDArray[np.int64], NDArray[np.int64]]]:
+    """One fold per group (batch, centre, run): its tasks are held out together.
+
+    A model chosen by these folds is chosen for how it does on a batch it has not
+    seen, which is how it will be used; leave-tasks-out folds that mix batches reward
+    what only works within a batch.
+
+    Parameters
+    ----------
+    groups : array-like of shape (n_tasks,)
+        The group of every task; at least two distinct groups.
+
+    Returns
+    -------
+    list of (train_tasks, validation_tasks)
+        One pair per group, in the order of ``np.unique``.
+    """
+    groups = np.asarray(groups)
+    values = np.unique(groups)
+    if values.size < 2:
+        raise ValueError(f"leave-one-group-out needs at least 2 groups, got {values.size}")
+    return [(np.flatnonzero(groups != g), np.flatnonzero(groups == g)) for g in values]
 
 
 def _numeric_values(grid: Sequence[Any]) -> NDArray[np.float64] | None:

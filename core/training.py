@@ -6,7 +6,10 @@ A configuration (see ``examples/``) has these tables; paths are relative to the 
                      description, intended_use, limitations (the model card, card.md)
     [data]           files (glob or list), labels (CSV table) + file_column + label_column
                      for one label per bag, or cell_label_column / cell_label_files for
-                     one label per cell; n_jobs (parallel reading)
+                     one label per cell; batches (CSV: file_column + batch_column,
+                     default "batch"; per-cell models are then cross-validated and
+                     select their hyperparameters leave-one-batch-out); n_jobs
+                     (parallel reading)
     [panel]          markers (names, in model order), aliases (name -> other names)
     [preprocessing]  compensation ("none" | "file" | a spillover CSV), transform
                      ("none" | "arcsinh" | "log" | "logicle" | "hyperlog"), cofactor,
@@ -37,10 +40,10 @@ checks every such choice: the ``[search]`` grid of the configuration (chosen by 
 cross-validation) and the grids the estimator searches itself, as its fitted model
 records them (``gamma`` and ``alpha`` of :class:`~core.DistributionRidge` and its
 classifier, and of :class:`~core.ConditionalMeanEmbedding`; the point bandwidth,
-``tau``, task ``gamma``, embedding bandwidth factor and ``alpha`` of marginal
-transfer). With ``[search] widen_edges = true`` (the default) each edge is widened
-once (:func:`core.selection.widen_grid`: the grid is shifted past the edge, same size
-and steps, so the old edge sits in its middle): an edge of the ``[search]`` grid adds
+``tau``, task ``gamma`` and ``alpha`` of marginal transfer). With ``[search]
+widen_edges = true`` (the default) each edge is widened once
+(:func:`core.selection.widen_grid`: the grid is shifted past the edge, same size and
+steps, so the old edge sits in its middle): an edge of the ``[search]`` grid adds
 the new candidates to the same cross-validation; an edge of an estimator's own grid
 refits that candidate, cross-validation included, with the widened grid passed as an
 explicit parameter (``gamma=[...]``, ``alpha=[...]``, ...), and that model replaces
@@ -62,10 +65,10 @@ still on an edge after widening is kept, with a warning: widening happens once, 
 training time stays bounded. ``widen_edges = false`` warns and records without
 refitting. Two cases are recorded but not widened: a value at the bound of its
 parameter's domain (``tau`` of 0 or 1: nothing lies beyond, so no warning either), and
-a grid no estimator parameter takes (marginal transfer's embedding bandwidth factors;
-the warning says so). Streaming and Dask training (:mod:`core.streaming`) check and
-widen the same way; a widened ``[search]`` value that needs another representation
-streams the files once more, for that representation only.
+a grid no estimator parameter takes (the warning says so). Streaming and Dask training
+(:mod:`core.streaming`) check and widen the same way; a widened ``[search]`` value
+that needs another representation streams the files once more, for that representation
+only.
 
 Evaluation and the training bags
 --------------------------------
@@ -117,10 +120,17 @@ from .io import (
     labelled_files,
     load_dataset,
     read_file,
+    read_file_table,
 )
 from .progress import progress_enabled
 from .representations import DensityFeatures, HistogramEmbedding, MeanEmbedding, SlicedWasserstein
-from .selection import as_grid, grid_edge, leave_tasks_out_folds, widen_grid
+from .selection import (
+    as_grid,
+    grid_edge,
+    leave_one_group_out_folds,
+    leave_tasks_out_folds,
+    widen_grid,
+)
 from .streaming import points_sha256
 
 __all__ = [
@@ -259,6 +269,9 @@ def read_data(
             rel = cell_files.format(stem=stem, name=f.name, digits=digits)
             cell_map[str(f)] = str(base / rel)
     label_map = data.pop("label_map", None)
+    # Batches are read by training (config_batches), not here.
+    data.pop("batches", None)
+    data.pop("batch_column", None)
     known = {"file_column", "label_column", "cell_label_column", "n_jobs"}
     if set(data) - known:
         raise ConfigError(f"[data] unknown key(s) {sorted(set(data) - known)}")
@@ -279,6 +292,34 @@ def read_data(
     if dataset.y is not None:
         dataset.y = _apply_label_map(label_map, dataset.y)
     return dataset
+
+
+def config_batches(config: Mapping[str, Any], files: Sequence[str]) -> np.ndarray | None:
+    """The batch of every data file, from ``[data] batches`` (a CSV with the file name
+    in ``file_column`` and the batch in ``batch_column``, default ``"batch"``), or
+    ``None`` when the configuration names no batches.
+
+    Raises
+    ------
+    ConfigError
+        The table cannot be read, or a data file has no batch in it.
+    """
+    data = config.get("data", {})
+    if data.get("batches") is None:
+        return None
+    path = Path(config["_base"]) / data["batches"]
+    column = data.get("batch_column", "batch")
+    try:
+        table = read_file_table(path, data.get("file_column", "file"), column)
+    except DataError as exc:
+        raise ConfigError(f"[data] batches: {exc}") from exc
+    missing = [Path(f).name for f in files if table.get(Path(f).name, "") == ""]
+    if missing:
+        raise ConfigError(
+            f"[data] batches: {path.name} gives no {column!r} for {len(missing)} data "
+            f"file(s): {missing[:5]}"
+        )
+    return np.array([table[Path(f).name] for f in files])
 
 
 def _apply_label_map(label_map: Mapping[str, Any] | None, y: np.ndarray) -> np.ndarray:
@@ -328,6 +369,7 @@ def _cv_predictions(
     markers: list[str],
     progress: bool = False,
     scores_out: dict[str, np.ndarray] | None = None,
+    batches: np.ndarray | None = None,
 ) -> np.ndarray:
     """Out-of-fold predictions: each bag (or cell) is predicted by a model, preprocessing
     included, that never saw it (a progress bar over the folds with ``progress``).
@@ -348,7 +390,10 @@ def _cv_predictions(
         if cell_level:
             y_tr = np.concatenate([y[raw.offsets[t] : raw.offsets[t + 1]] for t in train])
             rows = np.concatenate([np.arange(raw.offsets[t], raw.offsets[t + 1]) for t in val])
-            model.fit(bags_tr, y_tr)
+            if batches is None:
+                model.fit(bags_tr, y_tr)
+            else:
+                model.fit(bags_tr, y_tr, groups=batches[train])
             if keep_scores:
                 s = model.decision_function(bags_va)
                 if scores is None:
@@ -371,8 +416,16 @@ def _params_key(est: BaseEstimator) -> str:
 
 
 def _folds(
-    config: Mapping[str, Any], n_bags: int, y: np.ndarray | None, classifier: bool, cell_level: bool
+    config: Mapping[str, Any],
+    n_bags: int,
+    y: np.ndarray | None,
+    classifier: bool,
+    cell_level: bool,
+    batches: np.ndarray | None = None,
 ):
+    if batches is not None and np.unique(batches).size > 1:
+        # A model for new batches is judged on batches it has not seen.
+        return leave_one_group_out_folds(batches)
     cv = dict(config.get("cv", {}))
     n_splits = int(cv.get("n_splits", 5))
     repeats = int(cv.get("repeats", 1))
@@ -540,19 +593,6 @@ def _transfer_choices(model: BaseEstimator) -> list[GridChoice]:
         out.append(GridChoice("tau", taus, float(best["tau"]), "tau", lower=0.0, upper=1.0))
     if not pooled:
         resolved("gamma", getattr(model, "task_gamma_", None), "task_gamma", True)
-        embs = sorted({float(e["emb"]) for e in evaluated if e["tau"] != 1.0})
-        if len(embs) > 1:
-            out.append(
-                GridChoice(
-                    "embedding_bandwidth_factor",
-                    embs,
-                    float(best["emb"]),
-                    None,
-                    note="the embedding bandwidth factors (times its median heuristic) are "
-                    "not an estimator parameter; give the embedding a fixed bandwidth to "
-                    "choose it yourself",
-                )
-            )
     alphas = np.asarray(sel.get("alpha_grid", []), dtype=np.float64).ravel()
     if alphas.size > 1:
         out.append(GridChoice("alpha", _float_list(alphas), float(best["alpha"]), "alpha"))
@@ -1020,8 +1060,10 @@ class _InMemorySearch:
         pre_spec: dict[str, Any],
         markers: list[str],
         progress: bool,
+        batches: np.ndarray | None = None,
     ) -> None:
         self.bags, self.y, self.folds = bags, y, folds
+        self.batches = batches
         self.cell_level, self.pre_spec, self.markers = cell_level, pre_spec, markers
         self.progress = progress
         self.preprocessing = Preprocessing(**pre_spec).fit(bags, markers)
@@ -1044,6 +1086,7 @@ class _InMemorySearch:
                 self.markers,
                 per_fold,
                 self.oof_scores,
+                self.batches,
             )
             for est, _ in tqdm(
                 candidates,
@@ -1054,7 +1097,10 @@ class _InMemorySearch:
         ]
 
     def fit_final(self, estimator: BaseEstimator) -> BaseEstimator:
-        return estimator.fit(self.preprocessing.apply(self.bags, self.markers), self.y)
+        bags = self.preprocessing.apply(self.bags, self.markers)
+        if self.batches is None:
+            return estimator.fit(bags, self.y)
+        return estimator.fit(bags, self.y, groups=self.batches)
 
 
 def _train_in_memory(
@@ -1085,8 +1131,18 @@ def _train_in_memory(
         raise ConfigError(
             "[preprocessing] max_points drops cells, which a per-cell model needs labelled"
         )
-    folds = _folds(config, len(data.bags), None if cell_level else y, classifier, cell_level)
-    searcher = _InMemorySearch(data.bags, y, folds, cell_level, pre_spec, markers, progress)
+    batches = config_batches(config, data.files)
+    if batches is not None and not cell_level:
+        raise ConfigError(
+            "[data] batches: batch-aware selection is for per-cell models "
+            "(MarginalTransferClassifier, MarginalTransferRegressor)"
+        )
+    folds = _folds(
+        config, len(data.bags), None if cell_level else y, classifier, cell_level, batches
+    )
+    searcher = _InMemorySearch(
+        data.bags, y, folds, cell_level, pre_spec, markers, progress, batches
+    )
     outcome = _run_search(candidates, estimator, grid, widen, searcher, y, classifier)
     calibration = None
     oof = searcher.oof_scores.get(_params_key(outcome.final))
@@ -1111,7 +1167,9 @@ def _train_in_memory(
         data.level,
         int(data.bags.n_points),
         len(folds),
-        {"mode": "in-memory"},
+        {"mode": "in-memory"}
+        if batches is None
+        else {"mode": "in-memory", "batches": sorted({str(b) for b in batches})},
         training_bags,
         outcome.edges,
         outcome.widening,
@@ -1291,7 +1349,13 @@ def _save(
     cell_level = fitted.level == "cell"
     metrics = {
         "cv": {
-            "scheme": "leave-tasks-out" if cell_level else "k-fold over bags",
+            "scheme": (
+                "leave-one-batch-out"
+                if len(fitted.compute.get("batches", [])) > 1
+                else "leave-tasks-out"
+                if cell_level
+                else "k-fold over bags"
+            ),
             "n_folds": fitted.n_folds,
             **best_metrics,
         },

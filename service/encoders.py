@@ -135,6 +135,8 @@ def _bag(result: Prediction, i: int, bag_id: str, cells: bool = True) -> dict[st
             "distance_to_nearest": float(domain.distance[i]),
             "nearest_training_tasks": domain.nearest_of(i),
             "similarities": domain.similarities_of(i),
+            # Answered by the invariant fallback (per-sample standardised), out of range.
+            "fallback": bool(domain.fallback[i]),
         }
         return cell
     if isinstance(result, ClassificationPrediction):

@@ -337,6 +337,11 @@ class _Observations:
                     "Outside the model's applicability domain (score "
                     f"{float(domain.score[i]):.4g}): the sample is unlike every training "
                     f"sample; nearest training samples: {nearest}."
+                    + (
+                        " Answered by the model's fallback on the per-sample standardised sample."
+                        if bool(domain.fallback[i])
+                        else ""
+                    )
                 )
             else:
                 notes.append(

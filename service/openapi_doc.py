@@ -51,6 +51,11 @@ _DOMAIN: dict[str, Any] = {
         "score": {"type": "number", "description": "about 1 for a typical training bag"},
         "out_of_range": {"type": "boolean"},
         "nearest": {"type": "array", "items": {"type": "string"}},
+        "fallback": {
+            "type": "boolean",
+            "description": "out of range, and answered by the model's invariant fallback "
+            "(per-sample standardised; marginal-transfer models)",
+        },
     },
 }
 _POPULATION_ROW: dict[str, Any] = {

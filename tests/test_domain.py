@@ -118,7 +118,13 @@ def test_every_bag_model_checks_its_domain_and_stores_it_exactly(make, tmp_path)
 
 def test_marginal_transfer_reports_the_same_shape_from_its_task_reports():
     tasks, y, _ = make_ellipse_tasks(6, 40, random_state=0)
-    fixed = {"point_bandwidth": 0.3, "task_gamma": 2.0, "alpha": 1e-4, "tau": 0.2}
+    fixed = {
+        "normalise": "none",
+        "point_bandwidth": 0.3,
+        "task_gamma": 2.0,
+        "alpha": 1e-4,
+        "tau": 0.2,
+    }
     model = MarginalTransferClassifier(random_state=0, **fixed).fit(tasks, y)
     new = make_ellipse_tasks(2, 40, random_state=5)[0]
     far = [t + 10.0 for t in new]

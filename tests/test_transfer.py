@@ -24,8 +24,13 @@ from sklearn.base import clone
 from sklearn.kernel_ridge import KernelRidge
 from sklearn.linear_model import Ridge
 
+# The paper's model (eq. 8): Gaussian k_X and no normalisation, which these tests
+# check against their oracles; the defaults (linear part, normalisation chosen by
+# CV) have their own tests below.
+PAPER = {"point_kernel": "gaussian", "normalise": "none"}
 # Every hyperparameter fixed, the embedding's bandwidth included: no search.
 FIXED = {
+    **PAPER,
     "point_bandwidth": 0.3,
     "task_gamma": 2.0,
     "alpha": 1e-4,
@@ -153,7 +158,7 @@ def test_structured_ridge_equals_dense_ridge_on_joint_features(rng, monkeypatch,
 def test_pooling_with_equal_task_sizes_is_one_pooled_model(ellipses):
     tasks, y = ellipses
     exact = MarginalTransferClassifier(
-        solver="exact", loss="squared", pooling=True, point_bandwidth=0.3, alpha=1e-3
+        **PAPER, solver="exact", loss="squared", pooling=True, point_bandwidth=0.3, alpha=1e-3
     ).fit(tasks, y)
     from bagserve.core.kernels import point_kernel
 
@@ -163,7 +168,9 @@ def test_pooling_with_equal_task_sizes_is_one_pooled_model(ellipses):
     new = make_ellipse_tasks(3, 25, random_state=9)[0]
     Kn = point_kernel(new.points, tasks.points, "gaussian", 0.3)
     np.testing.assert_allclose(exact.decision_function(new), ref.predict(Kn), rtol=1e-7, atol=1e-9)
-    rf = MarginalTransferClassifier(pooling=True, point_bandwidth=0.3, alpha=1e-3, random_state=0)
+    rf = MarginalTransferClassifier(
+        **PAPER, pooling=True, point_bandwidth=0.3, alpha=1e-3, random_state=0
+    )
     rf.fit(tasks, y)
     Z = rf.joint_features(tasks)
     ridge = Ridge(alpha=1e-3 * M, fit_intercept=False).fit(Z, np.where(y > 0, 1.0, -1.0))
@@ -202,9 +209,10 @@ def test_random_feature_gram_converges_to_exact_product_gram(ellipses, task_map)
             else MeanEmbedding(bandwidth=0.3, method="rff", n_components=D, random_state=1)
         )
         rf = MarginalTransferClassifier(
-            task_map=task_map, embedding=emb, n_components=D, random_state=0, **params
+            **PAPER, task_map=task_map, embedding=emb, n_components=D, random_state=0, **params
         ).fit(tasks, y)
         exact = MarginalTransferClassifier(
+            **PAPER,
             solver="exact",
             loss="squared",
             embedding=MeanEmbedding(bandwidth=0.3),
@@ -250,7 +258,7 @@ def test_validation_tasks_never_reach_the_fold_training_side(ellipses, monkeypat
 
     monkeypatch.setattr(MarginalTransferClassifier, "_sigma_value", spy_sigma)
     model = MarginalTransferClassifier(
-        alpha=[1e-4, 1e-2], tau=[0.2], task_gamma=[1.0], cv=4, random_state=0
+        **PAPER, alpha=[1e-4, 1e-2], tau=[0.2], task_gamma=[1.0], cv=4, random_state=0
     ).fit(shifted, y)
     folds = model.selection_["folds"]
     # The search fits one embedding per (fold, bandwidth factor), folds in order; the
@@ -281,36 +289,38 @@ def coordinate_search_visits(
 ) -> set[tuple[float, float, float | None]]:
     """Configurations the coordinate-wise search evaluates *whatever wins each step*.
 
-    The documented order (``_search``): (1) the pooled model (``τ = 1``) at every point
-    bandwidth; (2) at the winner's bandwidth, every ``(τ, γ_P)`` pair; (3) the embedding
-    bandwidth (fixed here); (4) every point bandwidth at the winning ``(τ, γ_P)``. The
-    intersection over every possible winner of steps 1 and 2 is what is surely visited.
-    Pooled configurations have no ``γ_P`` (``None``).
+    The documented order (``coordinate_search``): (1) the pooled model (``τ = 1``) at
+    every point bandwidth; (2) at the winner's bandwidth, every ``τ < 1`` with the
+    middle ``γ_P``; (3) every ``γ_P`` at the winning ``τ``; (4) the embedding bandwidth
+    (fixed here). The intersection over every possible winner of steps 1 and 2 is what
+    is surely visited. Pooled configurations have no ``γ_P`` (``None``).
     """
     others = [t for t in taus if t != 1.0]
-    pooled = {(s, 1.0, None) for s in sigmas}
-    surely: set[tuple[float, float, float | None]] | None = None
-    for s1 in sigmas:
-        for t2 in others:
-            for g2 in gammas:
-                seen = pooled | {(s1, t, g) for t in others for g in gammas}
-                seen |= {(s, t2, g2) for s in sigmas}
-                surely = seen if surely is None else surely & seen
-    assert surely is not None
+    middle = gammas[len(gammas) // 2]
+    surely: set[tuple[float, float, float | None]] = {(s, 1.0, None) for s in sigmas}
+    if others:
+        visited = None
+        for s1 in sigmas:
+            for t2 in others:
+                seen = {(s1, t, middle) for t in others} | {(s1, t2, g) for g in gammas}
+                visited = seen if visited is None else visited & seen
+        assert visited is not None
+        surely |= visited
     return surely
 
 
-# Grids the coordinate-wise search covers whole: several point bandwidths but one
-# (τ, γ_P) pair besides pooling, or one bandwidth and every (τ, γ_P) pair.
+# Grids the coordinate-wise search covers whole: several point bandwidths of the pooled
+# model; one bandwidth and every share of pooling; one share and every γ_P.
 SEARCH_GRIDS = {
-    "bandwidths": {"point_bandwidth": [0.15, 0.3, 0.6], "tau": [0.2, 1.0], "task_gamma": [2.0]},
-    "task_kernel": {"point_bandwidth": [0.3], "tau": [0.0, 0.3, 1.0], "task_gamma": [0.5, 4.0]},
+    "bandwidths": {"point_bandwidth": [0.15, 0.3, 0.6], "tau": [1.0], "task_gamma": [2.0]},
+    "shares": {"point_bandwidth": [0.3], "tau": [0.0, 0.3, 1.0], "task_gamma": [2.0]},
+    "task_kernel": {"point_bandwidth": [0.3], "tau": [0.3, 1.0], "task_gamma": [0.5, 4.0]},
 }
 SEARCH_ALPHAS = [1e-5, 1e-3, 1e-1]
 SEARCH_MODELS = {
-    "regressor_exact": lambda: MarginalTransferRegressor(solver="exact", loss="squared"),
-    "regressor_random_features": lambda: MarginalTransferRegressor(n_components=16),
-    "classifier_random_features": lambda: MarginalTransferClassifier(n_components=16),
+    "regressor_exact": lambda: MarginalTransferRegressor(**PAPER, solver="exact", loss="squared"),
+    "regressor_random_features": lambda: MarginalTransferRegressor(**PAPER, n_components=16),
+    "classifier_random_features": lambda: MarginalTransferClassifier(**PAPER, n_components=16),
 }
 
 
@@ -386,11 +396,11 @@ def test_marginal_transfer_beats_pooling_on_ellipses():
     tasks, y, _ = make_ellipse_tasks(16, 64, random_state=1)
     test, yt, _ = make_ellipse_tasks(5, 2000, random_state=2)
     mtl = MarginalTransferClassifier(
-        point_bandwidth=0.3, task_gamma=None, tau=[0.0], alpha=[1e-5, 1e-3], random_state=0
+        **PAPER, point_bandwidth=0.3, task_gamma=None, tau=[0.0], alpha=[1e-5, 1e-3], random_state=0
     ).fit(tasks, y)
-    pool = MarginalTransferClassifier(pooling=True, alpha=[1e-5, 1e-3], random_state=0).fit(
-        tasks, y
-    )
+    pool = MarginalTransferClassifier(
+        **PAPER, pooling=True, alpha=[1e-5, 1e-3], random_state=0
+    ).fit(tasks, y)
     err_mtl = np.mean(mtl.predict(test) != yt)
     err_pool = np.mean(pool.predict(test) != yt)
     assert err_mtl < 0.15 < 0.25 < err_pool
@@ -447,6 +457,7 @@ def test_regressor_exact_svr_and_random_features(rng):
     targets = [a[:, 0] - a.mean(0)[0] for a in arrays]
     for solver in ("exact", "random_features"):
         model = MarginalTransferRegressor(
+            **PAPER,
             solver=solver,
             embedding=MeanEmbedding(bandwidth=1.0),
             point_bandwidth=1.0,
@@ -484,13 +495,13 @@ def test_clear_errors(ellipses, rng):
     with pytest.raises(BagValidationError, match="task 0: 3 label"):
         MarginalTransferClassifier(**FIXED).fit(list(tasks)[:2], [y[:3], y[:40]])
     with pytest.raises(ValueError, match="random-feature solver fits a weighted ridge"):
-        MarginalTransferClassifier(loss="hinge").fit(tasks, y)
+        MarginalTransferClassifier(**PAPER, loss="hinge").fit(tasks, y)
     with pytest.raises(BagValidationError, match="max_exact_points"):
         MarginalTransferClassifier(solver="exact", max_exact_points=100, **FIXED).fit(tasks, y)
     # The paper's two-layer map has no pooling share, whether as tau or as pooling=True.
     for pooled in ({"tau": 0.5}, {"pooling": True}):
         with pytest.raises(ValueError, match="task_map='rff' has no pooling share"):
-            MarginalTransferClassifier(task_map="rff", **pooled).fit(tasks, y)
+            MarginalTransferClassifier(**PAPER, task_map="rff", **pooled).fit(tasks, y)
 
 
 def test_any_representation_embeds_tasks(ellipses):
@@ -560,7 +571,9 @@ def test_per_task_standardisation_is_part_of_the_model(tmp_path):
         "random_state": 0,
     }
     model = MarginalTransferClassifier(normalise="standard", **params).fit(tasks, y)
-    plain = MarginalTransferClassifier(**params).fit(standardise_each_bag(tasks), y)
+    plain = MarginalTransferClassifier(normalise="none", **params).fit(
+        standardise_each_bag(tasks), y
+    )
     np.testing.assert_allclose(
         model.decision_function(new), plain.decision_function(manual), rtol=1e-9, atol=1e-12
     )
@@ -574,4 +587,4 @@ def test_per_task_standardisation_is_part_of_the_model(tmp_path):
     assert again.normalise == "standard"
     np.testing.assert_array_equal(again.predict(new), model.predict(new))
     with pytest.raises(ValueError, match="normalise must be"):
-        MarginalTransferClassifier(normalise="quantile", **params).fit(tasks, y)
+        MarginalTransferClassifier(normalise="median", **params).fit(tasks, y)

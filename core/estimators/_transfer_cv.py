@@ -2,9 +2,11 @@
 
 :class:`FoldEvaluator` scores a candidate configuration on every fold; the solver
 strategy scores one fold over the whole ridge path (one factorisation per fold covers
-every ``λ``). The evaluator caches, per fold, the fold's own embedding (fitted on its
-training tasks only) and point bandwidth, and the points each held-out task is scored
-on, so candidates that share them pay once. :func:`coordinate_search` walks the grid.
+every ``λ``). The evaluator caches, per fold, the fold's own embedding and the point
+bandwidths' median heuristic (both from its training tasks only), and the points each
+held-out task is scored on, so candidates that share them pay once.
+:func:`coordinate_search` walks the grid; :func:`choose_normalisation` picks the per-task
+normalisation before it.
 
 Everything the search needs from the estimator arrives in a :class:`SearchSetup`.
 """
@@ -33,6 +35,7 @@ from ._transfer_strategy import (
 __all__ = [
     "FoldEvaluator",
     "SearchSetup",
+    "choose_normalisation",
     "coordinate_search",
     "mean_squared_error",
     "misclassification_rate",
@@ -107,7 +110,9 @@ class FoldEvaluator:
         self._embeddings: dict[
             tuple[int, float], tuple[NDArray[np.float64], NDArray[np.float64], Any]
         ] = {}
-        self._sigmas: dict[tuple[int, Spec], float] = {}
+        self._medians: dict[int, float] = {}
+        #: Per configuration: validation error per fold and ``λ``, shape (folds, λ).
+        self.fold_errors: dict[tuple[Any, ...], NDArray[np.float64]] = {}
         self._held_out: dict[int, tuple[NDArray[np.float64], NDArray[np.float64]]] = {}
         self._strategy_cache: dict[Hashable, Any] = {}
 
@@ -125,11 +130,15 @@ class FoldEvaluator:
         return self._embeddings[key]
 
     def _sigma(self, f: int, spec: Spec) -> float:
-        """The point bandwidth of fold ``f``: relative values use its training points only."""
-        if (f, spec) not in self._sigmas:
+        """The point bandwidth of fold ``f``: relative values scale the median heuristic
+        of its training points only (computed once per fold)."""
+        kind, value = spec
+        if kind == "absolute":
+            return value
+        if f not in self._medians:
             train_points = self.setup.data.tasks[self.setup.folds[f][0]].points
-            self._sigmas[(f, spec)] = self.setup.resolve_sigma(spec, train_points)
-        return self._sigmas[(f, spec)]
+            self._medians[f] = self.setup.resolve_sigma(("relative", 1.0), train_points)
+        return value * self._medians[f]
 
     def _held_out_points(self, v: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """Points (at most ``cv_points``, drawn per task) held-out task ``v`` is scored on."""
@@ -144,19 +153,34 @@ class FoldEvaluator:
             self._held_out[v] = (tasks.points[pick], Y[pick])
         return self._held_out[v]
 
+    @staticmethod
+    def key(cand: dict[str, Any]) -> tuple[Any, ...]:
+        """The configuration's identity; a pooled model ignores the task coordinates."""
+        if cand["tau"] == 1.0:
+            return (cand["sigma"], 1.0, None, 1.0)
+        return (cand["sigma"], cand["tau"], cand["gamma"], cand["emb"])
+
     def score(self, cand: dict[str, Any]) -> NDArray[np.float64]:
-        """Mean validation error (per task, then over folds) for each ``λ`` of the grid."""
+        """Mean validation error (per task, then over folds) for each ``λ`` of the grid;
+        each configuration is evaluated once (per-fold errors in :attr:`fold_errors`)."""
+        key = self.key(cand)
+        if key not in self.fold_errors:
+            self.fold_errors[key] = self._evaluate(cand)
+        return self.fold_errors[key].mean(axis=0)
+
+    def _evaluate(self, cand: dict[str, Any]) -> NDArray[np.float64]:
         setup = self.setup
-        errors = np.zeros(setup.alphas.size)
+        errors = np.zeros((len(setup.folds), setup.alphas.size))
         for f, (train, val) in enumerate(setup.folds):
             if cand["tau"] == 1.0:
                 # The pooled model ignores the tasks' distributions: no embedding to fit.
                 sq_tr = np.zeros((train.size, train.size))
                 sq_va = np.zeros((val.size, train.size))
                 embeddings = None
+                gamma = None
             else:
                 sq_tr, sq_va, embeddings = self._fold_embedding(f, cand["emb"])
-            gamma = setup.resolve_gamma(cand["gamma"], sq_tr)
+                gamma = setup.resolve_gamma(cand["gamma"], sq_tr)
             fold = ValidationFold(
                 data=setup.data,
                 train=train,
@@ -170,17 +194,27 @@ class FoldEvaluator:
                 held_out=[self._held_out_points(int(v)) for v in val],
                 error=setup.error,
             )
-            errors += self.strategy.fold_errors(fold, setup.alphas, self._strategy_cache)
-        return errors / len(setup.folds)
+            errors[f] = self.strategy.fold_errors(fold, setup.alphas, self._strategy_cache)
+        return errors
+
+    def best(self, keys: list[tuple[Any, ...]] | None = None) -> tuple[tuple[Any, ...], int]:
+        """The evaluated configuration (among ``keys``) and ``λ`` index of least mean error."""
+        keys = list(self.fold_errors) if keys is None else keys
+        means = {k: self.fold_errors[k].mean(axis=0) for k in keys}
+        key = min(means, key=lambda k: means[k].min())
+        return key, int(np.argmin(means[key]))
 
 
 def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> dict[str, Any]:
-    """Leave-tasks-out CV, coordinate-wise as the authors' code does it.
+    """Cross-validated search, coordinate-wise as the authors' code does it.
 
-    (1) the pooled model (``τ = 1``) over the point bandwidths; (2) at that bandwidth,
-    ``(τ, γ_P)``; (3) the embedding bandwidth; (4) the point bandwidth again. Every
-    evaluation covers the whole ``λ`` grid. The best configuration seen wins, the pooled
-    model included.
+    (1) the pooled model (``τ = 1``) over the point bandwidths (without a pooled
+    model in the grid: the first share ``τ`` over them); at that bandwidth
+    (2) the shares of pooling ``τ < 1`` with the middle ``γ_P`` and embedding
+    bandwidth, (3) the other ``γ_P`` at the best ``τ``, (4) the other embedding
+    bandwidths. Every evaluation covers the whole ``λ`` grid. The best configuration
+    seen wins, the pooled model included: MTL against pooling is decided by the same
+    cross-validation (leave-one-batch-out when batches are named).
 
     Parameters
     ----------
@@ -195,54 +229,104 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
         ``λ``, the ``λ`` grid, the folds, and the best configuration with its ``alpha``.
     """
     alphas = evaluator.setup.alphas
-    seen: dict[tuple[Any, ...], NDArray[np.float64]] = {}
-    # At most: the point bandwidths three times, (τ, γ_P) pairs, embedding bandwidths.
-    n_sigma = len(grid["sigma"])
-    bound = 3 * n_sigma + len(grid["tau"]) * len(grid["gamma"]) + len(grid["emb"])
+    others = [t for t in grid["tau"] if t != 1.0]
+    bound = len(grid["sigma"]) + len(others) + len(grid["gamma"]) + len(grid["emb"])
     bar = progress_bar(bound, "marginal transfer: search", "config")
+    visited: list[tuple[Any, ...]] = []
 
     def errors(c: dict[str, Any]) -> float:
-        key = (c["sigma"], c["tau"], c["gamma"], c["emb"])
-        if c["tau"] == 1.0:
-            # The pooled model has no task kernel: one evaluation per point bandwidth.
-            key = (c["sigma"], 1.0, None, 1.0)
-            c = {"sigma": c["sigma"], "tau": 1.0, "gamma": None, "emb": 1.0}
-        if key not in seen:
-            seen[key] = evaluator.score(c)
+        key = FoldEvaluator.key(c)
+        if key not in visited:
+            visited.append(key)
             bar.update(1)
-        return float(seen[key].min())
+        return float(evaluator.score(c).min())
 
     def best_of(options: list[dict[str, Any]]) -> dict[str, Any]:
         return min(options, key=errors)
 
+    def middle(values: list[Any]) -> Any:
+        return values[len(values) // 2]
+
     current = {k: v[0] for k, v in grid.items()}
     if 1.0 in grid["tau"]:
         current = best_of([{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]])
-    others = [t for t in grid["tau"] if t != 1.0]
     if others:
-        base = {**current}
-        current = best_of(
-            [
-                {**base, "tau": t, "gamma": g, "emb": grid["emb"][len(grid["emb"]) // 2]}
-                for t in others
-                for g in grid["gamma"]
-            ]
-        )
+        gamma, emb = middle(grid["gamma"]), middle(grid["emb"])
+        if 1.0 not in grid["tau"]:
+            # No pooled model to choose the point bandwidth: the first share does.
+            current = best_of(
+                [{**current, "sigma": s, "tau": others[0], "gamma": gamma, "emb": emb}
+                 for s in grid["sigma"]]
+            )  # fmt: skip
+        current = best_of([{**current, "tau": t, "gamma": gamma, "emb": emb} for t in others])
+        current = best_of([{**current, "gamma": g} for g in grid["gamma"]])
         current = best_of([{**current, "emb": e} for e in grid["emb"]])
-        current = best_of([{**current, "sigma": s} for s in grid["sigma"]])
-    if 1.0 in grid["tau"]:
-        pooled = best_of([{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]])
-        current = min([current, pooled], key=errors)
     bar.close()
-    key = min(seen, key=lambda k: seen[k].min())
+    key, li = evaluator.best(visited)
     best = {"sigma": key[0], "tau": key[1], "gamma": key[2], "emb": key[3]}
-    best["alpha"] = float(alphas[int(np.argmin(seen[key]))])
+    best["alpha"] = float(alphas[li])
     return {
         "evaluated": [
-            {"sigma": k[0], "tau": k[1], "gamma": k[2], "emb": k[3], "cv_error": v.tolist()}
-            for k, v in seen.items()
+            {
+                "sigma": k[0],
+                "tau": k[1],
+                "gamma": k[2],
+                "emb": k[3],
+                "cv_error": evaluator.fold_errors[k].mean(axis=0).tolist(),
+            }
+            for k in visited
         ],
         "alpha_grid": alphas,
         "folds": evaluator.setup.folds,
         "best": best,
+    }
+
+
+def choose_normalisation(
+    evaluators: dict[str, FoldEvaluator], cand: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """The per-task normalisation, by the one-standard-error rule.
+
+    Each candidate (keys of ``evaluators``, simplest first) is scored at one
+    configuration ``cand`` (the pooled model at the middle point bandwidth, where the
+    strategy has one), on the same folds, at its best ``λ``. The first candidate whose
+    mean error exceeds the least one by at most one standard error of their paired
+    per-fold difference is chosen (Hastie, Tibshirani and Friedman, *Elements of
+    Statistical Learning*, §7.10): a normalisation is applied only where the folds
+    show it helps by more than their noise.
+
+    Parameters
+    ----------
+    evaluators : dict
+        One evaluator per normalisation, on the same folds, simplest first.
+    cand : dict
+        The configuration (``sigma``, ``tau``, ``gamma``, ``emb``) they are compared at.
+
+    Returns
+    -------
+    name : str
+    record : dict
+        Per candidate its CV error and per-fold errors, the order, the choice.
+    """
+    bar = progress_bar(len(evaluators), "marginal transfer: normalisation", "option")
+    per_fold: dict[str, NDArray[np.float64]] = {}
+    for name, ev in evaluators.items():
+        mean = ev.score(cand)
+        per_fold[name] = ev.fold_errors[FoldEvaluator.key(cand)][:, int(np.argmin(mean))]
+        bar.update(1)
+    bar.close()
+    best = min(per_fold, key=lambda n: per_fold[n].mean())
+    chosen = best
+    for name, errs in per_fold.items():
+        diff = errs - per_fold[best]
+        se = float(diff.std(ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else 0.0
+        if diff.mean() <= se:
+            chosen = name
+            break
+    return chosen, {
+        "rule": "one standard error, simplest first",
+        "order": list(evaluators),
+        "cv_error": {n: float(e.mean()) for n, e in per_fold.items()},
+        "fold_errors": {n: e.tolist() for n, e in per_fold.items()},
+        "chosen": chosen,
     }

@@ -33,6 +33,7 @@ from ..representations.mean import MeanEmbedding
 
 __all__ = [
     "POINT_BLOCK",
+    "POINT_KERNELS",
     "FeatureMaps",
     "KernelParameters",
     "NewTasks",
@@ -76,6 +77,10 @@ def task_similarity(
     return np.ones_like(sq_distances) if gamma is None else kernel(sq_distances, gamma)
 
 
+#: Point kernels ``k_X``; ``"gaussian+linear"`` adds the low-capacity linear part.
+POINT_KERNELS = ("gaussian", "linear", "gaussian+linear")
+
+
 @dataclass(frozen=True)
 class FeatureMaps:
     """The point kernel ``k_X`` and the random draws of one fit.
@@ -85,26 +90,46 @@ class FeatureMaps:
 
     Attributes
     ----------
-    point_kernel : {"gaussian", "linear"}
+    point_kernel : {"gaussian", "linear", "gaussian+linear"}
+        ``"gaussian+linear"`` is the sum ``k_G(x, x') + x̃ᵀx̃' / d + 1`` with
+        ``x̃ = (x - centre) / scale``: the Gaussian part bends where the data need it,
+        the linear part (a pooled linear discriminant when ``τ = 1``) carries the
+        coarse structure, which is what transfers best to a batch the training data
+        did not contain.
     point_frequencies : ndarray of shape (m, d)
         Directions of the random Fourier features of the Gaussian ``k_X``.
     joint_frequencies : ndarray of shape (m, 2m + d) or None
         Second-layer directions of the paper's two-layer map (§7.2) only.
+    linear_centre, linear_scale : ndarray of shape (d,) or None
+        ``x̃`` of the linear part: the training points' mean and standard deviation.
     """
 
     point_kernel: str
     point_frequencies: NDArray[np.float64]
     joint_frequencies: NDArray[np.float64] | None = None
+    linear_centre: NDArray[np.float64] | None = None
+    linear_scale: NDArray[np.float64] | None = None
+
+    def _linear_part(self, points: NDArray[np.float64]) -> NDArray[np.float64]:
+        """``[x̃ / √d, 1]``, whose inner products are ``x̃ᵀx̃' / d + 1``."""
+        centre = 0.0 if self.linear_centre is None else self.linear_centre
+        scale = 1.0 if self.linear_scale is None else self.linear_scale
+        x = (points - centre) / (scale * np.sqrt(points.shape[1]))
+        return np.hstack([x, np.ones((points.shape[0], 1))])
 
     def point_features(self, points: NDArray[np.float64], sigma: float) -> NDArray[np.float64]:
         """Rows ``z(x)`` with ``z(x)ᵀz(x') ≈ k_X(x, x')``.
 
         Random Fourier features of ``exp(-‖x - x'‖²/(2σ²))``; for the linear kernel the
-        exact map ``[x, 1]``, whose constant gives each task its own offset (no bias).
+        exact map ``[x, 1]``, whose constant gives each task its own offset (no bias);
+        for the sum, both side by side.
         """
         if self.point_kernel == "linear":
             return np.hstack([points, np.ones((points.shape[0], 1))])
-        return random_fourier_features(points, self.point_frequencies / sigma)
+        z = random_fourier_features(points, self.point_frequencies / sigma)
+        if self.point_kernel == "gaussian+linear":
+            return np.hstack([z, self._linear_part(points)])
+        return z
 
     def point_gram(
         self, A: NDArray[np.float64], B: NDArray[np.float64], sigma: float
@@ -112,7 +137,10 @@ class FeatureMaps:
         """The exact ``k_X`` between the rows of ``A`` and ``B``."""
         if self.point_kernel == "linear":
             return A @ B.T + 1.0
-        return point_kernel(A, B, "gaussian", sigma)
+        K = point_kernel(A, B, "gaussian", sigma)
+        if self.point_kernel == "gaussian+linear":
+            K += self._linear_part(A) @ self._linear_part(B).T
+        return K
 
 
 @dataclass(frozen=True)

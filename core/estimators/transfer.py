@@ -48,15 +48,24 @@ from sklearn.utils.validation import check_is_fitted
 from threadpoolctl import threadpool_limits
 
 from .._random import check_generator
-from ..bags import Bags, BagValidationError, as_bags, standardise_each_bag, subsample_bags
+from ..bags import (
+    Bags,
+    BagValidationError,
+    align_quantiles,
+    as_bags,
+    bag_quantiles,
+    standardise_each_bag,
+    subsample_bags,
+)
 from ..domain import NEAREST, DomainReport
 from ..kernels import get_kernel
 from ..representations.base import BagRepresentation, Embedding
 from ..representations.mean import _median_distance
-from ..selection import leave_tasks_out_folds, median_heuristic_gamma
+from ..selection import leave_one_group_out_folds, leave_tasks_out_folds, median_heuristic_gamma
 from ._transfer_cv import (
     FoldEvaluator,
     SearchSetup,
+    choose_normalisation,
     coordinate_search,
     mean_squared_error,
     misclassification_rate,
@@ -65,6 +74,7 @@ from ._transfer_exact import ExactKernelStrategy
 from ._transfer_nystroem import NystroemFeatureStrategy
 from ._transfer_paper_rff import PaperRFFStrategy
 from ._transfer_strategy import (
+    POINT_KERNELS,
     FeatureMaps,
     KernelParameters,
     NewTasks,
@@ -90,7 +100,13 @@ TAU_GRID = (0.0, 0.2)
 #: the product of all lengths.
 BANDWIDTH_FACTORS = (0.5, 1.0, 2.0)
 TASK_GAMMA_FACTORS = (0.3, 1.0, 3.0)
-EMBEDDING_BANDWIDTH_FACTORS = (0.5, 1.0, 2.0)
+#: The embedding's own bandwidth stays at its median heuristic by default: searching it
+#: (×{0.5, 1, 2}) fits an embedding per fold and factor and costs more than it gained
+#: on the benchmarks; give ``embedding`` a fixed bandwidth to set it yourself.
+EMBEDDING_BANDWIDTH_FACTORS = (1.0,)
+#: Per-task normalisations, simplest first: ``normalise="auto"`` applies one only where
+#: the folds show it helps (:func:`~._transfer_cv.choose_normalisation`).
+NORMALISATIONS = ("none", "standard", "quantile")
 
 
 @dataclass(frozen=True)
@@ -109,12 +125,17 @@ class TaskReport:
         ``distance`` exceeds ``range_factor`` times the largest nearest-neighbour
         distance among the training tasks: the task is unlike every training task,
         and a ``τ > 0`` model answers with its pooled part there.
+    fallback : bool
+        The task was out of range and was answered by the model's invariant
+        fallback (``normalise="auto"`` only: the same configuration on per-task
+        standardised tasks, see :class:`MarginalTransferClassifier`).
     """
 
     nearest_tasks: NDArray[np.int64]
     similarities: NDArray[np.float64]
     distance: float
     out_of_range: bool
+    fallback: bool = False
 
 
 @dataclass
@@ -126,18 +147,24 @@ class TaskPrediction:
     report: TaskReport = field(repr=False)
 
 
-def _as_tasks(X: Any, normalise: str = "none") -> tuple[Bags, bool]:
-    """Tasks as :class:`Bags`; a single 2-D array is one task (flag returned).
-
-    ``normalise="standard"``: each task standardised by its own statistics
-    (:func:`~core.bags.standardise_each_bag`), in fitting and predicting alike."""
-    if normalise not in ("none", "standard"):
-        raise ValueError(f"normalise must be 'none' or 'standard', got {normalise!r}")
+def _as_tasks(X: Any) -> tuple[Bags, bool]:
+    """Tasks as :class:`Bags`; a single 2-D array is one task (flag returned)."""
     if isinstance(X, np.ndarray) and X.ndim == 2:
-        tasks, single = Bags.from_arrays([X]), True
-    else:
-        tasks, single = as_bags(X), False
-    return (standardise_each_bag(tasks) if normalise == "standard" else tasks), single
+        return Bags.from_arrays([X]), True
+    return as_bags(X), False
+
+
+def _normalised(tasks: Bags, how: str, reference: NDArray[np.float64] | None) -> Bags:
+    """Tasks after the per-task normalisation ``how``: ``"standard"`` (each task by its
+    own mean and standard deviation, :func:`~core.bags.standardise_each_bag`),
+    ``"quantile"`` (each task's marker quantiles mapped onto ``reference``,
+    :func:`~core.bags.align_quantiles`) or ``"none"``."""
+    if how == "standard":
+        return standardise_each_bag(tasks)
+    if how == "quantile":
+        assert reference is not None
+        return align_quantiles(tasks, reference)
+    return tasks
 
 
 def _single_point_problems(tasks: Bags) -> list[str]:
@@ -163,7 +190,7 @@ class _MarginalTransfer(BaseEstimator):
         embedding_points: int | None = 500,
         task_kernel: str = "gaussian",
         task_gamma: float | ArrayLike | None = None,
-        point_kernel: Literal["gaussian", "linear"] = "gaussian",
+        point_kernel: Literal["gaussian", "linear", "gaussian+linear"] | None = None,
         point_bandwidth: float | ArrayLike | None = None,
         tau: float | ArrayLike | None = None,
         pooling: bool = False,
@@ -175,7 +202,7 @@ class _MarginalTransfer(BaseEstimator):
         cv_points: int = 2000,
         range_factor: float = 1.5,
         max_exact_points: int = 4000,
-        normalise: Literal["none", "standard"] = "none",
+        normalise: Literal["auto", "standard", "quantile", "none"] = "auto",
         random_state: Any = None,
     ):
         self.solver = solver
@@ -220,16 +247,50 @@ class _MarginalTransfer(BaseEstimator):
         allowed = (
             ("hinge", "squared") if self._is_classifier else ("epsilon_insensitive", "squared")
         )
-        if self.point_kernel not in ("gaussian", "linear"):
+        if self.point_kernel is not None and self.point_kernel not in POINT_KERNELS:
             raise ValueError(
-                f"point_kernel must be 'gaussian' or 'linear', got {self.point_kernel!r}"
+                f"point_kernel must be one of {POINT_KERNELS} or None, got {self.point_kernel!r}"
             )
         loss = self.loss or strategy.default_loss(allowed)
         if loss not in allowed:
             raise ValueError(f"loss must be one of {allowed}, got {loss!r}")
         # The pooling baseline is the model at τ = 1.
-        strategy.check_parameters(loss, self.point_kernel, 1.0 if self.pooling else self.tau)
+        strategy.check_parameters(
+            loss, self._point_kernel(strategy), 1.0 if self.pooling else self.tau
+        )
         return loss
+
+    def _point_kernel(self, strategy: SolverStrategy) -> str:
+        """``point_kernel``, or its default: the Gaussian plus the low-capacity linear
+        part, except for the paper's two-layer map (Gaussian only, §7.2)."""
+        if self.point_kernel is not None:
+            return self.point_kernel
+        return "gaussian" if isinstance(strategy, PaperRFFStrategy) else "gaussian+linear"
+
+    def _normalisations(self) -> tuple[str, ...]:
+        """The normalisations the fit considers (``"auto"``: all, in preference order)."""
+        if self.normalise == "auto":
+            return NORMALISATIONS
+        if self.normalise not in NORMALISATIONS:
+            raise ValueError(
+                f"normalise must be 'auto' or one of {NORMALISATIONS}, got {self.normalise!r}"
+            )
+        return (self.normalise,)
+
+    def _folds(self, n_tasks: int, groups: ArrayLike | None) -> tuple[list[Any], str]:
+        """Leave-one-batch-out folds when ``groups`` names two batches or more, else
+        leave-tasks-out folds; and the name of the scheme."""
+        if groups is not None:
+            g = np.asarray(groups)
+            if g.shape != (n_tasks,):
+                raise BagValidationError(
+                    [f"groups must give one batch per task: {n_tasks} task(s), got {g.shape}"]
+                )
+            if np.unique(g).size > 1:
+                return leave_one_group_out_folds(g), "leave-one-batch-out"
+        return leave_tasks_out_folds(n_tasks, self.cv, self.cv_repeats, self.seed_), (
+            "leave-tasks-out"
+        )
 
     def _labels(self, y: ArrayLike, tasks: Bags) -> NDArray[np.float64]:
         """Per-point targets as a float matrix (n_points, n_outputs)."""
@@ -254,7 +315,7 @@ class _MarginalTransfer(BaseEstimator):
         return self._encode(y)
 
     # ================================================================= fitting
-    def fit(self, X: Any, y: ArrayLike) -> _MarginalTransfer:
+    def fit(self, X: Any, y: ArrayLike, groups: ArrayLike | None = None) -> _MarginalTransfer:
         """Fit on labelled training tasks.
 
         Parameters
@@ -263,20 +324,26 @@ class _MarginalTransfer(BaseEstimator):
             One bag of points per training task (patient).
         y : array-like of shape (n_points,) or list of per-task arrays
             A label (or value) for every point, task after task.
+        groups : array-like of shape (n_tasks,), optional
+            The batch (centre, run, instrument) of every task. With two batches or
+            more, every hyperparameter (normalisation, bandwidths, MTL against pooling,
+            ``λ``) is chosen by leave-one-batch-out cross-validation.
         """
         strategy = self._strategy()
         loss = self._loss(strategy)
-        tasks, _ = _as_tasks(X, self.normalise)
-        Y = self._labels(y, tasks)
-        N = len(tasks)
-        if _single_point_problems(tasks):
-            raise BagValidationError(_single_point_problems(tasks))
-        too_large = strategy.size_problems(tasks.n_points, self.max_exact_points)
+        choices = self._normalisations()
+        raw, _ = _as_tasks(X)
+        Y = self._labels(y, raw)
+        N = len(raw)
+        if _single_point_problems(raw):
+            raise BagValidationError(_single_point_problems(raw))
+        too_large = strategy.size_problems(raw.n_points, self.max_exact_points)
         if too_large:
             raise BagValidationError(too_large)
-        self.n_features_in_ = tasks.dim
+        self.n_features_in_ = raw.dim
         self.n_tasks_ = N
         self.loss_ = loss
+        self.point_kernel_ = self._point_kernel(strategy)
         rng = check_generator(self.random_state)
         self.seed_ = int(rng.integers(2**31))
         self.task_kernel_ = get_kernel(self.task_kernel)
@@ -284,29 +351,103 @@ class _MarginalTransfer(BaseEstimator):
             raise ValueError("task_kernel must be a radial kernel on embedding distances")
         # Standard normal directions shared by every bandwidth candidate (smooth CV).
         half = max(1, int(self.n_components) // 2)
-        self.point_frequencies_ = rng.standard_normal((half, tasks.dim))
-        self.joint_frequencies_ = strategy.draw_joint_frequencies(rng, half, tasks.dim)
+        self.point_frequencies_ = rng.standard_normal((half, raw.dim))
+        self.joint_frequencies_ = strategy.draw_joint_frequencies(rng, half, raw.dim)
+        # The quantile reference is the training tasks' mean quantiles: no labels used,
+        # so every fold of the search may share it.
+        self.quantile_reference_ = (
+            bag_quantiles(raw).mean(axis=0) if "quantile" in choices else None
+        )
+        variants = {n: _normalised(raw, n, self.quantile_reference_) for n in choices}
 
-        data = TrainingData(tasks, Y, self._feature_maps(), loss, self.epsilon)
-        emb_tasks = subsample_bags(tasks, self.embedding_points, self.seed_, canonical=True)
         grid, alphas = self._grid(strategy)
         sizes = [len(v) for v in grid.values()]
-        if max(sizes) > 1 or alphas.size > 1:
+        if len(choices) > 1 or max(sizes) > 1 or alphas.size > 1:
             # The search is thousands of small products: BLAS threads only add
             # synchronisation (and spin badly when the cores are busy).
             with threadpool_limits(1):
-                best = self._search(strategy, data, emb_tasks, grid, alphas)
+                chosen, best = self._search(strategy, variants, Y, grid, alphas, groups)
         else:
+            chosen = choices[0]
             best = {name: values[0] for name, values in grid.items()}
             best["alpha"] = float(alphas[0])
             self.selection_ = {"evaluated": [], "folds": [], "best": best}
-        self._fit_final(strategy, data, emb_tasks, best)
+        self._fit_on(strategy, variants[chosen], Y, chosen, best)
+        self.fallback_ = None
+        record = self.selection_.get("normalisation") or {}
+        if "fallback" in record:
+            self.fallback_ = self._fallback(strategy, variants["standard"], Y, record["fallback"])
         return self
 
+    def _fit_on(
+        self, strategy: SolverStrategy, tasks: Bags, Y: NDArray[np.float64], how: str, best: dict
+    ) -> None:
+        """The final fit on ``tasks`` (normalised as ``how``) at the configuration ``best``."""
+        self.normalise_ = how
+        data = self._training_data(tasks, Y, self.loss_)
+        self.linear_centre_, self.linear_scale_ = data.maps.linear_centre, data.maps.linear_scale
+        emb_tasks = subsample_bags(data.tasks, self.embedding_points, self.seed_, canonical=True)
+        self._fit_final(strategy, data, emb_tasks, best)
+
+    def _fallback(
+        self, strategy: SolverStrategy, tasks: Bags, Y: NDArray[np.float64], best: dict
+    ) -> _MarginalTransfer:
+        """The invariant fallback: per-task standardised tasks, at the configuration
+        ``best`` chosen for them (a smaller search: the point bandwidth and the shares
+        of pooling, at the middle task bandwidths), with this fit's random draws.
+
+        The cross-validation can only judge a normalisation on tasks like the training
+        tasks; a new task outside their range (another batch, instrument, centre) is
+        where a per-task affine batch effect is most likely, and where undoing it is the
+        safer bet.
+        """
+        fallback = clone(self).set_params(normalise="standard")
+        for name in (
+            "n_features_in_", "n_tasks_", "loss_", "point_kernel_", "seed_", "task_kernel_",
+            "point_frequencies_", "joint_frequencies_", "classes_",
+        ):  # fmt: skip
+            if hasattr(self, name):
+                setattr(fallback, name, getattr(self, name))
+        fallback.quantile_reference_ = None
+        fallback.selection_ = {"evaluated": [], "folds": [], "best": best}
+        fallback._fit_on(strategy, tasks, Y, "standard", best)
+        fallback.fallback_ = None
+        return fallback
+
     # ----------------------------------------------------------------- pieces
+    def _training_data(self, tasks: Bags, Y: NDArray[np.float64], loss: str) -> TrainingData:
+        """The tasks with the feature maps of this fit; the linear part of ``k_X`` is
+        standardised by these tasks' pooled mean and standard deviation."""
+        sd = tasks.points.std(axis=0)
+        maps = FeatureMaps(
+            self.point_kernel_,
+            self.point_frequencies_,
+            self.joint_frequencies_,
+            tasks.points.mean(axis=0),
+            np.where(sd > 0, sd, 1.0),
+        )
+        return TrainingData(tasks, Y, maps, loss, self.epsilon)
+
     def _feature_maps(self) -> FeatureMaps:
         """``k_X`` and the random draws of the fit."""
-        return FeatureMaps(self.point_kernel, self.point_frequencies_, self.joint_frequencies_)
+        # Models saved before the linear part and the resolved kernel read as before.
+        return FeatureMaps(
+            getattr(self, "point_kernel_", None) or self.point_kernel or "gaussian",
+            self.point_frequencies_,
+            self.joint_frequencies_,
+            getattr(self, "linear_centre_", None),
+            getattr(self, "linear_scale_", None),
+        )
+
+    def _normalise(self, tasks: Bags) -> Bags:
+        """Tasks normalised as the fit chose."""
+        # Models saved before normalise_ existed had normalise "none" or "standard".
+        how = getattr(self, "normalise_", None) or self.normalise
+        return _normalised(tasks, how, getattr(self, "quantile_reference_", None))
+
+    def _tasks(self, X: Any) -> Bags:
+        """New tasks as :class:`Bags`, normalised as the fit chose."""
+        return self._normalise(_as_tasks(X)[0])
 
     def _point_features(self, pts: NDArray[np.float64], sigma: float) -> NDArray[np.float64]:
         """Rows ``z(x)`` with ``z(x)ᵀz(x') ≈ k_X(x, x')`` (:meth:`FeatureMaps.point_features`)."""
@@ -341,7 +482,7 @@ class _MarginalTransfer(BaseEstimator):
         ridge grid ``λ``."""
         # Relative values are resolved on the tasks at hand: a fold's training tasks
         # during the search, all training tasks in the final fit.
-        if self.point_kernel == "linear":
+        if self.point_kernel_ == "linear":
             sigmas: list[Any] = [("absolute", 1.0)]
         elif self.point_bandwidth is None:
             sigmas = [("relative", f) for f in BANDWIDTH_FACTORS]
@@ -393,36 +534,85 @@ class _MarginalTransfer(BaseEstimator):
     def _search(
         self,
         strategy: SolverStrategy,
-        data: TrainingData,
-        emb_tasks: Bags,
+        variants: dict[str, Bags],
+        Y: NDArray[np.float64],
         grid: dict[str, list[Any]],
         alphas: NDArray[np.float64],
-    ) -> dict[str, Any]:
-        """Leave-tasks-out CV (:func:`~._transfer_cv.coordinate_search`); sets ``selection_``
-        and returns the best configuration."""
-        N = len(data.tasks)
+        groups: ArrayLike | None,
+    ) -> tuple[str, dict[str, Any]]:
+        """Cross-validation: the normalisation (:func:`~._transfer_cv.choose_normalisation`)
+        when there is a choice, then the kernel (:func:`~._transfer_cv.coordinate_search`)
+        on the tasks so normalised. Sets ``selection_``; returns the normalisation and
+        the best configuration."""
+        N = len(next(iter(variants.values())))
         if N < 2:
             raise BagValidationError(
                 [
                     "choosing hyperparameters needs at least 2 training tasks; fix "
-                    "point_bandwidth, task_gamma, tau and alpha to fit on one task"
+                    "normalise, point_bandwidth, task_gamma, tau and alpha to fit on one task"
                 ]
             )
-        setup = SearchSetup(
-            data=data,
-            emb_tasks=emb_tasks,
-            folds=leave_tasks_out_folds(N, self.cv, self.cv_repeats, self.seed_),
-            alphas=alphas,
-            task_kernel=self.task_kernel_,
-            fit_embedding=self._fit_embedding,
-            resolve_sigma=self._sigma_value,
-            resolve_gamma=self._gamma_value,
-            error=misclassification_rate if self._is_classifier else mean_squared_error,
-            cv_points=self.cv_points,
-            seed=self.seed_,
-        )
-        self.selection_ = coordinate_search(FoldEvaluator(setup, strategy), grid)
-        return self.selection_["best"]
+        folds, scheme = self._folds(N, groups)
+        evaluators = {}
+        for name, tasks in variants.items():
+            emb_tasks = subsample_bags(tasks, self.embedding_points, self.seed_, canonical=True)
+            setup = SearchSetup(
+                data=self._training_data(tasks, Y, self.loss_),
+                emb_tasks=emb_tasks,
+                folds=folds,
+                alphas=alphas,
+                task_kernel=self.task_kernel_,
+                fit_embedding=self._fit_embedding,
+                resolve_sigma=self._sigma_value,
+                resolve_gamma=self._gamma_value,
+                error=misclassification_rate if self._is_classifier else mean_squared_error,
+                cv_points=self.cv_points,
+                seed=self.seed_,
+            )
+            evaluators[name] = FoldEvaluator(setup, strategy)
+        record = None
+        chosen = next(iter(variants))
+        if len(variants) > 1:
+            # Compared as the pooled model where the strategy has one: the cheapest fit,
+            # and the one a normalisation's effect on the points shows in alone.
+            pooled = 1.0 in grid["tau"]
+            cand = {
+                "sigma": grid["sigma"][len(grid["sigma"]) // 2],
+                "tau": 1.0 if pooled else grid["tau"][0],
+                "gamma": None if pooled else grid["gamma"][len(grid["gamma"]) // 2],
+                "emb": 1.0 if pooled else grid["emb"][len(grid["emb"]) // 2],
+            }
+            chosen, record = choose_normalisation(evaluators, cand)
+            if self.normalise == "auto" and chosen != "standard":
+                # The fallback's configuration, on the same folds: the point bandwidth
+                # and the shares of pooling, at the middle task bandwidths.
+                small = {**grid, "gamma": [grid["gamma"][len(grid["gamma"]) // 2]]}
+                small["emb"] = [grid["emb"][len(grid["emb"]) // 2]]
+                found = coordinate_search(evaluators["standard"], small)
+                error = min(min(e["cv_error"]) for e in found["evaluated"])
+                constant = self._constant_error(Y, next(iter(variants.values())))
+                record["fallback_cv_error"] = error
+                record["constant_error"] = constant
+                # Only a fallback that the folds find useful: one that gets at most half
+                # of what predicting a constant gets wrong. Where standardising erases
+                # what the target depends on (a level, a size), there is no fallback.
+                if error <= 0.5 * constant:
+                    record["fallback"] = found["best"]
+        self.selection_ = coordinate_search(evaluators[chosen], grid)
+        self.selection_["cv"] = scheme
+        self.selection_["normalisation"] = record
+        return chosen, self.selection_["best"]
+
+    def _constant_error(self, Y: NDArray[np.float64], tasks: Bags) -> float:
+        """The CV error measure of the best constant prediction (the majority class, or
+        the mean), per task then averaged, as the folds average it."""
+        owner = tasks.bag_index()
+        if self._is_classifier:
+            labels = np.argmax(Y, axis=1) if Y.shape[1] > 1 else (Y[:, 0] > 0).astype(int)
+            wrong = (labels != np.bincount(labels).argmax()).astype(np.float64)
+        else:
+            wrong = np.mean((Y - Y.mean(axis=0)) ** 2, axis=1)
+        return float(np.mean(np.bincount(owner, weights=wrong) / tasks.sizes))
 
     # ----------------------------------------------------------------- final fit
     def _fit_final(
@@ -489,29 +679,43 @@ class _MarginalTransfer(BaseEstimator):
     def _reports(self, sq_new: NDArray[np.float64]) -> list[TaskReport]:
         kp = task_similarity(self.task_kernel_, sq_new, self.task_gamma_)
         dist = np.sqrt(np.maximum(sq_new, 0.0))
+        has_fallback = getattr(self, "fallback_", None) is not None
         out = []
         for row_k, row_d in zip(kp, dist, strict=True):
             order = np.argsort(row_d, kind="stable")[:3]
+            far = bool(row_d[order[0]] > self.range_threshold_)
             out.append(
                 TaskReport(
                     nearest_tasks=order,
                     similarities=row_k[order],
                     distance=float(row_d[order[0]]),
-                    out_of_range=bool(row_d[order[0]] > self.range_threshold_),
+                    out_of_range=far,
+                    fallback=far and has_fallback,
                 )
             )
         return out
 
-    def _scores_per_task(self, tasks: Bags) -> tuple[list[NDArray[np.float64]], list[TaskReport]]:
+    def _scores_per_task(self, raw: Bags) -> tuple[list[NDArray[np.float64]], list[TaskReport]]:
+        """Scores and reports of tasks given as they arrived (not yet normalised).
+
+        Tasks out of range are answered by the invariant fallback when the fit made one
+        (``fallback_``); their report says so."""
         check_is_fitted(self, "tau_")
-        if tasks.sizes.min() < 1:  # pragma: no cover - Bags never holds empty bags
+        if raw.sizes.min() < 1:  # pragma: no cover - Bags never holds empty bags
             raise BagValidationError(["empty task"])
+        tasks = self._normalise(raw)
         emb, sq_new = self._task_similarities(tasks)
         reports = self._reports(sq_new)
         strategy = self._strategy()
         scores = strategy.task_scores(
             self._fitted_state(strategy), self._new_tasks(tasks, emb, sq_new)
         )
+        fallback = getattr(self, "fallback_", None)
+        far = [i for i, r in enumerate(reports) if r.out_of_range]
+        if fallback is not None and far:
+            far_scores, _ = fallback._scores_per_task(raw[np.array(far)])
+            for i, sc in zip(far, far_scores, strict=True):
+                scores[i] = sc
         return scores, reports
 
     def domain_report(self, reports: list[TaskReport]) -> DomainReport:
@@ -540,6 +744,7 @@ class _MarginalTransfer(BaseEstimator):
             nearest=nearest,
             similarities=sims,
             distance=distance,
+            fallback=np.array([r.fallback for r in reports], dtype=bool),
         )
 
     def domain_check(self, X: Any) -> DomainReport:
@@ -549,13 +754,11 @@ class _MarginalTransfer(BaseEstimator):
     def task_report(self, X: Any) -> list[TaskReport]:
         """Similarity of each new task to the training tasks, and the out-of-range flag."""
         check_is_fitted(self, "tau_")
-        tasks, _ = _as_tasks(X, self.normalise)
-        return self._reports(self._task_similarities(tasks)[1])
+        return self._reports(self._task_similarities(self._tasks(X))[1])
 
     def predict_tasks(self, X: Any) -> list[TaskPrediction]:
         """Per task: a prediction for every point, the scores, and the :class:`TaskReport`."""
-        tasks, _ = _as_tasks(X, self.normalise)
-        scores, reports = self._scores_per_task(tasks)
+        scores, reports = self._scores_per_task(_as_tasks(X)[0])
         return [
             TaskPrediction(self._decode(s), self._squeeze(s), r)
             for s, r in zip(scores, reports, strict=True)
@@ -565,8 +768,7 @@ class _MarginalTransfer(BaseEstimator):
         return s[:, 0] if s.shape[1] == 1 else s
 
     def _all_scores(self, X: Any) -> NDArray[np.float64]:
-        tasks, _ = _as_tasks(X, self.normalise)
-        scores, _ = self._scores_per_task(tasks)
+        scores, _ = self._scores_per_task(_as_tasks(X)[0])
         return np.concatenate(scores)
 
     def predict(self, X: Any) -> NDArray[Any]:
@@ -582,7 +784,7 @@ class _MarginalTransfer(BaseEstimator):
         strategy = self._strategy()
         if not strategy.explicit_features:
             raise TypeError("joint_features needs solver='random_features'")
-        tasks, _ = _as_tasks(X, self.normalise)
+        tasks = self._tasks(X)
         emb, sq_new = self._task_similarities(tasks)
         return np.concatenate(
             strategy.joint_features(
@@ -594,8 +796,8 @@ class _MarginalTransfer(BaseEstimator):
         """The exact product kernel ``k̄`` between all points of tasks ``X`` and ``Y``
         (paper 004 eq. 8)."""
         check_is_fitted(self, "tau_")
-        ta, _ = _as_tasks(X, self.normalise)
-        tb = ta if Y is None else _as_tasks(Y, self.normalise)[0]
+        ta = self._tasks(X)
+        tb = ta if Y is None else self._tasks(Y)
         ea, _ = self._task_similarities(ta)
         eb = ea if Y is None else self._task_similarities(tb)[0]
         sq = ea.sq_distances() if Y is None else ea.sq_distances(eb)
@@ -628,7 +830,7 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         Decision scores are returned; neither loss gives probabilities.
     embedding : BagRepresentation or None
         How a task's distribution is embedded; default :class:`~core.MeanEmbedding`
-        (exact, Gaussian, median-heuristic bandwidth, searched ×{0.5, 1, 2}); with
+        (exact, Gaussian, median-heuristic bandwidth, not searched); with
         ``task_map="rff"`` an RFF mean embedding. Any representation of the core works.
     embedding_points : int or None, default=500
         Each task's embedding (training and new tasks) is computed from at most this
@@ -638,14 +840,19 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         Radial kernel ``k_P`` on embedding distances (:mod:`core.kernels`).
     task_gamma : float, array-like or None
         ``None``: search ×{0.3, 1, 3} around the median heuristic.
-    point_kernel : {"gaussian", "linear"}, default="gaussian"
-        ``k_X``: ``exp(-‖x - x'‖²/(2σ²))``, or ``xᵀx' + 1`` (the ``+1`` gives each task
-        its own offset, as the model has no separate bias).
+    point_kernel : {"gaussian", "linear", "gaussian+linear"} or None
+        ``k_X``: ``exp(-‖x - x'‖²/(2σ²))``; ``xᵀx' + 1`` (the ``+1`` gives each task
+        its own offset, as the model has no separate bias); or their sum with the
+        linear part on standardised markers, ``x̃ᵀx̃'/d + 1`` (the low-capacity part: a
+        pooled linear discriminant at ``τ = 1``, what carries over best to an unseen
+        batch). ``None``: ``"gaussian+linear"``, or ``"gaussian"`` for
+        ``task_map="rff"``.
     point_bandwidth : float, array-like or None
         ``σ``; ``None``: search ×{0.5, 1, 2} around the median distance.
     tau : float, array-like or None
         Share of pooling in ``[0, 1]``; ``None``: search {0, 0.2} and the pooled
-        model ``τ = 1`` by leave-tasks-out CV.
+        model ``τ = 1`` by the cross-validation (leave-one-batch-out when ``fit`` is
+        given ``groups``): MTL against pooling is decided there.
     pooling : bool, default=False
         The pooling baseline: ``k_P ≡ 1`` (``τ = 1``). With equal task sizes it is a
         single model on all points pooled.
@@ -654,20 +861,32 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
     n_components : int, default=128
         Random Fourier features for ``k_X`` (and for each layer of ``task_map="rff"``).
     cv, cv_repeats : int
-        Leave-tasks-out folds and repeats for the search.
+        Leave-tasks-out folds and repeats for the search, when ``fit`` is not given
+        two batches or more in ``groups`` (then one fold per batch).
     cv_points : int, default=2000
         Points per held-out task used to score it during the search.
     range_factor : float, default=1.5
         A new task is out of range when its embedding distance to the nearest training
         task exceeds this factor times the largest such distance among training tasks.
     max_exact_points : int, default=4000
-    normalise : {"none", "standard"}, default="none"
-        ``"standard"``: every task (training and new) is standardised by its own
-        per-marker mean and standard deviation before anything else, which undoes a
-        per-sample affine batch effect whatever the task's proportions; the model then
-        sees shapes, not positions. Helps on batches unlike the training ones; costs
-        where populations are told apart by absolute level and proportions vary
-        (``bench/README.md``: GvHD against batched synthetic data).
+    normalise : {"auto", "standard", "quantile", "none"}, default="auto"
+        Per-task normalisation, part of the model (fitting and predicting alike):
+        ``"standard"`` standardises every task by its own per-marker mean and standard
+        deviation (undoes a per-sample affine batch effect whatever the proportions);
+        ``"quantile"`` maps every task's marker quantiles onto the training tasks'
+        mean quantiles (:func:`~core.bags.align_quantiles`, in the spirit of
+        CytoNorm: undoes monotone distortions, moves populations when proportions
+        differ); ``"none"``. ``"auto"``: chosen by the cross-validation with the
+        one-standard-error rule, simplest first (a normalisation is applied where the
+        folds show it helps by more than their noise;
+        :func:`~._transfer_cv.choose_normalisation`; leave-one-batch-out when ``fit``
+        is given batches), and, unless that is ``"standard"``, an invariant fallback
+        fitted on standardised tasks (``fallback_``; only when the folds find it
+        useful: at most half the error of a constant prediction), which
+        answers every new task out of the training tasks' range (``out_of_range`` in
+        its :class:`TaskReport`, with ``fallback`` set). Folds drawn from the training
+        tasks judge a normalisation where the data look like them; a task outside
+        their range is where a batch effect is likely and undoing it the safer bet.
     random_state : int, Generator or None
 
     Attributes
@@ -675,10 +894,20 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
     classes_ : ndarray
     tau_, alpha_, point_bandwidth_, task_gamma_ : float
         Selected hyperparameters (``task_gamma_`` is ``None`` for pooling).
+    normalise_ : str
+        The normalisation chosen (``quantile_reference_`` its reference quantiles).
+    fallback_ : MarginalTransferClassifier or None
+        The invariant fallback for tasks out of range (``normalise="auto"`` when the
+        choice was not ``"standard"``).
+    point_kernel_ : str
+        ``k_X`` used; ``linear_centre_`` and ``linear_scale_`` standardise its linear
+        part.
     embedding_ : BagRepresentation
         Fitted task representation; ``train_embedding_`` its training-task embedding.
     selection_ : dict
-        Candidates, their CV errors per ``λ``, and the folds.
+        Candidates, their CV errors per ``λ``, the folds and their scheme (``cv``:
+        ``"leave-one-batch-out"`` or ``"leave-tasks-out"``), and the normalisation
+        record (``normalisation``: each option's CV error, the choice).
     coef_ : ndarray of shape (a, D, n_outputs)
         Random-feature solver: ridge coefficients ``θ`` of the joint features (``a`` task
         coordinates: ``1 + r`` for the Nyström map, 1 for the paper's map).

@@ -26,7 +26,7 @@ and the row or column when there is one.
 from ..errors import DataError
 from ..hashing import file_sha256
 from .compensation import Compensation, Spillover, read_spillover_csv
-from .labelled import Dataset, dataset_fingerprint, labelled_files, load_dataset
+from .labelled import Dataset, dataset_fingerprint, labelled_files, load_dataset, read_file_table
 from .panel import Panel, normalise_marker
 from .preprocessing import BagMoments, Preprocessing
 from .preprocessing import Transform as Transform  # importable here as before the split
@@ -48,6 +48,7 @@ __all__ = [
     "load_dataset",
     "normalise_marker",
     "read_file",
+    "read_file_table",
     "read_sample",
     "read_spillover_csv",
 ]

@@ -27,7 +27,7 @@ from .compensation import Compensation
 from .panel import Panel, normalise_marker
 from .readers import Sample, read_file
 
-__all__ = ["Dataset", "dataset_fingerprint", "labelled_files", "load_dataset"]
+__all__ = ["Dataset", "dataset_fingerprint", "labelled_files", "load_dataset", "read_file_table"]
 
 
 @dataclass
@@ -56,15 +56,16 @@ class Dataset:
     sha256: str
 
 
-def _read_table(path: Path, key: str, value: str) -> dict[str, str]:
-    """The labels table as file name → label text; a file listed twice is an error."""
+def read_file_table(path: Path, key: str, value: str) -> dict[str, str]:
+    """A per-file CSV table (labels, batches) as file name → text of ``value``; a file
+    listed twice is an error."""
     try:
         text = path.read_text(encoding="utf-8-sig")
     except OSError as exc:
-        raise DataError(f"{path}: cannot read the labels table ({exc.strerror or exc})") from exc
+        raise DataError(f"{path}: cannot read the table ({exc.strerror or exc})") from exc
     rows = list(csv.DictReader(io.StringIO(text)))
     if not rows:
-        raise DataError(f"{path}: the labels table is empty")
+        raise DataError(f"{path}: the table is empty")
     for col in (key, value):
         if col not in rows[0]:
             raise DataError(f"{path}: no column {col!r} (columns: {list(rows[0])})")
@@ -234,7 +235,7 @@ def labelled_files(
         raise DataError("no data files matched")
     if labels_table is None:
         return paths, None
-    table = _read_table(Path(labels_table), file_column, label_column)
+    table = read_file_table(Path(labels_table), file_column, label_column)
     names = {p.name for p in paths}
     unknown = sorted(set(table) - names)
     if unknown:

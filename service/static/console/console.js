@@ -173,9 +173,10 @@ async function predictFiles(files) {
   }
 }
 
-function domainBadge(flagged, score) {
+function domainBadge(flagged, score, fallback) {
   return el("span", { class: `badge ${flagged ? "out" : "ok"}` },
     flagged ? `outside the applicability domain (score ${fmt(score)})`
+      + (fallback ? ", answered on the standardised sample" : "")
       : `within the applicability domain (score ${fmt(score)})`);
 }
 
@@ -188,7 +189,7 @@ function renderAnswer(answer, info) {
     const box = el("div", { class: "bag" }, el("h4", {}, bag.id));
     if (bag.population) {
       box.append(domainBadge(bag.report.out_of_range,
-        bag.domain ? bag.domain.score : bag.report.distance_to_nearest));
+        bag.domain ? bag.domain.score : bag.report.distance_to_nearest, bag.report.fallback));
       box.append(el("p", { class: "muted" }, `${bag.n_points} cells`));
       const table = el("table", {}, el("tr", {},
         ...["population", "cells", "%", "mean probability"].map((h) => el("th", {}, h))));

@@ -1,0 +1,353 @@
+"""Marginal transfer on new batches: per-task normalisation chosen by CV, the linear
+part of the point kernel, leave-one-batch-out selection, and batches in training
+configurations."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+from bagserve.core import (
+    Bags,
+    BagValidationError,
+    MarginalTransferClassifier,
+    MarginalTransferRegressor,
+    load,
+)
+from bagserve.core.bags import QUANTILE_LEVELS, align_quantiles, bag_quantiles
+from bagserve.core.datasets import make_batched_cytometry_tasks
+from bagserve.core.errors import ConfigError
+from bagserve.core.selection import leave_one_group_out_folds
+from bagserve.core.training import train
+from scipy.spatial.distance import cdist
+
+
+# ----------------------------------------------------------------- quantile alignment
+def test_bag_quantiles_match_numpy_with_and_without_weights():
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(size=(n, 3)) * [1, 2, 5] for n in (50, 301)]
+    bags = Bags.from_arrays(arrays)
+    q = bag_quantiles(bags)
+    for t, a in enumerate(arrays):
+        np.testing.assert_allclose(q[t], np.quantile(a, QUANTILE_LEVELS, axis=0), rtol=1e-12)
+    weights = [rng.uniform(0.1, 3.0, size=a.shape[0]) for a in arrays]
+    weighted = Bags.from_arrays(arrays, weights=weights)
+    qw = bag_quantiles(weighted)
+    for t, (a, w) in enumerate(zip(arrays, weights, strict=True)):
+        for j in range(3):
+            expected = np.quantile(a[:, j], QUANTILE_LEVELS, weights=w, method="inverted_cdf")
+            np.testing.assert_allclose(qw[t, :, j], expected, rtol=1e-12)
+
+
+def test_quantile_alignment_lands_on_the_reference_and_undoes_monotone_distortions():
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=(4000, 2))
+    reference = np.quantile(a, QUANTILE_LEVELS, axis=0)
+    # The same cells seen through an increasing affine map, and through a non-linear
+    # increasing one (the shape of a changed detector voltage).
+    affine = a * [2.0, 0.5] + [3.0, -1.0]
+    curved = a + 0.8 * np.tanh(a - 0.3)
+    for seen in (affine, curved):
+        out = np.asarray(align_quantiles(Bags.from_arrays([seen]), reference).points)
+        # Independent oracle: numpy's interpolation through the bag's own quantiles.
+        q = np.quantile(seen, QUANTILE_LEVELS, axis=0)
+        inside = (seen > q[0]) & (seen < q[-1])
+        for j in range(2):
+            expected = np.interp(seen[:, j], q[:, j], reference[:, j])
+            np.testing.assert_allclose(out[inside[:, j], j], expected[inside[:, j]], atol=1e-7)
+        # Order is kept in every marker (the map is monotone, tails included).
+        for j in range(2):
+            order = np.argsort(seen[:, j])
+            assert np.all(np.diff(out[order, j]) >= -1e-12)
+    # An affine map is undone exactly, tails included (linear continuation).
+    back = np.asarray(align_quantiles(Bags.from_arrays([affine]), reference).points)
+    plain = np.asarray(align_quantiles(Bags.from_arrays([a]), reference).points)
+    np.testing.assert_allclose(back, plain, atol=1e-6)
+    # The non-linear one only up to the landmarks' resolution, far better than not at all.
+    bent = np.asarray(align_quantiles(Bags.from_arrays([curved]), reference).points)
+    assert np.median(np.abs(bent - a)) < 0.1 * np.median(np.abs(curved - a))
+
+
+# ----------------------------------------------------------------- folds by batch
+def test_leave_one_group_out_folds_hold_out_each_batch_once():
+    groups = np.array(["b", "a", "b", "c", "a", "c", "c"])
+    folds = leave_one_group_out_folds(groups)
+    assert len(folds) == 3
+    held = np.concatenate([val for _, val in folds])
+    np.testing.assert_array_equal(np.sort(held), np.arange(7))
+    for fit_on, val in folds:
+        assert np.unique(groups[val]).size == 1
+        assert groups[val][0] not in set(groups[fit_on])
+        np.testing.assert_array_equal(np.union1d(fit_on, val), np.arange(7))
+    with pytest.raises(ValueError, match="at least 2 groups"):
+        leave_one_group_out_folds(np.zeros(4))
+
+
+def batched(n_cells: int = 150, strength: float = 2.0):
+    tasks, y, batches = make_batched_cytometry_tasks(
+        2, 4, n_cells, n_markers=4, n_populations=3, random_state=0, strength=strength
+    )
+    return tasks, y, batches
+
+
+def test_named_batches_select_by_leave_one_batch_out():
+    tasks, y, batches = batched()
+    model = MarginalTransferClassifier(
+        n_components=16, tau=[0.0, 1.0], alpha=[1e-3], random_state=0
+    ).fit(tasks, y, groups=batches)
+    assert model.selection_["cv"] == "leave-one-batch-out"
+    expected = leave_one_group_out_folds(batches)
+    assert len(model.selection_["folds"]) == 2
+    for (tr, va), (etr, eva) in zip(model.selection_["folds"], expected, strict=True):
+        np.testing.assert_array_equal(tr, etr)
+        np.testing.assert_array_equal(va, eva)
+    # One batch named is no batch to leave out: leave-tasks-out, as without groups.
+    one = MarginalTransferClassifier(n_components=16, tau=[0.0, 1.0], alpha=[1e-3], cv=3)
+    one.set_params(random_state=0).fit(tasks, y, groups=np.zeros(len(tasks)))
+    assert one.selection_["cv"] == "leave-tasks-out" and len(one.selection_["folds"]) == 3
+    with pytest.raises(BagValidationError, match="one batch per task"):
+        MarginalTransferClassifier(random_state=0).fit(tasks, y, groups=batches[:3])
+
+
+# ----------------------------------------------------------------- normalisation
+def check_rule(record: dict) -> None:
+    """The documented rule, recomputed from the record: the first option (simplest
+    first) within one paired standard error of the least mean CV error."""
+    errs = {k: np.asarray(v) for k, v in record["fold_errors"].items()}
+    best = min(errs, key=lambda k: errs[k].mean())
+    for name in record["order"]:
+        d = errs[name] - errs[best]
+        if d.mean() <= d.std(ddof=1) / np.sqrt(d.size):
+            assert record["chosen"] == name
+            break
+    for name, e in record["cv_error"].items():
+        assert e == pytest.approx(errs[name].mean(), rel=1e-12)
+
+
+def test_batches_named_in_training_choose_standardisation_by_leave_one_batch_out():
+    """With both batches in training and named, the folds see the batch effects: per-task
+    standardisation wins by far more than a standard error, and needs no fallback."""
+    tasks, y, batches = make_batched_cytometry_tasks(2, 4, 300, random_state=[0, 1], strength=2)
+    model = MarginalTransferClassifier(n_components=32, random_state=0)
+    model.fit(tasks, y, groups=batches)
+    record = model.selection_["normalisation"]
+    check_rule(record)
+    assert model.normalise_ == "standard" and model.fallback_ is None
+    assert record["cv_error"]["none"] > 0.3 > 0.05 > record["cv_error"]["standard"]
+
+
+def test_new_batches_out_of_range_are_answered_by_the_invariant_fallback():
+    """Folds within one batch prefer no normalisation; the new batch, far from every
+    training task, is answered by the standardised fallback (the report says so), and
+    labelled about as well as the training batch's own cells."""
+    tasks, y, batches = make_batched_cytometry_tasks(2, 4, 600, random_state=[0, 1], strength=2)
+    per = [y[tasks.offsets[t] : tasks.offsets[t + 1]] for t in range(len(tasks))]
+    train = np.flatnonzero(batches == 0)
+    new = np.flatnonzero(batches == 1)
+    # Each training sample's first 300 cells train; its last 300 are new cells of it.
+    fit_tasks = Bags.from_arrays([np.asarray(tasks[t])[:300] for t in train])
+    same = Bags.from_arrays([np.asarray(tasks[t])[300:] for t in train])
+    model = MarginalTransferClassifier(n_components=32, random_state=0)
+    model.fit(fit_tasks, np.concatenate([per[t][:300] for t in train]))
+    record = model.selection_["normalisation"]
+    assert record["order"] == ["none", "standard", "quantile"]
+    check_rule(record)
+    assert model.normalise_ != "standard" and model.fallback_.normalise_ == "standard"
+
+    far = model.predict_tasks(tasks[new])
+    assert all(p.report.out_of_range and p.report.fallback for p in far)
+    np.testing.assert_array_equal(
+        model.decision_function(tasks[new]), model.fallback_.decision_function(tasks[new])
+    )
+    # Tasks in range are the primary model's: the same scores without the fallback.
+    near = model.predict_tasks(same)
+    assert not any(p.report.out_of_range or p.report.fallback for p in near)
+    alone = clone_without_fallback(model)
+    np.testing.assert_array_equal(model.decision_function(same), alone.decision_function(same))
+
+    truth = np.concatenate([per[t] for t in new])
+    acc = np.mean(np.concatenate([p.predictions for p in far]) == truth)
+    acc_alone = np.mean(alone.predict(tasks[new]) == truth)
+    acc_same = np.mean(model.predict(same) == np.concatenate([per[t][300:] for t in train]))
+    assert acc > 0.9 and acc > acc_alone + 0.2 and acc > acc_same - 0.08, (
+        acc,
+        acc_alone,
+        acc_same,
+    )
+
+
+def clone_without_fallback(model):
+    import copy
+
+    alone = copy.copy(model)
+    alone.fallback_ = None
+    return alone
+
+
+def test_auto_normalisation_gives_up_standardisation_when_it_costs_accuracy():
+    """Each task is one population whose class is its absolute level: standardising
+    erases the label, the folds see it, and "none" is chosen."""
+    rng = np.random.default_rng(3)
+    arrays, labels = [], []
+    for t in range(10):
+        cls = t % 2
+        arrays.append(rng.normal(loc=3.0 * cls, scale=0.5, size=(60, 2)))
+        labels.append(np.full(60, cls))
+    model = MarginalTransferClassifier(n_components=16, random_state=0)
+    model.fit(arrays, labels)
+    check_rule(model.selection_["normalisation"])
+    assert model.normalise_ == "none"
+    cv = model.selection_["normalisation"]["cv_error"]
+    assert cv["standard"] > 0.3 and cv["none"] < 0.05, cv
+    # An explicit normalisation has no fallback.
+    fixed = MarginalTransferClassifier(n_components=16, normalise="none", random_state=0)
+    assert fixed.fit(arrays, labels).fallback_ is None
+
+
+def test_normalisation_is_stored_and_applied_after_loading(tmp_path):
+    from bagserve.core import save
+
+    tasks, y, _ = batched()
+    model = MarginalTransferClassifier(
+        n_components=16, normalise="quantile", tau=[0.0], alpha=[1e-3], random_state=0
+    ).fit(tasks, y)
+    assert model.normalise_ == "quantile" and model.quantile_reference_.shape == (9, 4)
+    # The model sees the new tasks aligned to the training reference: equal to a model
+    # without normalisation fitted and asked on tasks aligned beforehand.
+    aligned = align_quantiles(tasks, model.quantile_reference_)
+    plain = MarginalTransferClassifier(
+        n_components=16, normalise="none", tau=[0.0], alpha=[1e-3], random_state=0
+    ).fit(aligned, y)
+    np.testing.assert_allclose(
+        model.decision_function(tasks), plain.decision_function(aligned), rtol=1e-9, atol=1e-12
+    )
+    again = load(save(model, tmp_path / "m"))
+    np.testing.assert_array_equal(again.decision_function(tasks), model.decision_function(tasks))
+
+
+# ----------------------------------------------------------------- the linear part
+def test_gaussian_plus_linear_kernel_is_the_documented_sum():
+    """k_X = exp(-|x - x'|²/(2σ²)) + x̃ᵀx̃'/d + 1 with x̃ standardised by the training
+    points' mean and standard deviation (oracle: scipy's cdist and numpy)."""
+    tasks, y, _ = batched(40)
+    model = MarginalTransferRegressor(
+        solver="exact",
+        loss="squared",
+        normalise="none",
+        pooling=True,
+        point_bandwidth=1.3,
+        alpha=1e-3,
+        random_state=0,
+    ).fit(tasks, y.astype(float))
+    assert model.point_kernel_ == "gaussian+linear"
+    x = np.asarray(tasks.points)
+    xt = (x - x.mean(axis=0)) / x.std(axis=0)
+    expected = np.exp(-cdist(x, x, "sqeuclidean") / (2 * 1.3**2)) + xt @ xt.T / x.shape[1] + 1
+    np.testing.assert_allclose(model.joint_kernel(tasks), expected, rtol=1e-10, atol=1e-12)
+    # The random features converge to it: their Gram is the RFF Gram plus the exact part.
+    rf = MarginalTransferRegressor(
+        normalise="none",
+        pooling=True,
+        point_bandwidth=1.3,
+        alpha=1e-3,
+        n_components=4096,
+        random_state=0,
+    ).fit(tasks, y.astype(float))
+    Z = rf.joint_features(tasks)
+    assert np.max(np.abs(Z @ Z.T - expected)) < 0.15
+    # The paper's two-layer map keeps the Gaussian kernel by default.
+    paper = MarginalTransferClassifier(
+        task_map="rff", normalise="none",
+        point_bandwidth=1.0, task_gamma=1.0, alpha=1e-3, n_components=16, random_state=0,
+    ).fit(tasks, y)  # fmt: skip
+    assert paper.point_kernel_ == "gaussian"
+
+
+# ----------------------------------------------------------------- configurations
+def _write_tasks(tmp_path, tasks, y):
+    (tmp_path / "data").mkdir()
+    names = []
+    for t in range(len(tasks)):
+        x = np.asarray(tasks[t])
+        lab = y[tasks.offsets[t] : tasks.offsets[t + 1]]
+        rows = "\n".join(
+            ",".join(repr(float(v)) for v in row) + f",{int(c)}"
+            for row, c in zip(x, lab, strict=True)
+        )
+        header = ",".join(f"M{j}" for j in range(x.shape[1]))
+        (tmp_path / "data" / f"s{t}.csv").write_text(f"{header},y\n{rows}\n")
+        names.append(f"s{t}.csv")
+    return names
+
+
+def test_training_configuration_names_batches(tmp_path):
+    tasks, y, batches = batched(80)
+    names = _write_tasks(tmp_path, tasks, y)
+    sheet = "file,centre\n" + "\n".join(
+        f"{n},{'north' if b == 0 else 'south'}" for n, b in zip(names, batches, strict=True)
+    )
+    (tmp_path / "samples.csv").write_text(sheet + "\n")
+    cfg = tmp_path / "batched.toml"
+    cfg.write_text(
+        textwrap.dedent(
+            """
+            [model]
+            name = "batched"
+            output = "models"
+            [data]
+            files = "data/*.csv"
+            cell_label_column = "y"
+            batches = "samples.csv"
+            batch_column = "centre"
+            [panel]
+            markers = ["M0", "M1", "M2", "M3"]
+            [estimator]
+            class = "MarginalTransferClassifier"
+            n_components = 16
+            tau = [0.0, 1.0]
+            alpha = [1e-3]
+            random_state = 0
+            [search]
+            widen_edges = false
+            """
+        )
+    )
+    result = train(cfg)
+    assert result.metrics["cv"]["scheme"] == "leave-one-batch-out"
+    assert result.metrics["cv"]["n_folds"] == 2
+    model = load(result.path)
+    # The final fit chose its own hyperparameters leave-one-batch-out too.
+    assert model.selection_["cv"] == "leave-one-batch-out"
+    # A data file the sheet does not name is an error naming it.
+    (tmp_path / "samples.csv").write_text("\n".join(sheet.splitlines()[:-1]) + "\n")
+    with pytest.raises(ConfigError, match=names[-1]):
+        train(cfg)
+
+
+def test_runtime_answers_say_which_tasks_the_fallback_answered(tmp_path):
+    """Through a saved artifact and the model runtime: the domain report of each bag
+    flags the fallback, and the labels equal the fallback's own."""
+    from bagserve.core import save
+    from bagserve.core.io import Panel
+    from bagserve.core.runtime import ModelRuntime
+
+    tasks, y, batches = make_batched_cytometry_tasks(2, 4, 400, random_state=[0, 1], strength=2)
+    per = [y[tasks.offsets[t] : tasks.offsets[t + 1]] for t in range(len(tasks))]
+    train = np.flatnonzero(batches == 0)
+    model = MarginalTransferClassifier(n_components=32, random_state=0)
+    model.fit(tasks[train], np.concatenate([per[t] for t in train]))
+    assert model.fallback_ is not None
+    markers = [f"M{j}" for j in range(tasks.dim)]
+    path = save(model, tmp_path / "m", panel=Panel(markers).to_json())
+    runtime = ModelRuntime.open(path)
+    # One new-batch sample and one training sample.
+    bags = Bags.from_arrays([np.asarray(tasks[4]), np.asarray(tasks[0])])
+    result = runtime.predict(bags)
+    np.testing.assert_array_equal(result.domain.fallback, [True, False])
+    np.testing.assert_array_equal(result.domain.out_of_range, [True, False])
+    assert runtime.info.domain_of(result.domain, 0)["fallback"] is True
+    np.testing.assert_array_equal(
+        result.labels[: tasks.sizes[4]], model.fallback_.predict(np.asarray(tasks[4]))
+    )
+    np.testing.assert_array_equal(result.labels[tasks.sizes[4] :], model.predict(tasks[[0]]))
