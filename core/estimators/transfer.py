@@ -887,6 +887,8 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         its :class:`TaskReport`, with ``fallback`` set). Folds drawn from the training
         tasks judge a normalisation where the data look like them; a task outside
         their range is where a batch effect is likely and undoing it the safer bet.
+        With every other hyperparameter fixed, ``"auto"`` still cross-validates: fix
+        ``normalise`` too for a fit without any search.
     random_state : int, Generator or None
 
     Attributes
