@@ -236,8 +236,10 @@ def _cmd_audit_verify(args: argparse.Namespace) -> int:
         where, result = args.file, verify(args.file)
     else:
         log = _audit_source(args)
-        where, result = log.db.where, log.verify()
-        log.db.close()
+        try:
+            where, result = log.db.where, log.verify()
+        finally:
+            log.db.close()
     if not result.ok:
         print(f"error: {where}: {result.problem}", file=sys.stderr)
         return 1

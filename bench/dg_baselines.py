@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from bagserve.core import Bags
+from bagserve.core.bags import standardise_each_bag
 from numpy.typing import NDArray
 from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 from sklearn.ensemble import HistGradientBoostingClassifier
@@ -59,13 +61,10 @@ BASELINES: dict[str, tuple[Any, bool]] = {
 
 
 def per_sample_standardised(samples: Sequence[NDArray[np.float64]]) -> list[NDArray[np.float64]]:
-    """Each sample's cells centred and scaled by its own per-marker mean and std."""
-    out = []
-    for x in samples:
-        x = np.asarray(x, dtype=np.float64)
-        sd = x.std(axis=0)
-        out.append((x - x.mean(axis=0)) / np.where(sd > 0, sd, 1.0))
-    return out
+    """Each sample's cells centred and scaled by its own per-marker mean and std (the
+    model's own ``normalise="standard"``, :func:`core.bags.standardise_each_bag`)."""
+    bags = standardise_each_bag(Bags.from_arrays([np.asarray(x, np.float64) for x in samples]))
+    return np.split(np.asarray(bags.points), bags.offsets[1:-1])
 
 
 def baseline_predictions(

@@ -121,32 +121,27 @@ class JobStore:
         """Have an idle consumer look for queued jobs now (call on the event loop)."""
         self._wake.set()
 
-    def meta(self, job_id: str) -> dict[str, Any]:
-        """The job's metadata (status, model, times, ...); 404 for an unknown id."""
+    def _row(self, columns: str, job_id: str) -> tuple[Any, ...]:
+        """One job's ``columns``; 404 for an unknown (or malformed) id."""
         with self.db.transaction(write=False) as cur:
             row = cur.execute(
-                f"SELECT {_COLUMNS} FROM jobs WHERE id = %s", (_check_id(job_id),)
+                f"SELECT {columns} FROM jobs WHERE id = %s", (_check_id(job_id),)
             ).fetchone()
         if row is None:
             raise Problem(404, f"unknown job {job_id!r}", slug="unknown-job")
-        return _meta(row)
+        return tuple(row)
+
+    def meta(self, job_id: str) -> dict[str, Any]:
+        """The job's metadata (status, model, times, ...); 404 for an unknown id."""
+        return _meta(self._row(_COLUMNS, job_id))
 
     def body(self, job_id: str) -> bytes:
         """The stored request body."""
-        with self.db.transaction(write=False) as cur:
-            row = cur.execute("SELECT body FROM jobs WHERE id = %s", (job_id,)).fetchone()
-        if row is None:
-            raise Problem(404, f"unknown job {job_id!r}", slug="unknown-job")
-        return bytes(row[0])
+        return bytes(self._row("body", job_id)[0])
 
     def view(self, job_id: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Metadata and result in one read (what a poll answers)."""
-        with self.db.transaction(write=False) as cur:
-            row = cur.execute(
-                f"SELECT {_COLUMNS}, result FROM jobs WHERE id = %s", (_check_id(job_id),)
-            ).fetchone()
-        if row is None:
-            raise Problem(404, f"unknown job {job_id!r}", slug="unknown-job")
+        row = self._row(f"{_COLUMNS}, result", job_id)
         return _meta(row[:-1]), (json.loads(row[-1]) if row[-1] is not None else None)
 
     def claim(self) -> str | None:

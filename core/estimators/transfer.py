@@ -706,14 +706,23 @@ class _MarginalTransfer(BaseEstimator):
         tasks = self._normalise(raw)
         emb, sq_new = self._task_similarities(tasks)
         reports = self._reports(sq_new)
-        strategy = self._strategy()
-        scores = strategy.task_scores(
-            self._fitted_state(strategy), self._new_tasks(tasks, emb, sq_new)
-        )
-        fallback = getattr(self, "fallback_", None)
-        far = [i for i, r in enumerate(reports) if r.out_of_range]
-        if fallback is not None and far:
-            far_scores, _ = fallback._scores_per_task(raw[np.array(far)])
+        far = [i for i, r in enumerate(reports) if r.fallback]
+        near = [i for i, r in enumerate(reports) if not r.fallback]
+        scores: list[NDArray[np.float64]] = [np.empty((0, 0))] * len(reports)
+        if near:
+            if far:
+                # Score only the tasks this model answers: their embeddings (a few
+                # hundred points each) are cheap to redo, their cells are not.
+                tasks = tasks[np.array(near)]
+                emb, sq_new = self._task_similarities(tasks)
+            strategy = self._strategy()
+            answered = strategy.task_scores(
+                self._fitted_state(strategy), self._new_tasks(tasks, emb, sq_new)
+            )
+            for i, sc in zip(near, answered, strict=True):
+                scores[i] = sc
+        if far:
+            far_scores, _ = self.fallback_._scores_per_task(raw[np.array(far)])
             for i, sc in zip(far, far_scores, strict=True):
                 scores[i] = sc
         return scores, reports
