@@ -67,6 +67,10 @@ class DomainReport:
     fallback : ndarray of bool, shape (n_bags,)
         The bag was out of range and answered by the model's invariant fallback
         (marginal transfer with ``normalise="auto"``); all false by default.
+    disagreement : ndarray of shape (n_bags,)
+        How differently the model and its fallback answered the bag (share of cells
+        labelled differently, or root mean square difference); NaN where not
+        measured (no fallback, or the bag was already out of range), the default.
     """
 
     score: NDArray[np.float64]
@@ -75,11 +79,19 @@ class DomainReport:
     similarities: NDArray[np.float64]
     distance: NDArray[np.float64]
     fallback: NDArray[np.bool_] | None = None
+    disagreement: NDArray[np.float64] | None = None
 
     def __post_init__(self) -> None:
+        # Frozen: the defaults are set once, as arrays like the others.
         if self.fallback is None:
-            # Frozen: the default is set once, as an array like the others.
             object.__setattr__(self, "fallback", np.zeros(np.shape(self.out_of_range), bool))
+        if self.disagreement is None:
+            object.__setattr__(self, "disagreement", np.full(np.shape(self.out_of_range), np.nan))
+
+    def disagreement_of(self, i: int) -> float | None:
+        """Bag ``i``'s disagreement, ``None`` where it was not measured."""
+        d = float(self.disagreement[i])
+        return None if np.isnan(d) else d
 
     def nearest_of(self, i: int) -> list[int]:
         """The nearest training bags of bag ``i``, padding dropped."""

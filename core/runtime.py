@@ -359,12 +359,13 @@ class ArtifactInfo:
 
     def domain_of(self, domain: DomainReport, i: int) -> dict[str, Any]:
         """Bag ``i``'s domain report as JSON: ``score``, ``out_of_range``, ``nearest``,
-        ``fallback``."""
+        ``fallback``, ``disagreement``."""
         return {
             "score": float(domain.score[i]),
             "out_of_range": bool(domain.out_of_range[i]),
             "nearest": self.nearest_names(domain, i),
             "fallback": bool(domain.fallback[i]),
+            "disagreement": domain.disagreement_of(i),
         }
 
     @property

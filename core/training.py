@@ -7,8 +7,9 @@ A configuration (see ``examples/``) has these tables; paths are relative to the 
     [data]           files (glob or list), labels (CSV table) + file_column + label_column
                      for one label per bag, or cell_label_column / cell_label_files for
                      one label per cell; batches (CSV: file_column + batch_column,
-                     default "batch"; per-cell models are then cross-validated and
-                     select their hyperparameters leave-one-batch-out); n_jobs
+                     default "batch"; per-cell models are then cross-validated
+                     leave-one-batch-out and choose their fallback for new batches
+                     that way); n_jobs
                      (parallel reading)
     [panel]          markers (names, in model order), aliases (name -> other names)
     [preprocessing]  compensation ("none" | "file" | a spillover CSV), transform

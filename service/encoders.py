@@ -137,6 +137,7 @@ def _bag(result: Prediction, i: int, bag_id: str, cells: bool = True) -> dict[st
             "similarities": domain.similarities_of(i),
             # Answered by the invariant fallback (per-sample standardised), out of range.
             "fallback": bool(domain.fallback[i]),
+            "disagreement": domain.disagreement_of(i),
         }
         return cell
     if isinstance(result, ClassificationPrediction):

@@ -56,6 +56,14 @@ _DOMAIN: dict[str, Any] = {
             "description": "out of range, and answered by the model's invariant fallback "
             "(per-sample standardised; marginal-transfer models)",
         },
+        "disagreement": {
+            "type": ["number", "null"],
+            "description": "how differently the model and its invariant fallback answer "
+            "the bag: the share of cells labelled differently (or the root mean square "
+            "difference of values); beyond what their validation errors allow, the bag "
+            "is out of range and the fallback answers. Null without a fallback, or when "
+            "the bag was out of range already",
+        },
     },
 }
 _POPULATION_ROW: dict[str, Any] = {

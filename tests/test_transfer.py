@@ -511,8 +511,8 @@ def test_any_representation_embeds_tasks(ellipses):
     assert np.mean(model.predict(tasks) == y) > 0.8
 
 
-@pytest.mark.parametrize("dual_eigen_limit", [10**6, 0])
-def test_dual_and_primal_task_ridge_agree(rng, monkeypatch, dual_eigen_limit):
+@pytest.mark.parametrize("dual_eigen_min_lambdas", [10**6, 0])
+def test_dual_and_primal_task_ridge_agree(rng, monkeypatch, dual_eigen_min_lambdas):
     from bagserve.core.estimators._transfer_solvers import TaskStatistics, task_ridge_path
 
     N, a, D, k = 6, 4, 20, 2
@@ -524,9 +524,10 @@ def test_dual_and_primal_task_ridge_agree(rng, monkeypatch, dual_eigen_limit):
     tasks = np.array([0, 2, 3, 5])
     lams = np.array([1e-4, 1e-1])
     monkeypatch.setattr("bagserve.core.estimators._transfer_solvers._EIGEN_MAX_SIZE", 1)
-    # 0 forces the per-λ Cholesky branch of the dual.
+    # 10**6 forces the per-λ Cholesky branch of the dual, 0 the eigendecomposition.
     monkeypatch.setattr(
-        "bagserve.core.estimators._transfer_solvers._DUAL_EIGEN_MAX_POINTS", dual_eigen_limit
+        "bagserve.core.estimators._transfer_solvers._DUAL_EIGEN_MIN_LAMBDAS",
+        dual_eigen_min_lambdas,
     )
     dual = task_ridge_path(S[tasks], TaskStatistics(A, B, Z, Y), tasks, lams)
     primal = task_ridge_path(S[tasks], TaskStatistics(A, B), tasks, lams)

@@ -15,7 +15,12 @@ from bagserve.core import (
     MarginalTransferRegressor,
     load,
 )
-from bagserve.core.bags import QUANTILE_LEVELS, align_quantiles, bag_quantiles
+from bagserve.core.bags import (
+    QUANTILE_LEVELS,
+    align_quantiles,
+    bag_quantiles,
+    standardise_each_bag,
+)
 from bagserve.core.datasets import make_batched_cytometry_tasks
 from bagserve.core.errors import ConfigError
 from bagserve.core.selection import leave_one_group_out_folds
@@ -92,9 +97,11 @@ def batched(n_cells: int = 150, strength: float = 2.0):
 
 
 def test_named_batches_select_by_leave_one_batch_out():
+    """A model with no fallback answers every task, new batches included: with two
+    batches named, its search holds out one batch per fold."""
     tasks, y, batches = batched()
     model = MarginalTransferClassifier(
-        n_components=16, tau=[0.0, 1.0], alpha=[1e-3], random_state=0
+        n_components=16, tau=[0.0, 1.0], alpha=[1e-3], normalise="standard", random_state=0
     ).fit(tasks, y, groups=batches)
     assert model.selection_["cv"] == "leave-one-batch-out"
     expected = leave_one_group_out_folds(batches)
@@ -103,7 +110,9 @@ def test_named_batches_select_by_leave_one_batch_out():
         np.testing.assert_array_equal(tr, etr)
         np.testing.assert_array_equal(va, eva)
     # One batch named is no batch to leave out: leave-tasks-out, as without groups.
-    one = MarginalTransferClassifier(n_components=16, tau=[0.0, 1.0], alpha=[1e-3], cv=3)
+    one = MarginalTransferClassifier(
+        n_components=16, tau=[0.0, 1.0], alpha=[1e-3], normalise="standard", cv=3
+    )
     one.set_params(random_state=0).fit(tasks, y, groups=np.zeros(len(tasks)))
     assert one.selection_["cv"] == "leave-tasks-out" and len(one.selection_["folds"]) == 3
     with pytest.raises(BagValidationError, match="one batch per task"):
@@ -125,16 +134,75 @@ def check_rule(record: dict) -> None:
         assert e == pytest.approx(errs[name].mean(), rel=1e-12)
 
 
-def test_batches_named_in_training_choose_standardisation_by_leave_one_batch_out():
-    """With both batches in training and named, the folds see the batch effects: per-task
-    standardisation wins by far more than a standard error, and needs no fallback."""
-    tasks, y, batches = make_batched_cytometry_tasks(2, 4, 300, random_state=[0, 1], strength=2)
+def test_named_batches_choose_the_fallback_by_leave_one_batch_out():
+    """Both batches in training and named. Leave-tasks-out folds hold both batches, so
+    they need no normalisation: the primary model, which answers samples like the
+    training ones, keeps the cells as they are. Leave-one-batch-out folds see the batch
+    effect: there the standardised fallback beats the primary by far and is kept; it
+    answers a sample of a third batch, and a new sample of a training batch is the
+    primary's."""
+    tasks, y, batches = make_batched_cytometry_tasks(3, 4, 300, random_state=[0, 1], strength=2)
+    per = [y[tasks.offsets[t] : tasks.offsets[t + 1]] for t in range(len(tasks))]
+    train = np.flatnonzero(batches < 2)
+    model = MarginalTransferClassifier(n_components=32, random_state=0)
+    model.fit(tasks[train], np.concatenate([per[t] for t in train]), groups=batches[train])
+    record = model.selection_["normalisation"]
+    check_rule(record)
+    assert model.normalise_ == "none" and model.selection_["cv"] == "leave-tasks-out"
+    assert record["fallback_cv"] == "leave-one-batch-out"
+    assert record["primary_batch_cv_error"] > 0.3 > 0.05 > record["fallback_cv_error"], record
+    assert model.fallback_ is not None and model.fallback_.normalise_ == "standard"
+
+    # The disagreement threshold: the worst fold error of each model (their records
+    # average to the search's CV errors), summed, times range_factor.
+    worst = []
+    for errs, ev in (
+        (record["primary_fold_errors"], model.selection_["evaluated"]),
+        (record["fallback_fold_errors"], None),
+    ):
+        worst.append(np.max(errs))
+        if ev is not None:
+            best = model.selection_["best"]
+            row = next(e for e in ev if e["sigma"] == best["sigma"] and e["tau"] == best["tau"])
+            li = int(np.argmin(np.abs(model.selection_["alpha_grid"] - best["alpha"])))
+            assert np.mean(errs) == pytest.approx(row["cv_error"][li], rel=1e-12)
+    assert model.disagreement_threshold_ == pytest.approx(1.5 * sum(worst), rel=1e-12)
+
+    third = np.flatnonzero(batches == 2)
+    far = model.predict_tasks(tasks[third])
+    assert all(p.report.fallback and p.report.out_of_range for p in far)
+    # A third batch's samples need not lie beyond the embedding range (here they lie
+    # near batch 1's): the two models' disagreement flags them.
+    alone = clone_without_fallback(model)
+    flagged = [p for p in far if p.report.distance <= model.range_threshold_]
+    assert flagged
+    for t, p in zip(third, far, strict=True):
+        if p.report.disagreement is not None:
+            oracle = np.mean(alone.predict(tasks[[t]]) != model.fallback_.predict(tasks[[t]]))
+            assert p.report.disagreement == pytest.approx(oracle, abs=1e-12)
+            assert oracle > model.disagreement_threshold_
+    assert [r.fallback for r in model.task_report(tasks[third])] == [p.report.fallback for p in far]
+    truth = np.concatenate([per[t] for t in third])
+    acc = np.mean(np.concatenate([p.predictions for p in far]) == truth)
+    acc_alone = np.mean(alone.predict(tasks[third]) == truth)
+    assert acc > 0.85 and acc > acc_alone + 0.2, (acc, acc_alone)
+    # Samples of the training batches: the models agree, the primary answers.
+    own = model.predict_tasks(tasks[train])
+    assert not any(p.report.fallback for p in own)
+    assert all(p.report.disagreement <= model.disagreement_threshold_ for p in own)
+
+
+def test_a_fallback_no_better_on_unseen_batches_is_dropped():
+    """Without batch effects, standardising each sample only moves its populations
+    (their proportions differ): on leave-one-batch-out folds the fallback does worse
+    than the primary model, so there is none."""
+    tasks, y, batches = make_batched_cytometry_tasks(2, 4, 300, random_state=[0, 1], strength=0)
     model = MarginalTransferClassifier(n_components=32, random_state=0)
     model.fit(tasks, y, groups=batches)
     record = model.selection_["normalisation"]
-    check_rule(record)
-    assert model.normalise_ == "standard" and model.fallback_ is None
-    assert record["cv_error"]["none"] > 0.3 > 0.05 > record["cv_error"]["standard"]
+    assert model.normalise_ == "none" and record["fallback_cv"] == "leave-one-batch-out"
+    assert record["fallback_cv_error"] >= record["primary_batch_cv_error"], record
+    assert "fallback" not in record and model.fallback_ is None
 
 
 def test_new_batches_out_of_range_are_answered_by_the_invariant_fallback():
@@ -174,6 +242,41 @@ def test_new_batches_out_of_range_are_answered_by_the_invariant_fallback():
         acc,
         acc_alone,
         acc_same,
+    )
+
+
+def test_without_batches_the_fallback_is_the_pooled_linear_model():
+    """With one batch in training nothing can say which capacity carries over to
+    another: the fallback is the low-capacity model, a ridge on ``[x, 1]`` of the
+    per-sample standardised cells with weights ``1/(N n_i)`` on the ±1 one-vs-rest
+    codes: scikit-learn's Ridge at the chosen λ (no intercept) is the oracle."""
+    from sklearn.linear_model import Ridge
+
+    tasks, y, batches = make_batched_cytometry_tasks(2, 4, 300, random_state=[0, 1], strength=2)
+    per = [y[tasks.offsets[t] : tasks.offsets[t + 1]] for t in range(len(tasks))]
+    train = np.flatnonzero(batches == 0)
+    model = MarginalTransferClassifier(n_components=32, random_state=0)
+    model.fit(tasks[train], np.concatenate([per[t] for t in train]))
+    fb = model.fallback_
+    assert fb.point_kernel_ == "linear" and fb.tau_ == 1.0 and fb.normalise_ == "standard"
+    record = model.selection_["normalisation"]
+    assert record["fallback_cv"] == "leave-tasks-out"
+    assert list(record["fallback_options"]) == ["linear"]
+
+    std = standardise_each_bag(tasks[train])
+    X = np.hstack([std.points, np.ones((std.n_points, 1))])
+    codes = np.searchsorted(model.classes_, np.concatenate([per[t] for t in train]))
+    Y = -np.ones((codes.size, model.classes_.size))
+    Y[np.arange(codes.size), codes] = 1.0
+    w = np.repeat(1.0 / (len(std) * std.sizes), std.sizes)
+    ridge = Ridge(alpha=fb.alpha_, fit_intercept=False).fit(X, Y, sample_weight=w)
+    new = standardise_each_bag(tasks[np.flatnonzero(batches == 1)])
+    Xn = np.hstack([new.points, np.ones((new.n_points, 1))])
+    np.testing.assert_allclose(
+        fb.decision_function(tasks[np.flatnonzero(batches == 1)]),
+        ridge.predict(Xn),
+        rtol=1e-7,
+        atol=1e-9,
     )
 
 
@@ -317,8 +420,10 @@ def test_training_configuration_names_batches(tmp_path):
     assert result.metrics["cv"]["scheme"] == "leave-one-batch-out"
     assert result.metrics["cv"]["n_folds"] == 2
     model = load(result.path)
-    # The final fit chose its own hyperparameters leave-one-batch-out too.
-    assert model.selection_["cv"] == "leave-one-batch-out"
+    # The final fit chose its fallback for new batches leave-one-batch-out too (or,
+    # without a fallback search, its one model).
+    record = model.selection_["normalisation"]
+    assert "leave-one-batch-out" in (model.selection_["cv"], record.get("fallback_cv"))
     # A data file the sheet does not name is an error naming it.
     (tmp_path / "samples.csv").write_text("\n".join(sheet.splitlines()[:-1]) + "\n")
     with pytest.raises(ConfigError, match=names[-1]):
@@ -347,6 +452,12 @@ def test_runtime_answers_say_which_tasks_the_fallback_answered(tmp_path):
     np.testing.assert_array_equal(result.domain.fallback, [True, False])
     np.testing.assert_array_equal(result.domain.out_of_range, [True, False])
     assert runtime.info.domain_of(result.domain, 0)["fallback"] is True
+    # The far sample was the fallback's alone; the training sample was asked of both
+    # models, which agree on it within the threshold.
+    assert runtime.info.domain_of(result.domain, 0)["disagreement"] is None
+    own = runtime.info.domain_of(result.domain, 1)["disagreement"]
+    assert own == model.task_report(tasks[[0]])[0].disagreement
+    assert 0.0 <= own <= model.disagreement_threshold_
     np.testing.assert_array_equal(
         result.labels[: tasks.sizes[4]], model.fallback_.predict(np.asarray(tasks[4]))
     )

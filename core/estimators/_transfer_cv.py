@@ -14,7 +14,7 @@ Everything the search needs from the estimator arrives in a :class:`SearchSetup`
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -153,6 +153,14 @@ class FoldEvaluator:
             self._held_out[v] = (tasks.points[pick], Y[pick])
         return self._held_out[v]
 
+    def on_folds(self, folds: Folds) -> FoldEvaluator:
+        """The same tasks on other folds, sharing what does not depend on the folds: the
+        held-out points and the strategy's per-bandwidth statistics of all tasks."""
+        other = FoldEvaluator(replace(self.setup, folds=folds), self.strategy)
+        other._held_out = self._held_out
+        other._strategy_cache = self._strategy_cache
+        return other
+
     @staticmethod
     def key(cand: dict[str, Any]) -> tuple[Any, ...]:
         """The configuration's identity; a pooled model ignores the task coordinates."""
@@ -197,6 +205,11 @@ class FoldEvaluator:
             errors[f] = self.strategy.fold_errors(fold, setup.alphas, self._strategy_cache)
         return errors
 
+    def per_fold(self, best: dict[str, Any]) -> NDArray[np.float64]:
+        """Validation error per fold of an evaluated configuration at its ``alpha``."""
+        li = int(np.argmin(np.abs(self.setup.alphas - best["alpha"])))
+        return self.fold_errors[self.key(best)][:, li]
+
     def best(self, keys: list[tuple[Any, ...]] | None = None) -> tuple[tuple[Any, ...], int]:
         """The evaluated configuration (among ``keys``) and ``λ`` index of least mean error."""
         keys = list(self.fold_errors) if keys is None else keys
@@ -214,7 +227,7 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     bandwidth, (3) the other ``γ_P`` at the best ``τ``, (4) the other embedding
     bandwidths. Every evaluation covers the whole ``λ`` grid. The best configuration
     seen wins, the pooled model included: MTL against pooling is decided by the same
-    cross-validation (leave-one-batch-out when batches are named).
+    cross-validation (on the folds of the evaluator).
 
     Parameters
     ----------

@@ -34,7 +34,11 @@ _EIGEN_MAX_SIZE = 512
 # Points per chunk when per-point features are computed (bounds memory).
 _CHUNK_POINTS = 1 << 15
 _DUAL_MAX_POINTS = 6000
-_DUAL_EIGEN_MAX_POINTS = 1500
+# One symmetric eigendecomposition costs about ten Cholesky factorisations of the same
+# matrix (LAPACK with one thread, 300 to 1500 points, measured on the 2-core machine of
+# bench/README.md): the dual factorises once per λ below this many λ, and diagonalises
+# once for all of them above.
+_DUAL_EIGEN_MIN_LAMBDAS = 10
 # Warm restarts of the box QP's L-BFGS-B at most (see _box_qp).
 _MAX_QP_RESTARTS = 20
 
@@ -48,7 +52,10 @@ def weighted_kernel_ridge(
     """
     A = K.copy()
     A[np.diag_indices_from(A)] += lam / c
-    return scipy.linalg.solve(A, Y, assume_a="pos")
+    # The factorisation alone: scipy.linalg.solve would also estimate the condition
+    # number, which doubles the cost here.
+    factor = scipy.linalg.cho_factor(A, overwrite_a=True, check_finite=False)
+    return scipy.linalg.cho_solve(factor, Y, check_finite=False)
 
 
 def _box_qp(
@@ -305,8 +312,7 @@ def task_ridge_path(
         per_task = np.add.reduceat(Z[:, :, None] * r[:, None, :], starts, axis=0)  # (N, D, k)
         return np.tensordot(S.T, per_task, axes=(1, 0))
 
-    if M > _DUAL_EIGEN_MAX_POINTS:
-        # A Cholesky factorisation per λ costs a fraction of one eigendecomposition.
+    if len(lams) < _DUAL_EIGEN_MIN_LAMBDAS:
         return [theta(weighted_kernel_ridge(K, Y, c, float(lam))) for lam in lams]
     root = np.sqrt(c)
     vals, vecs = np.linalg.eigh(K * root[:, None] * root[None, :])

@@ -38,7 +38,7 @@ task, its similarity to the nearest training tasks and an out-of-range flag
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -104,6 +104,14 @@ TASK_GAMMA_FACTORS = (0.3, 1.0, 3.0)
 #: (×{0.5, 1, 2}) fits an embedding per fold and factor and costs more than it gained
 #: on the benchmarks; give ``embedding`` a fixed bandwidth to set it yourself.
 EMBEDDING_BANDWIDTH_FACTORS = (1.0,)
+#: The low-capacity fallback for tasks out of range: the pooled linear model (on
+#: per-task standardised tasks), ``λ`` searched.
+LINEAR_FALLBACK_GRID: dict[str, list[Any]] = {
+    "sigma": [("absolute", 1.0)],
+    "tau": [1.0],
+    "gamma": [None],
+    "emb": [1.0],
+}
 #: Per-task normalisations, simplest first: ``normalise="auto"`` applies one only where
 #: the folds show it helps (:func:`~._transfer_cv.choose_normalisation`).
 NORMALISATIONS = ("none", "standard", "quantile")
@@ -124,11 +132,18 @@ class TaskReport:
     out_of_range : bool
         ``distance`` exceeds ``range_factor`` times the largest nearest-neighbour
         distance among the training tasks: the task is unlike every training task,
-        and a ``τ > 0`` model answers with its pooled part there.
+        and a ``τ > 0`` model answers with its pooled part there. With a fallback,
+        also when ``disagreement`` exceeds ``range_factor`` times what the two
+        models' cross-validation errors allow on tasks like the training ones.
     fallback : bool
         The task was out of range and was answered by the model's invariant
-        fallback (``normalise="auto"`` only: the same configuration on per-task
-        standardised tasks, see :class:`MarginalTransferClassifier`).
+        fallback (``normalise="auto"`` only: a model of per-task standardised tasks,
+        see :class:`MarginalTransferClassifier`).
+    disagreement : float or None
+        How differently the primary model and the fallback answer the task: the
+        share of its points they label differently (classifiers), or the root mean
+        square difference of their values (regressors). ``None`` without a fallback,
+        or where only the fallback was asked (the task was already out of range).
     """
 
     nearest_tasks: NDArray[np.int64]
@@ -136,6 +151,7 @@ class TaskReport:
     distance: float
     out_of_range: bool
     fallback: bool = False
+    disagreement: float | None = None
 
 
 @dataclass
@@ -165,6 +181,16 @@ def _normalised(tasks: Bags, how: str, reference: NDArray[np.float64] | None) ->
         assert reference is not None
         return align_quantiles(tasks, reference)
     return tasks
+
+
+def _fits_linear_pooled(strategy: SolverStrategy, loss: str) -> bool:
+    """Whether the strategy can fit the pooled linear model (the paper's two-layer
+    map cannot)."""
+    try:
+        strategy.check_parameters(loss, "linear", 1.0)
+    except ValueError:
+        return False
+    return True
 
 
 def _single_point_problems(tasks: Bags) -> list[str]:
@@ -277,9 +303,10 @@ class _MarginalTransfer(BaseEstimator):
             )
         return (self.normalise,)
 
-    def _folds(self, n_tasks: int, groups: ArrayLike | None) -> tuple[list[Any], str]:
-        """Leave-one-batch-out folds when ``groups`` names two batches or more, else
-        leave-tasks-out folds; and the name of the scheme."""
+    def _folds(self, n_tasks: int, groups: ArrayLike | None) -> tuple[list[Any], list[Any] | None]:
+        """Leave-tasks-out folds, and leave-one-batch-out folds when ``groups`` names
+        two batches or more (else ``None``)."""
+        by_task = leave_tasks_out_folds(n_tasks, self.cv, self.cv_repeats, self.seed_)
         if groups is not None:
             g = np.asarray(groups)
             if g.shape != (n_tasks,):
@@ -287,10 +314,8 @@ class _MarginalTransfer(BaseEstimator):
                     [f"groups must give one batch per task: {n_tasks} task(s), got {g.shape}"]
                 )
             if np.unique(g).size > 1:
-                return leave_one_group_out_folds(g), "leave-one-batch-out"
-        return leave_tasks_out_folds(n_tasks, self.cv, self.cv_repeats, self.seed_), (
-            "leave-tasks-out"
-        )
+                return by_task, leave_one_group_out_folds(g)
+        return by_task, None
 
     def _labels(self, y: ArrayLike, tasks: Bags) -> NDArray[np.float64]:
         """Per-point targets as a float matrix (n_points, n_outputs)."""
@@ -326,8 +351,15 @@ class _MarginalTransfer(BaseEstimator):
             A label (or value) for every point, task after task.
         groups : array-like of shape (n_tasks,), optional
             The batch (centre, run, instrument) of every task. With two batches or
-            more, every hyperparameter (normalisation, bandwidths, MTL against pooling,
-            ``λ``) is chosen by leave-one-batch-out cross-validation.
+            more, each model is chosen on folds like the tasks it will answer. Where
+            the fit searches an invariant fallback (``normalise="auto"`` and the
+            normalisation chosen is not standardisation), the fallback, which answers
+            new tasks out of range (most likely another batch), is chosen by
+            leave-one-batch-out cross-validation and kept only where it beats the
+            primary model there; the primary, which answers the tasks in range (new
+            samples of batches like the training ones), leave-tasks-out. Otherwise
+            the one model answers every task and is chosen leave-one-batch-out. The
+            normalisation itself is chosen leave-tasks-out.
         """
         strategy = self._strategy()
         loss = self._loss(strategy)
@@ -375,8 +407,10 @@ class _MarginalTransfer(BaseEstimator):
         self._fit_on(strategy, variants[chosen], Y, chosen, best)
         self.fallback_ = None
         record = self.selection_.get("normalisation") or {}
+        self.disagreement_threshold_ = None
         if "fallback" in record:
             self.fallback_ = self._fallback(strategy, variants["standard"], Y, record["fallback"])
+            self.disagreement_threshold_ = self.range_factor * record["disagreement_bound"]
         return self
 
     def _fit_on(
@@ -393,34 +427,40 @@ class _MarginalTransfer(BaseEstimator):
         self, strategy: SolverStrategy, tasks: Bags, Y: NDArray[np.float64], best: dict
     ) -> _MarginalTransfer:
         """The invariant fallback: per-task standardised tasks, at the configuration
-        ``best`` chosen for them (a smaller search: the point bandwidth and the shares
-        of pooling, at the middle task bandwidths), with this fit's random draws.
+        ``best`` chosen for them (:meth:`_choose_fallback`; its point kernel under
+        ``"point_kernel"``), with this fit's random draws.
 
         The cross-validation can only judge a normalisation on tasks like the training
         tasks; a new task outside their range (another batch, instrument, centre) is
         where a per-task affine batch effect is most likely, and where undoing it is the
         safer bet.
         """
-        fallback = clone(self).set_params(normalise="standard")
+        kernel = best.get("point_kernel", self.point_kernel_)
+        fallback = clone(self).set_params(normalise="standard", point_kernel=kernel)
         for name in (
-            "n_features_in_", "n_tasks_", "loss_", "point_kernel_", "seed_", "task_kernel_",
+            "n_features_in_", "n_tasks_", "loss_", "seed_", "task_kernel_",
             "point_frequencies_", "joint_frequencies_", "classes_",
         ):  # fmt: skip
             if hasattr(self, name):
                 setattr(fallback, name, getattr(self, name))
+        fallback.point_kernel_ = kernel
         fallback.quantile_reference_ = None
         fallback.selection_ = {"evaluated": [], "folds": [], "best": best}
+        fallback.disagreement_threshold_ = None
         fallback._fit_on(strategy, tasks, Y, "standard", best)
         fallback.fallback_ = None
         return fallback
 
     # ----------------------------------------------------------------- pieces
-    def _training_data(self, tasks: Bags, Y: NDArray[np.float64], loss: str) -> TrainingData:
-        """The tasks with the feature maps of this fit; the linear part of ``k_X`` is
-        standardised by these tasks' pooled mean and standard deviation."""
+    def _training_data(
+        self, tasks: Bags, Y: NDArray[np.float64], loss: str, point_kernel: str | None = None
+    ) -> TrainingData:
+        """The tasks with the feature maps of this fit (or of ``point_kernel``); the
+        linear part of ``k_X`` is standardised by these tasks' pooled mean and standard
+        deviation."""
         sd = tasks.points.std(axis=0)
         maps = FeatureMaps(
-            self.point_kernel_,
+            point_kernel or self.point_kernel_,
             self.point_frequencies_,
             self.joint_frequencies_,
             tasks.points.mean(axis=0),
@@ -552,7 +592,7 @@ class _MarginalTransfer(BaseEstimator):
                     "normalise, point_bandwidth, task_gamma, tau and alpha to fit on one task"
                 ]
             )
-        folds, scheme = self._folds(N, groups)
+        folds, batch_folds = self._folds(N, groups)
         evaluators = {}
         for name, tasks in variants.items():
             emb_tasks = subsample_bags(tasks, self.embedding_points, self.seed_, canonical=True)
@@ -583,25 +623,94 @@ class _MarginalTransfer(BaseEstimator):
                 "emb": 1.0 if pooled else grid["emb"][len(grid["emb"]) // 2],
             }
             chosen, record = choose_normalisation(evaluators, cand)
-            if self.normalise == "auto" and chosen != "standard":
-                # The fallback's configuration, on the same folds: the point bandwidth
-                # and the shares of pooling, at the middle task bandwidths.
-                small = {**grid, "gamma": [grid["gamma"][len(grid["gamma"]) // 2]]}
-                small["emb"] = [grid["emb"][len(grid["emb"]) // 2]]
-                found = coordinate_search(evaluators["standard"], small)
-                error = min(min(e["cv_error"]) for e in found["evaluated"])
-                constant = self._constant_error(Y, next(iter(variants.values())))
-                record["fallback_cv_error"] = error
-                record["constant_error"] = constant
-                # Only a fallback that the folds find useful: one that gets at most half
-                # of what predicting a constant gets wrong. Where standardising erases
-                # what the target depends on (a level, a size), there is no fallback.
-                if error <= 0.5 * constant:
-                    record["fallback"] = found["best"]
-        self.selection_ = coordinate_search(evaluators[chosen], grid)
-        self.selection_["cv"] = scheme
+        # Each model is chosen on folds like the tasks it will answer. With a fallback
+        # for the tasks out of range, the primary answers tasks like the training ones
+        # (leave-tasks-out); a model that answers every task, new batches included, is
+        # chosen leave-one-batch-out when batches are named.
+        with_fallback = self.normalise == "auto" and chosen != "standard"
+        if batch_folds is None or with_fallback:
+            self.selection_ = coordinate_search(evaluators[chosen], grid)
+            self.selection_["cv"] = "leave-tasks-out"
+        else:
+            self.selection_ = coordinate_search(evaluators[chosen].on_folds(batch_folds), grid)
+            self.selection_["cv"] = "leave-one-batch-out"
+        if with_fallback:
+            self._choose_fallback(evaluators, chosen, grid, Y, batch_folds, record)
         self.selection_["normalisation"] = record
         return chosen, self.selection_["best"]
+
+    def _choose_fallback(
+        self,
+        evaluators: dict[str, FoldEvaluator],
+        chosen: str,
+        grid: dict[str, list[Any]],
+        Y: NDArray[np.float64],
+        batch_folds: list[Any] | None,
+        record: dict[str, Any],
+    ) -> None:
+        """The invariant fallback's configuration, into ``record["fallback"]`` if kept.
+
+        The fallback answers new tasks out of the training tasks' range: most likely
+        another batch, where no fold of the training tasks can say which capacity
+        carries over. It is the low-capacity model, the pooled linear one on
+        standardised tasks (its ``λ`` chosen on the primary's folds), unless batches are
+        named: then leave-one-batch-out folds, the case it is for, choose between it
+        and the model's own kernel (its point bandwidth and shares of pooling, at the
+        middle task bandwidths), and it is kept only where it beats the primary model
+        there. Either way it must get at most half of what a constant prediction gets
+        wrong: where standardising erases what the target depends on (a level, a
+        size), there is no fallback.
+        """
+        standard = evaluators["standard"]
+        folds = batch_folds if batch_folds is not None else standard.setup.folds
+        options: list[tuple[str, FoldEvaluator, dict[str, list[Any]]]] = []
+        if _fits_linear_pooled(standard.strategy, self.loss_):
+            data = self._training_data(standard.setup.data.tasks, Y, self.loss_, "linear")
+            setup = replace(standard.setup, data=data, folds=folds)
+            linear = FoldEvaluator(setup, standard.strategy)
+            options.append(("linear", linear, LINEAR_FALLBACK_GRID))
+        if batch_folds is not None or not options:
+            # The point bandwidth and the shares of pooling, at the middle task bandwidths.
+            small = {**grid, "gamma": [grid["gamma"][len(grid["gamma"]) // 2]]}
+            small["emb"] = [grid["emb"][len(grid["emb"]) // 2]]
+            own = standard.on_folds(batch_folds) if batch_folds is not None else standard
+            options.append((self.point_kernel_, own, small))
+        found = []
+        for kernel, ev, option_grid in options:
+            result = coordinate_search(ev, option_grid)
+            error = min(min(e["cv_error"]) for e in result["evaluated"])
+            found.append((error, kernel, ev, result["best"]))
+        # The simplest first among equals.
+        error, kernel, fallback_ev, best = min(found, key=lambda f: f[0])
+        constant = self._constant_error(Y, evaluators[chosen].setup.data.tasks)
+        record["fallback_cv"] = "leave-tasks-out" if batch_folds is None else "leave-one-batch-out"
+        record["fallback_cv_error"] = error
+        record["fallback_options"] = {k: e for e, k, _, _ in found}
+        record["constant_error"] = constant
+        keep = error <= 0.5 * constant
+        if batch_folds is not None:
+            # The primary model, as chosen, on the same batch folds: a fallback that
+            # does no better on unseen batches would only add a second model.
+            primary = float(
+                evaluators[chosen].on_folds(batch_folds).score(self.selection_["best"]).min()
+            )
+            record["primary_batch_cv_error"] = primary
+            keep = keep and error < primary
+        if keep:
+            record["fallback"] = {**best, "point_kernel": kernel}
+            # Where both models are as accurate as their folds say, they disagree on a
+            # task by at most the sum of their errors there (triangle inequality of the
+            # 0-1 disagreement, or of the root mean square): the most either got wrong
+            # on a fold bounds what a task like the training ones may show.
+            record["primary_fold_errors"] = evaluators[chosen].per_fold(self.selection_["best"])
+            record["fallback_fold_errors"] = fallback_ev.per_fold(best)
+            worst = [
+                float(record["primary_fold_errors"].max()),
+                float(record["fallback_fold_errors"].max()),
+            ]
+            if not self._is_classifier:
+                worst = [float(np.sqrt(w)) for w in worst]
+            record["disagreement_bound"] = sum(worst)
 
     def _constant_error(self, Y: NDArray[np.float64], tasks: Bags) -> float:
         """The CV error measure of the best constant prediction (the majority class, or
@@ -698,8 +807,10 @@ class _MarginalTransfer(BaseEstimator):
     def _scores_per_task(self, raw: Bags) -> tuple[list[NDArray[np.float64]], list[TaskReport]]:
         """Scores and reports of tasks given as they arrived (not yet normalised).
 
-        Tasks out of range are answered by the invariant fallback when the fit made one
-        (``fallback_``); their report says so."""
+        With an invariant fallback (``fallback_``), it answers the tasks out of range,
+        and every other task is asked of both models: where they disagree by more than
+        ``disagreement_threshold_``, the task is out of range too and the fallback
+        answers. Each report says so."""
         check_is_fitted(self, "tau_")
         if raw.sizes.min() < 1:  # pragma: no cover - Bags never holds empty bags
             raise BagValidationError(["empty task"])
@@ -708,6 +819,13 @@ class _MarginalTransfer(BaseEstimator):
         reports = self._reports(sq_new)
         far = [i for i, r in enumerate(reports) if r.fallback]
         near = [i for i, r in enumerate(reports) if not r.fallback]
+        threshold = getattr(self, "disagreement_threshold_", None)
+        check = getattr(self, "fallback_", None) is not None and threshold is not None
+        asked = list(range(len(reports))) if check else far
+        fallback_scores: dict[int, NDArray[np.float64]] = {}
+        if asked:
+            answered, _ = self.fallback_._scores_per_task(raw[np.array(asked)])
+            fallback_scores = dict(zip(asked, answered, strict=True))
         scores: list[NDArray[np.float64]] = [np.empty((0, 0))] * len(reports)
         if near:
             if far:
@@ -721,11 +839,26 @@ class _MarginalTransfer(BaseEstimator):
             )
             for i, sc in zip(near, answered, strict=True):
                 scores[i] = sc
-        if far:
-            far_scores, _ = self.fallback_._scores_per_task(raw[np.array(far)])
-            for i, sc in zip(far, far_scores, strict=True):
-                scores[i] = sc
+                if check:
+                    d = self._disagreement(sc, fallback_scores[i])
+                    unlike = d > threshold
+                    reports[i] = replace(
+                        reports[i],
+                        out_of_range=reports[i].out_of_range or unlike,
+                        fallback=unlike,
+                        disagreement=d,
+                    )
+        for i in range(len(reports)):
+            if reports[i].fallback:
+                scores[i] = fallback_scores[i]
         return scores, reports
+
+    def _disagreement(self, a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
+        """Share of points labelled differently from scores ``a`` and ``b`` (classifiers),
+        or the root mean square difference of the values (regressors)."""
+        if self._is_classifier:
+            return float(np.mean(self._decode(a) != self._decode(b)))
+        return float(np.sqrt(np.mean((a - b) ** 2)))
 
     def domain_report(self, reports: list[TaskReport]) -> DomainReport:
         """The :class:`~core.domain.DomainReport` of tasks from their :class:`TaskReport`.
@@ -754,6 +887,9 @@ class _MarginalTransfer(BaseEstimator):
             similarities=sims,
             distance=distance,
             fallback=np.array([r.fallback for r in reports], dtype=bool),
+            disagreement=np.array(
+                [np.nan if r.disagreement is None else r.disagreement for r in reports]
+            ),
         )
 
     def domain_check(self, X: Any) -> DomainReport:
@@ -761,8 +897,14 @@ class _MarginalTransfer(BaseEstimator):
         return self.domain_report(self.task_report(X))
 
     def task_report(self, X: Any) -> list[TaskReport]:
-        """Similarity of each new task to the training tasks, and the out-of-range flag."""
+        """Similarity of each new task to the training tasks, and the out-of-range flag.
+
+        With a fallback the flag also depends on how the two models answer the task
+        (:class:`TaskReport`), so the tasks are scored as :meth:`predict` scores them.
+        """
         check_is_fitted(self, "tau_")
+        if getattr(self, "disagreement_threshold_", None) is not None:
+            return self._scores_per_task(_as_tasks(X)[0])[1]
         return self._reports(self._task_similarities(self._tasks(X))[1])
 
     def predict_tasks(self, X: Any) -> list[TaskPrediction]:
@@ -860,8 +1002,8 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         ``σ``; ``None``: search ×{0.5, 1, 2} around the median distance.
     tau : float, array-like or None
         Share of pooling in ``[0, 1]``; ``None``: search {0, 0.2} and the pooled
-        model ``τ = 1`` by the cross-validation (leave-one-batch-out when ``fit`` is
-        given ``groups``): MTL against pooling is decided there.
+        model ``τ = 1`` by the cross-validation: MTL against pooling is decided there
+        (for the fallback on leave-one-batch-out folds when ``fit`` is given batches).
     pooling : bool, default=False
         The pooling baseline: ``k_P ≡ 1`` (``τ = 1``). With equal task sizes it is a
         single model on all points pooled.
@@ -870,13 +1012,16 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
     n_components : int, default=128
         Random Fourier features for ``k_X`` (and for each layer of ``task_map="rff"``).
     cv, cv_repeats : int
-        Leave-tasks-out folds and repeats for the search, when ``fit`` is not given
-        two batches or more in ``groups`` (then one fold per batch).
+        Leave-tasks-out folds and repeats for the search (one fold per batch instead
+        for the fallback, or a model without one, when ``fit`` is given two batches or
+        more in ``groups``).
     cv_points : int, default=2000
         Points per held-out task used to score it during the search.
     range_factor : float, default=1.5
         A new task is out of range when its embedding distance to the nearest training
-        task exceeds this factor times the largest such distance among training tasks.
+        task exceeds this factor times the largest such distance among training tasks,
+        or (with a fallback) when the model and its fallback disagree on it by more
+        than this factor times what their CV errors allow (``disagreement_threshold_``).
     max_exact_points : int, default=4000
     normalise : {"auto", "standard", "quantile", "none"}, default="auto"
         Per-task normalisation, part of the model (fitting and predicting alike):
@@ -888,14 +1033,18 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         differ); ``"none"``. ``"auto"``: chosen by the cross-validation with the
         one-standard-error rule, simplest first (a normalisation is applied where the
         folds show it helps by more than their noise;
-        :func:`~._transfer_cv.choose_normalisation`; leave-one-batch-out when ``fit``
-        is given batches), and, unless that is ``"standard"``, an invariant fallback
-        fitted on standardised tasks (``fallback_``; only when the folds find it
-        useful: at most half the error of a constant prediction), which
-        answers every new task out of the training tasks' range (``out_of_range`` in
-        its :class:`TaskReport`, with ``fallback`` set). Folds drawn from the training
-        tasks judge a normalisation where the data look like them; a task outside
-        their range is where a batch effect is likely and undoing it the safer bet.
+        :func:`~._transfer_cv.choose_normalisation`), and, unless that is
+        ``"standard"``, an invariant fallback fitted on standardised tasks
+        (``fallback_``): the pooled linear model, the low capacity that carries over
+        best to a batch no fold contains, or, with batches named, whichever of it and
+        the model's own kernel the leave-one-batch-out folds prefer. It is kept only
+        when the folds find it useful (at most half the error of a constant
+        prediction and, with batches named, less error than the primary model's on
+        leave-one-batch-out folds), and answers every new task out of the training
+        tasks' range (``out_of_range`` in its :class:`TaskReport`, with ``fallback``
+        set). Folds drawn from the training tasks judge a normalisation where the
+        data look like them; a task outside their range is where a batch effect is
+        likely and undoing it the safer bet.
         With every other hyperparameter fixed, ``"auto"`` still cross-validates: fix
         ``normalise`` too for a fit without any search.
     random_state : int, Generator or None
@@ -910,6 +1059,12 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
     fallback_ : MarginalTransferClassifier or None
         The invariant fallback for tasks out of range (``normalise="auto"`` when the
         choice was not ``"standard"``).
+    disagreement_threshold_ : float or None
+        With a fallback: ``range_factor`` times the sum of the two models' worst
+        per-fold CV errors (root mean square for regressors). Two models that err
+        on a task at most that much disagree on it at most that much (triangle
+        inequality); a task where they disagree more is out of range and the
+        fallback answers it (:attr:`TaskReport.disagreement`).
     point_kernel_ : str
         ``k_X`` used; ``linear_centre_`` and ``linear_scale_`` standardise its linear
         part.
@@ -917,8 +1072,10 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         Fitted task representation; ``train_embedding_`` its training-task embedding.
     selection_ : dict
         Candidates, their CV errors per ``λ``, the folds and their scheme (``cv``:
-        ``"leave-one-batch-out"`` or ``"leave-tasks-out"``), and the normalisation
-        record (``normalisation``: each option's CV error, the choice).
+        ``"leave-tasks-out"`` or ``"leave-one-batch-out"``), and the normalisation
+        record (``normalisation``: each option's CV error, the choice; the
+        fallback's configuration, its folds' scheme ``fallback_cv``, its CV error,
+        what it was held against and ``disagreement_bound``).
     coef_ : ndarray of shape (a, D, n_outputs)
         Random-feature solver: ridge coefficients ``θ`` of the joint features (``a`` task
         coordinates: ``1 + r`` for the Nyström map, 1 for the paper's map).
