@@ -80,7 +80,9 @@ def evaluate(
             answered = sum(r.fallback for r in model.task_report(test_bags))
             fb = model.fallback_
             out[name]["chosen"] = f"{model.normalise_}, tau {model.tau_}" + (
-                f"; fallback (standard, tau {fb.tau_}) answered {answered}/{len(test_x)}"
+                f"; fallback ({fb.point_kernel_}"
+                + (f" + {fb.blend_.point_kernel_} tau {fb.blend_.tau_}" if fb.blend_ else "")
+                + f") answered {answered}/{len(test_x)}"
                 if fb is not None
                 else ""
             )

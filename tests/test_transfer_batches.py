@@ -152,6 +152,13 @@ def test_named_batches_choose_the_fallback_by_leave_one_batch_out():
     assert record["fallback_cv"] == "leave-one-batch-out"
     assert record["primary_batch_cv_error"] > 0.3 > 0.05 > record["fallback_cv_error"], record
     assert model.fallback_ is not None and model.fallback_.normalise_ == "standard"
+    # The batch folds chose between the pooled linear model and the model's own kernel.
+    options = record["fallback_options"]
+    assert list(options) == ["pooled linear", "own kernel"]
+    assert record["fallback_cv_error"] == min(options.values())
+    assert model.fallback_.point_kernel_ == (
+        "linear" if options["pooled linear"] <= options["own kernel"] else "gaussian+linear"
+    )
 
     # The disagreement threshold: the worst fold error of each model (their records
     # average to the search's CV errors), summed, times range_factor.
@@ -245,11 +252,14 @@ def test_new_batches_out_of_range_are_answered_by_the_invariant_fallback():
     )
 
 
-def test_without_batches_the_fallback_is_the_pooled_linear_model():
+def test_without_batches_the_fallback_blends_the_pooled_linear_model_and_the_kernel():
     """With one batch in training nothing can say which capacity carries over to
-    another: the fallback is the low-capacity model, a ridge on ``[x, 1]`` of the
-    per-sample standardised cells with weights ``1/(N n_i)`` on the ±1 one-vs-rest
-    codes: scikit-learn's Ridge at the chosen λ (no intercept) is the oracle."""
+    another: the fallback averages the scores of the low-capacity model and of the
+    model's own kernel, both on per-sample standardised cells. The low-capacity one is
+    a ridge on ``[x, 1]`` with weights ``1/(N n_i)`` on the ±1 one-vs-rest codes:
+    scikit-learn's Ridge at the chosen λ (no intercept) is its oracle."""
+    import copy
+
     from sklearn.linear_model import Ridge
 
     tasks, y, batches = make_batched_cytometry_tasks(2, 4, 300, random_state=[0, 1], strength=2)
@@ -259,10 +269,21 @@ def test_without_batches_the_fallback_is_the_pooled_linear_model():
     model.fit(tasks[train], np.concatenate([per[t] for t in train]))
     fb = model.fallback_
     assert fb.point_kernel_ == "linear" and fb.tau_ == 1.0 and fb.normalise_ == "standard"
+    assert fb.blend_.point_kernel_ == "gaussian+linear" and fb.blend_.normalise_ == "standard"
     record = model.selection_["normalisation"]
     assert record["fallback_cv"] == "leave-tasks-out"
-    assert list(record["fallback_options"]) == ["linear"]
+    assert list(record["fallback_options"]) == ["pooled linear", "own kernel"]
+    assert record["fallback_cv_error"] == max(record["fallback_options"].values())
 
+    new = tasks[np.flatnonzero(batches == 1)]
+    linear = copy.copy(fb)
+    linear.blend_ = None
+    np.testing.assert_allclose(
+        fb.decision_function(new),
+        (linear.decision_function(new) + fb.blend_.decision_function(new)) / 2,
+        rtol=1e-12,
+        atol=1e-12,
+    )
     std = standardise_each_bag(tasks[train])
     X = np.hstack([std.points, np.ones((std.n_points, 1))])
     codes = np.searchsorted(model.classes_, np.concatenate([per[t] for t in train]))
@@ -270,14 +291,10 @@ def test_without_batches_the_fallback_is_the_pooled_linear_model():
     Y[np.arange(codes.size), codes] = 1.0
     w = np.repeat(1.0 / (len(std) * std.sizes), std.sizes)
     ridge = Ridge(alpha=fb.alpha_, fit_intercept=False).fit(X, Y, sample_weight=w)
-    new = standardise_each_bag(tasks[np.flatnonzero(batches == 1)])
-    Xn = np.hstack([new.points, np.ones((new.n_points, 1))])
-    np.testing.assert_allclose(
-        fb.decision_function(tasks[np.flatnonzero(batches == 1)]),
-        ridge.predict(Xn),
-        rtol=1e-7,
-        atol=1e-9,
-    )
+    std_new = standardise_each_bag(new)
+    Xn = np.hstack([std_new.points, np.ones((std_new.n_points, 1))])
+    oracle = ridge.predict(Xn)
+    np.testing.assert_allclose(linear.decision_function(new), oracle, rtol=1e-7, atol=1e-9)
 
 
 def clone_without_fallback(model):

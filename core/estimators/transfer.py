@@ -410,6 +410,10 @@ class _MarginalTransfer(BaseEstimator):
         self.disagreement_threshold_ = None
         if "fallback" in record:
             self.fallback_ = self._fallback(strategy, variants["standard"], Y, record["fallback"])
+            if "fallback_blend" in record:
+                self.fallback_.blend_ = self._fallback(
+                    strategy, variants["standard"], Y, record["fallback_blend"]
+                )
             self.disagreement_threshold_ = self.range_factor * record["disagreement_bound"]
         return self
 
@@ -449,6 +453,7 @@ class _MarginalTransfer(BaseEstimator):
         fallback.disagreement_threshold_ = None
         fallback._fit_on(strategy, tasks, Y, "standard", best)
         fallback.fallback_ = None
+        fallback.blend_ = None
         return fallback
 
     # ----------------------------------------------------------------- pieces
@@ -651,14 +656,15 @@ class _MarginalTransfer(BaseEstimator):
         """The invariant fallback's configuration, into ``record["fallback"]`` if kept.
 
         The fallback answers new tasks out of the training tasks' range: most likely
-        another batch, where no fold of the training tasks can say which capacity
-        carries over. It is the low-capacity model, the pooled linear one on
-        standardised tasks (its ``λ`` chosen on the primary's folds), unless batches are
-        named: then leave-one-batch-out folds, the case it is for, choose between it
-        and the model's own kernel (its point bandwidth and shares of pooling, at the
-        middle task bandwidths), and it is kept only where it beats the primary model
-        there. Either way it must get at most half of what a constant prediction gets
-        wrong: where standardising erases what the target depends on (a level, a
+        another batch. Two models of standardised tasks are candidates: the pooled
+        linear one (low capacity) and the model's own kernel (its point bandwidth and
+        shares of pooling, at the middle task bandwidths). Without batches no fold can
+        say which capacity carries over to a batch none of them contains: the fallback
+        averages both (``blend_``), each chosen on the primary's folds. With batches
+        named, leave-one-batch-out folds, the case it is for, choose one, and the
+        fallback is kept only where it beats the primary model there. Either way it
+        must get at most half of what a constant prediction gets wrong (a blend: each
+        member): where standardising erases what the target depends on (a level, a
         size), there is no fallback.
         """
         standard = evaluators["standard"]
@@ -668,24 +674,33 @@ class _MarginalTransfer(BaseEstimator):
             data = self._training_data(standard.setup.data.tasks, Y, self.loss_, "linear")
             setup = replace(standard.setup, data=data, folds=folds)
             linear = FoldEvaluator(setup, standard.strategy)
-            options.append(("linear", linear, LINEAR_FALLBACK_GRID))
-        if batch_folds is not None or not options:
-            # The point bandwidth and the shares of pooling, at the middle task bandwidths.
-            small = {**grid, "gamma": [grid["gamma"][len(grid["gamma"]) // 2]]}
-            small["emb"] = [grid["emb"][len(grid["emb"]) // 2]]
-            own = standard.on_folds(batch_folds) if batch_folds is not None else standard
-            options.append((self.point_kernel_, own, small))
+            options.append(("pooled linear", linear, LINEAR_FALLBACK_GRID))
+        # The point bandwidth and the shares of pooling, at the middle task bandwidths.
+        small = {**grid, "gamma": [grid["gamma"][len(grid["gamma"]) // 2]]}
+        small["emb"] = [grid["emb"][len(grid["emb"]) // 2]]
+        own = standard.on_folds(batch_folds) if batch_folds is not None else standard
+        options.append(("own kernel", own, small))
         found = []
-        for kernel, ev, option_grid in options:
+        for name, ev, option_grid in options:
             result = coordinate_search(ev, option_grid)
             error = min(min(e["cv_error"]) for e in result["evaluated"])
-            found.append((error, kernel, ev, result["best"]))
-        # The simplest first among equals.
-        error, kernel, fallback_ev, best = min(found, key=lambda f: f[0])
+            kernel = "linear" if name == "pooled linear" else self.point_kernel_
+            found.append((error, name, ev, {**result["best"], "point_kernel": kernel}))
+        record["fallback_options"] = {name: e for e, name, _, _ in found}
+        if batch_folds is None and len(found) > 1:
+            # Nothing here can say which capacity carries over to a batch no fold
+            # contains: both, their scores averaged. Under the squared loss the ridge
+            # fits, the average's error on any task is at most the mean of theirs.
+            error = max(f[0] for f in found)
+            members = [(f[2], f[3]) for f in found]
+            best, record["fallback_blend"] = found[0][3], found[1][3]
+        else:
+            # The simplest first among equals.
+            error, _, ev, best = min(found, key=lambda f: f[0])
+            members = [(ev, best)]
         constant = self._constant_error(Y, evaluators[chosen].setup.data.tasks)
         record["fallback_cv"] = "leave-tasks-out" if batch_folds is None else "leave-one-batch-out"
         record["fallback_cv_error"] = error
-        record["fallback_options"] = {k: e for e, k, _, _ in found}
         record["constant_error"] = constant
         keep = error <= 0.5 * constant
         if batch_folds is not None:
@@ -696,14 +711,17 @@ class _MarginalTransfer(BaseEstimator):
             )
             record["primary_batch_cv_error"] = primary
             keep = keep and error < primary
-        if keep:
-            record["fallback"] = {**best, "point_kernel": kernel}
+        if not keep:
+            record.pop("fallback_blend", None)
+        else:
+            record["fallback"] = best
             # Where both models are as accurate as their folds say, they disagree on a
             # task by at most the sum of their errors there (triangle inequality of the
             # 0-1 disagreement, or of the root mean square): the most either got wrong
             # on a fold bounds what a task like the training ones may show.
             record["primary_fold_errors"] = evaluators[chosen].per_fold(self.selection_["best"])
-            record["fallback_fold_errors"] = fallback_ev.per_fold(best)
+            # A blend counts as the worse of its two members, fold by fold.
+            record["fallback_fold_errors"] = np.max([ev.per_fold(b) for ev, b in members], axis=0)
             worst = [
                 float(record["primary_fold_errors"].max()),
                 float(record["fallback_fold_errors"].max()),
@@ -851,6 +869,11 @@ class _MarginalTransfer(BaseEstimator):
         for i in range(len(reports)):
             if reports[i].fallback:
                 scores[i] = fallback_scores[i]
+        blend = getattr(self, "blend_", None)
+        if blend is not None:
+            # A blended fallback: its scores and its partner's, averaged.
+            partner, _ = blend._scores_per_task(raw)
+            scores = [(a + b) / 2.0 for a, b in zip(scores, partner, strict=True)]
         return scores, reports
 
     def _disagreement(self, a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
@@ -1035,9 +1058,10 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         folds show it helps by more than their noise;
         :func:`~._transfer_cv.choose_normalisation`), and, unless that is
         ``"standard"``, an invariant fallback fitted on standardised tasks
-        (``fallback_``): the pooled linear model, the low capacity that carries over
-        best to a batch no fold contains, or, with batches named, whichever of it and
-        the model's own kernel the leave-one-batch-out folds prefer. It is kept only
+        (``fallback_``): the pooled linear model and the model's own kernel, their
+        scores averaged (no fold can say which capacity carries over to a batch none
+        of them contains), or, with batches named, whichever of the two the
+        leave-one-batch-out folds prefer. It is kept only
         when the folds find it useful (at most half the error of a constant
         prediction and, with batches named, less error than the primary model's on
         leave-one-batch-out folds), and answers every new task out of the training
@@ -1058,7 +1082,8 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         The normalisation chosen (``quantile_reference_`` its reference quantiles).
     fallback_ : MarginalTransferClassifier or None
         The invariant fallback for tasks out of range (``normalise="auto"`` when the
-        choice was not ``"standard"``).
+        choice was not ``"standard"``); its ``blend_``, when set, is the second model
+        whose scores it averages with its own.
     disagreement_threshold_ : float or None
         With a fallback: ``range_factor`` times the sum of the two models' worst
         per-fold CV errors (root mean square for regressors). Two models that err
