@@ -479,3 +479,37 @@ def test_runtime_answers_say_which_tasks_the_fallback_answered(tmp_path):
         result.labels[: tasks.sizes[4]], model.fallback_.predict(np.asarray(tasks[4]))
     )
     np.testing.assert_array_equal(result.labels[tasks.sizes[4] :], model.predict(tasks[[0]]))
+
+
+def test_a_regressor_fallback_answers_new_batches_and_measures_disagreement_in_rms():
+    """The same mechanism for values: a population's index to predict per cell. Within
+    one batch the raw cells serve; the new batch is the fallback's (a blend, its
+    predictions its own), and the in-range disagreement is the root mean square
+    difference of the two models' values."""
+    import copy
+
+    from bagserve.core import MarginalTransferRegressor
+
+    tasks, y, batches = make_batched_cytometry_tasks(2, 4, 300, random_state=[0, 1], strength=2)
+    per = [y[tasks.offsets[t] : tasks.offsets[t + 1]].astype(float) for t in range(len(tasks))]
+    train = np.flatnonzero(batches == 0)
+    model = MarginalTransferRegressor(n_components=32, random_state=0)
+    model.fit(tasks[train], np.concatenate([per[t] for t in train]))
+    assert model.normalise_ == "none" and model.fallback_.blend_ is not None
+    new = np.flatnonzero(batches == 1)
+    far = model.predict_tasks(tasks[new])
+    assert all(p.report.fallback for p in far)
+    np.testing.assert_array_equal(
+        np.concatenate([p.predictions for p in far]), model.fallback_.predict(tasks[new])
+    )
+    truth = np.concatenate([per[t] for t in new])
+    alone = copy.copy(model)
+    alone.fallback_ = None
+    rmse = np.sqrt(np.mean((model.predict(tasks[new]) - truth) ** 2))
+    rmse_alone = np.sqrt(np.mean((alone.predict(tasks[new]) - truth) ** 2))
+    assert rmse < 0.5 * rmse_alone, (rmse, rmse_alone)
+    for t, p in zip(train, model.predict_tasks(tasks[train]), strict=True):
+        a = alone.predict(tasks[[t]])
+        b = model.fallback_.predict(tasks[[t]])
+        assert p.report.disagreement == pytest.approx(np.sqrt(np.mean((a - b) ** 2)), rel=1e-9)
+        assert not p.report.fallback

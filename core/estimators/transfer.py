@@ -443,7 +443,7 @@ class _MarginalTransfer(BaseEstimator):
         fallback = clone(self).set_params(normalise="standard", point_kernel=kernel)
         for name in (
             "n_features_in_", "n_tasks_", "loss_", "seed_", "task_kernel_",
-            "point_frequencies_", "joint_frequencies_", "classes_",
+            "point_frequencies_", "joint_frequencies_", "classes_", "y_ndim_",
         ):  # fmt: skip
             if hasattr(self, name):
                 setattr(fallback, name, getattr(self, name))
