@@ -72,12 +72,12 @@ def evaluate(
         # in training, the model chooses by leave-one-batch-out cross-validation.
         model.fit(train_bags, np.concatenate(train_y), groups=batches)
         fit = time.perf_counter() - t0
-        pred = np.split(model.predict(test_bags), np.cumsum([len(t) for t in test_x])[:-1])
-        per = [scores(t, p) for t, p in zip(test_y, pred, strict=True)]
+        answers = model.predict_tasks(test_bags)
+        per = [scores(t, a.predictions) for t, a in zip(test_y, answers, strict=True)]
         out[name] = {k: float(np.mean([s[k] for s in per])) for k in per[0]}
         out[name]["fit_seconds"] = fit
         if name == "MTL":
-            answered = sum(r.fallback for r in model.task_report(test_bags))
+            answered = sum(a.report.fallback for a in answers)
             fb = model.fallback_
             out[name]["chosen"] = f"{model.normalise_}, tau {model.tau_}" + (
                 f"; fallback ({fb.point_kernel_}"

@@ -146,15 +146,16 @@ def gvhd(quick: bool, seed: int, baselines_only: bool = False) -> list[dict[str,
             t1 = time.perf_counter()
             model.fit(tasks[train], y_train)
             fit_seconds = time.perf_counter() - t1
-            pred = model.predict(tasks[i])
+            (answer,) = model.predict_tasks(tasks[i])
+            pred = answer.predictions
             res[name] = {
                 "accuracy": float(np.mean(pred == y_test)),
                 "macro_f1": float(f1_score(y_test, pred, average="macro")),
-                "out_of_range": model.task_report(tasks[i])[0].out_of_range,
+                "out_of_range": answer.report.out_of_range,
                 "fit_seconds": fit_seconds,
                 "normalise": model.normalise_,
                 "tau": model.tau_,
-                "fallback": model.task_report(tasks[i])[0].fallback,
+                "fallback": answer.report.fallback,
             }
         cells = " | ".join(f"{res[m]['accuracy']:12.4f} / {res[m]['macro_f1']:.4f}" for m in shown)
         print(f"{k:>6} | {cells} | {time.perf_counter() - t0:.0f} s", flush=True)

@@ -9,8 +9,7 @@ A configuration (see ``examples/``) has these tables; paths are relative to the 
                      one label per cell; batches (CSV: file_column + batch_column,
                      default "batch"; per-cell models are then cross-validated
                      leave-one-batch-out and choose their fallback for new batches
-                     that way); n_jobs
-                     (parallel reading)
+                     that way); n_jobs (parallel reading)
     [panel]          markers (names, in model order), aliases (name -> other names)
     [preprocessing]  compensation ("none" | "file" | a spillover CSV), transform
                      ("none" | "arcsinh" | "log" | "logicle" | "hyperlog"), cofactor,

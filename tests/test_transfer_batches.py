@@ -117,6 +117,13 @@ def test_named_batches_select_by_leave_one_batch_out():
     assert one.selection_["cv"] == "leave-tasks-out" and len(one.selection_["folds"]) == 3
     with pytest.raises(BagValidationError, match="one batch per task"):
         MarginalTransferClassifier(random_state=0).fit(tasks, y, groups=batches[:3])
+    # Checked even when nothing is searched.
+    fixed = MarginalTransferClassifier(
+        n_components=16, tau=0.0, alpha=1e-3, point_bandwidth=1.0, task_gamma=1.0,
+        normalise="none", random_state=0,
+    )  # fmt: skip
+    with pytest.raises(BagValidationError, match="one batch per task"):
+        fixed.fit(tasks, y, groups=batches[:3])
 
 
 # ----------------------------------------------------------------- normalisation

@@ -62,33 +62,46 @@ def task_coordinates(
 
 
 def task_statistics(
-    maps: FeatureMaps, tasks: Bags, Y: NDArray[np.float64], sigma: float
+    maps: FeatureMaps,
+    tasks: Bags,
+    Y: NDArray[np.float64],
+    sigma: float,
+    which: NDArray[np.int64] | None = None,
+    into: TaskStatistics | None = None,
 ) -> TaskStatistics:
     """Per-task ``A_i = Σ_j z zᵀ / n_i`` and ``b_i = Σ_j z yᵀ / n_i`` in one pass over points.
 
+    Only the tasks ``which`` (default: all) are computed, into ``into`` when given
+    (the rows it has are kept): the folds of a search fill in the tasks they train on.
     The features themselves are kept when there are few points in all, for the dual
     solver (each task then fits in one chunk).
     """
-    D = maps.point_features(tasks.points[:1], sigma).shape[1]
     N, k = len(tasks), Y.shape[1]
-    A = np.zeros((N, D, D))
-    B = np.zeros((N, D, k))
     keep = tasks.n_points <= min(_DUAL_MAX_POINTS, _CHUNK_POINTS)
-    Zs: list[NDArray[np.float64]] = []
-    Ys: list[NDArray[np.float64]] = []
-    for t in range(N):
+    if into is None:
+        D = maps.point_features(tasks.points[:1], sigma).shape[1]
+        into = TaskStatistics(
+            np.zeros((N, D, D)),
+            np.zeros((N, D, k)),
+            [None] * N if keep else None,
+            [None] * N if keep else None,
+            np.zeros(N, dtype=bool),
+        )
+    for t in range(N) if which is None else which:
+        if into.done[t]:
+            continue
         lo, hi = int(tasks.offsets[t]), int(tasks.offsets[t + 1])
         for c0 in range(lo, hi, _CHUNK_POINTS):
             c1 = min(hi, c0 + _CHUNK_POINTS)
             Z = maps.point_features(tasks.points[c0:c1], sigma)
-            A[t] += Z.T @ Z
-            B[t] += Z.T @ Y[c0:c1]
+            into.A[t] += Z.T @ Z
+            into.B[t] += Z.T @ Y[c0:c1]
             if keep:
-                Zs.append(Z)
-                Ys.append(Y[c0:c1])
-        A[t] /= hi - lo
-        B[t] /= hi - lo
-    return TaskStatistics(A, B, Zs, Ys) if keep else TaskStatistics(A, B)
+                into.Z[t], into.Y[t] = Z, Y[c0:c1]
+        into.A[t] /= hi - lo
+        into.B[t] /= hi - lo
+        into.done[t] = True
+    return into
 
 
 class NystroemFeatureStrategy(RandomFeatureStrategy):
@@ -100,11 +113,13 @@ class NystroemFeatureStrategy(RandomFeatureStrategy):
         self, fold: ValidationFold, alphas: NDArray[np.float64], cache: dict[Hashable, Any]
     ) -> NDArray[np.float64]:
         data, params = fold.data, fold.params
-        # Statistics of all training tasks at one bandwidth serve every fold: a fold only
-        # picks its tasks' rows.
+        # Statistics per bandwidth, filled in for the tasks each fold trains on: every
+        # configuration at that bandwidth reuses them, and so does every fold that shares
+        # it (a fixed σ; a relative one scales each fold's own median).
         key = ("statistics", params.sigma)
-        if key not in cache:
-            cache[key] = task_statistics(data.maps, data.tasks, data.Y, params.sigma)
+        cache[key] = task_statistics(
+            data.maps, data.tasks, data.Y, params.sigma, fold.train, cache.get(key)
+        )
         basis = None if params.tau == 1.0 else nystroem_basis(fold.kp_train)
         S = task_coordinates(fold.kp_train, basis, params.tau)
         Sv = task_coordinates(fold.kp_val, basis, params.tau)

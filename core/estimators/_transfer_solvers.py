@@ -271,12 +271,15 @@ class TaskStatistics:
     Z, Y : list of ndarray, or None
         The per-point features and targets themselves, kept when the tasks hold few
         points (``<= _DUAL_MAX_POINTS``) so that the dual solver can use them.
+    done : ndarray of bool, shape (N,), or None
+        Which tasks' rows are computed (``None``: all of them).
     """
 
     A: NDArray[np.float64]
     B: NDArray[np.float64]
-    Z: list[NDArray[np.float64]] | None = None
-    Y: list[NDArray[np.float64]] | None = None
+    Z: list[NDArray[np.float64] | None] | None = None
+    Y: list[NDArray[np.float64] | None] | None = None
+    done: NDArray[np.bool_] | None = None
 
 
 def task_ridge_path(

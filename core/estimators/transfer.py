@@ -303,18 +303,14 @@ class _MarginalTransfer(BaseEstimator):
             )
         return (self.normalise,)
 
-    def _folds(self, n_tasks: int, groups: ArrayLike | None) -> tuple[list[Any], list[Any] | None]:
+    def _folds(
+        self, n_tasks: int, groups: NDArray[Any] | None
+    ) -> tuple[list[Any], list[Any] | None]:
         """Leave-tasks-out folds, and leave-one-batch-out folds when ``groups`` names
         two batches or more (else ``None``)."""
         by_task = leave_tasks_out_folds(n_tasks, self.cv, self.cv_repeats, self.seed_)
-        if groups is not None:
-            g = np.asarray(groups)
-            if g.shape != (n_tasks,):
-                raise BagValidationError(
-                    [f"groups must give one batch per task: {n_tasks} task(s), got {g.shape}"]
-                )
-            if np.unique(g).size > 1:
-                return by_task, leave_one_group_out_folds(g)
+        if groups is not None and np.unique(groups).size > 1:
+            return by_task, leave_one_group_out_folds(groups)
         return by_task, None
 
     def _labels(self, y: ArrayLike, tasks: Bags) -> NDArray[np.float64]:
@@ -367,6 +363,12 @@ class _MarginalTransfer(BaseEstimator):
         raw, _ = _as_tasks(X)
         Y = self._labels(y, raw)
         N = len(raw)
+        if groups is not None:
+            groups = np.asarray(groups)
+            if groups.shape != (N,):
+                raise BagValidationError(
+                    [f"groups must give one batch per task: {N} task(s), got {groups.shape}"]
+                )
         if _single_point_problems(raw):
             raise BagValidationError(_single_point_problems(raw))
         too_large = strategy.size_problems(raw.n_points, self.max_exact_points)
@@ -583,7 +585,7 @@ class _MarginalTransfer(BaseEstimator):
         Y: NDArray[np.float64],
         grid: dict[str, list[Any]],
         alphas: NDArray[np.float64],
-        groups: ArrayLike | None,
+        groups: NDArray[Any] | None,
     ) -> tuple[str, dict[str, Any]]:
         """Cross-validation: the normalisation (:func:`~._transfer_cv.choose_normalisation`)
         when there is a choice, then the kernel (:func:`~._transfer_cv.coordinate_search`)
