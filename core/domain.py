@@ -71,6 +71,10 @@ class DomainReport:
         How differently the model and its fallback answered the bag (share of cells
         labelled differently, or root mean square difference); NaN where not
         measured (no fallback, or the bag was already out of range), the default.
+    relabelled : ndarray of shape (n_bags,)
+        Share of the bag's cells whose label a refinement by the bag's own cells
+        changed (marginal transfer, ``refine_ == "mixture"``); NaN where none ran,
+        the default.
     """
 
     score: NDArray[np.float64]
@@ -80,6 +84,7 @@ class DomainReport:
     distance: NDArray[np.float64]
     fallback: NDArray[np.bool_] | None = None
     disagreement: NDArray[np.float64] | None = None
+    relabelled: NDArray[np.float64] | None = None
 
     def __post_init__(self) -> None:
         # Frozen: the defaults are set once, as arrays like the others.
@@ -87,11 +92,18 @@ class DomainReport:
             object.__setattr__(self, "fallback", np.zeros(np.shape(self.out_of_range), bool))
         if self.disagreement is None:
             object.__setattr__(self, "disagreement", np.full(np.shape(self.out_of_range), np.nan))
+        if self.relabelled is None:
+            object.__setattr__(self, "relabelled", np.full(np.shape(self.out_of_range), np.nan))
 
     def disagreement_of(self, i: int) -> float | None:
         """Bag ``i``'s disagreement, ``None`` where it was not measured."""
         d = float(self.disagreement[i])
         return None if np.isnan(d) else d
+
+    def relabelled_of(self, i: int) -> float | None:
+        """Bag ``i``'s share of relabelled cells, ``None`` where no refinement ran."""
+        r = float(self.relabelled[i])
+        return None if np.isnan(r) else r
 
     def nearest_of(self, i: int) -> list[int]:
         """The nearest training bags of bag ``i``, padding dropped."""

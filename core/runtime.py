@@ -359,13 +359,14 @@ class ArtifactInfo:
 
     def domain_of(self, domain: DomainReport, i: int) -> dict[str, Any]:
         """Bag ``i``'s domain report as JSON: ``score``, ``out_of_range``, ``nearest``,
-        ``fallback``, ``disagreement``."""
+        ``fallback``, ``disagreement``, ``relabelled``."""
         return {
             "score": float(domain.score[i]),
             "out_of_range": bool(domain.out_of_range[i]),
             "nearest": self.nearest_names(domain, i),
             "fallback": bool(domain.fallback[i]),
             "disagreement": domain.disagreement_of(i),
+            "relabelled": domain.relabelled_of(i),
         }
 
     @property

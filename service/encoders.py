@@ -138,6 +138,8 @@ def _bag(result: Prediction, i: int, bag_id: str, cells: bool = True) -> dict[st
             # Answered by the invariant fallback (per-sample standardised), out of range.
             "fallback": bool(domain.fallback[i]),
             "disagreement": domain.disagreement_of(i),
+            # Labels changed by the mixture fitted to this bag's own cells.
+            "relabelled": domain.relabelled_of(i),
         }
         return cell
     if isinstance(result, ClassificationPrediction):

@@ -64,6 +64,13 @@ _DOMAIN: dict[str, Any] = {
             "is out of range and the fallback answers. Null without a fallback, or when "
             "the bag was out of range already",
         },
+        "relabelled": {
+            "type": ["number", "null"],
+            "description": "the share of the bag's cells whose label changed when the "
+            "model refined its answer by a mixture fitted to the bag's own cells (one "
+            "Gaussian per population, started at the model's labels; only where the "
+            "model's validation showed it helps). Null where no refinement ran",
+        },
     },
 }
 _POPULATION_ROW: dict[str, Any] = {

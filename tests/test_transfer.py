@@ -27,7 +27,7 @@ from sklearn.linear_model import Ridge
 # The paper's model (eq. 8): Gaussian k_X and no normalisation, which these tests
 # check against their oracles; the defaults (linear part, normalisation chosen by
 # CV) have their own tests below.
-PAPER = {"point_kernel": "gaussian", "normalise": "none"}
+PAPER = {"point_kernel": "gaussian", "normalise": "none", "refine": "none"}
 # Every hyperparameter fixed, the embedding's bandwidth included: no search.
 FIXED = {
     **PAPER,
@@ -538,9 +538,11 @@ def test_dual_and_primal_task_ridge_agree(rng, monkeypatch, dual_eigen_min_lambd
 
 
 @pytest.mark.parametrize("solver", ["random_features", "exact"])
-def test_scores_do_not_depend_on_batch_or_cell_order_bit_for_bit(ellipses, solver):
+@pytest.mark.parametrize("refine", ["none", "mixture"])
+def test_scores_do_not_depend_on_batch_or_cell_order_bit_for_bit(ellipses, solver, refine):
     tasks, y = ellipses
     params = {**FIXED, "loss": "squared"} if solver == "exact" else FIXED
+    params = {**params, "refine": refine}
     model = MarginalTransferClassifier(solver=solver, random_state=0, **params).fit(tasks, y)
     new = make_ellipse_tasks(3, 200, random_state=8)[0]
     alone = model.decision_function(new[[1]])

@@ -36,9 +36,11 @@ __all__ = [
     "FoldEvaluator",
     "SearchSetup",
     "choose_normalisation",
+    "choose_refinement",
     "coordinate_search",
     "mean_squared_error",
     "misclassification_rate",
+    "one_standard_error_choice",
 ]
 
 #: A hyperparameter value still to be resolved on the tasks at hand:
@@ -86,6 +88,9 @@ class SearchSetup:
         Points per held-out task it is scored on.
     seed : int
         Seed of the held-out points' subsample.
+    transform : callable or None
+        ``(points, scores) -> scores`` applied to every held-out task's scores before
+        its error (:meth:`FoldEvaluator.transformed`).
     """
 
     data: TrainingData
@@ -99,6 +104,9 @@ class SearchSetup:
     error: Callable[[NDArray[np.float64], NDArray[np.float64]], float]
     cv_points: int
     seed: int
+    transform: Callable[[NDArray[np.float64], NDArray[np.float64]], NDArray[np.float64]] | None = (
+        None
+    )
 
 
 class FoldEvaluator:
@@ -161,6 +169,18 @@ class FoldEvaluator:
         other._strategy_cache = self._strategy_cache
         return other
 
+    def transformed(self, transform: Any, alpha: float) -> FoldEvaluator:
+        """The same folds with every held-out task's scores passed through
+        ``transform`` before its error, at the one ``λ`` ``alpha``; sharing every cache
+        (embeddings, bandwidths, held-out points, the strategy's statistics)."""
+        setup = replace(self.setup, alphas=np.array([alpha]), transform=transform)
+        other = FoldEvaluator(setup, self.strategy)
+        other._embeddings = self._embeddings
+        other._medians = self._medians
+        other._held_out = self._held_out
+        other._strategy_cache = self._strategy_cache
+        return other
+
     @staticmethod
     def key(cand: dict[str, Any]) -> tuple[Any, ...]:
         """The configuration's identity; a pooled model ignores the task coordinates."""
@@ -201,6 +221,7 @@ class FoldEvaluator:
                 embeddings=embeddings,
                 held_out=[self._held_out_points(int(v)) for v in val],
                 error=setup.error,
+                transform=setup.transform,
             )
             errors[f] = self.strategy.fold_errors(fold, setup.alphas, self._strategy_cache)
         return errors
@@ -295,6 +316,58 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     }
 
 
+def one_standard_error_choice(per_fold: dict[str, NDArray[np.float64]]) -> str:
+    """The first option (simplest first) whose mean fold error exceeds the least one by
+    at most one standard error of their paired per-fold difference (Hastie,
+    Tibshirani and Friedman, *Elements of Statistical Learning*, §7.10)."""
+    best = min(per_fold, key=lambda n: per_fold[n].mean())
+    for name, errs in per_fold.items():
+        diff = errs - per_fold[best]
+        se = float(diff.std(ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else 0.0
+        if diff.mean() <= se:
+            return name
+    return best  # pragma: no cover - the best option itself always qualifies
+
+
+def choose_refinement(
+    members: list[tuple[FoldEvaluator, dict[str, Any]]],
+    transform: Callable[[NDArray[np.float64], NDArray[np.float64]], NDArray[np.float64]],
+    name: str,
+    first: bool = False,
+) -> dict[str, Any]:
+    """Whether a post-processing of each task's answer (``transform``, called ``name``)
+    is applied, by the one-standard-error rule: without it first (it must help by more
+    than the folds' noise) or, with ``first``, with it first (it stays unless it hurts
+    by more than that).
+
+    Each member (an evaluator and its chosen configuration) is scored with and without
+    ``transform`` on its own folds, at its chosen ``λ``; a model of several members
+    (a blend) counts, fold by fold, as its worst member, as its disagreement bound does.
+
+    Returns
+    -------
+    dict
+        ``cv_error`` and ``fold_errors`` of ``"none"`` and ``name``, and ``chosen``.
+    """
+    per_fold: dict[str, NDArray[np.float64]] = {
+        "none": np.max([ev.per_fold(best) for ev, best in members], axis=0),
+    }
+    with_it = []
+    for ev, best in members:
+        other = ev.transformed(transform, best["alpha"])
+        other.score(best)
+        with_it.append(other.fold_errors[FoldEvaluator.key(best)][:, 0])
+    per_fold[name] = np.max(with_it, axis=0)
+    if first:
+        per_fold = {name: per_fold[name], "none": per_fold["none"]}
+    return {
+        "rule": f"one standard error, {'with' if first else 'without'} it first",
+        "cv_error": {n: float(e.mean()) for n, e in per_fold.items()},
+        "fold_errors": dict(per_fold),
+        "chosen": one_standard_error_choice(per_fold),
+    }
+
+
 def choose_normalisation(
     evaluators: dict[str, FoldEvaluator], cand: dict[str, Any]
 ) -> tuple[str, dict[str, Any]]:
@@ -328,14 +401,7 @@ def choose_normalisation(
         per_fold[name] = ev.fold_errors[FoldEvaluator.key(cand)][:, int(np.argmin(mean))]
         bar.update(1)
     bar.close()
-    best = min(per_fold, key=lambda n: per_fold[n].mean())
-    chosen = best
-    for name, errs in per_fold.items():
-        diff = errs - per_fold[best]
-        se = float(diff.std(ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else 0.0
-        if diff.mean() <= se:
-            chosen = name
-            break
+    chosen = one_standard_error_choice(per_fold)
     return chosen, {
         "rule": "one standard error, simplest first",
         "order": list(evaluators),

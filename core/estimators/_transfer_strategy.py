@@ -191,6 +191,9 @@ class ValidationFold:
         targets; its embedding comes from all its points.
     error : callable
         Validation error of scores against targets (per task; tasks count equally).
+    transform : callable or None
+        ``(points, scores) -> scores`` applied to each held-out task's scores before
+        the error: the estimator's post-processing of a task's answer (a refinement).
     """
 
     data: TrainingData
@@ -202,10 +205,16 @@ class ValidationFold:
     embeddings: tuple[Embedding, Embedding] | None
     held_out: list[tuple[NDArray[np.float64], NDArray[np.float64]]]
     error: Callable[[NDArray[np.float64], NDArray[np.float64]], float]
+    transform: Callable[[NDArray[np.float64], NDArray[np.float64]], NDArray[np.float64]] | None = (
+        None
+    )
 
 
 def held_out_error(fold: ValidationFold, scores: list[NDArray[np.float64]]) -> float:
-    """Mean over the held-out tasks of each task's validation error."""
+    """Mean over the held-out tasks of each task's validation error (of its scores
+    after ``fold.transform``, when set)."""
+    if fold.transform is not None:
+        scores = [fold.transform(x, s) for s, (x, _) in zip(scores, fold.held_out, strict=True)]
     return np.mean(
         [fold.error(s, y) for s, (_, y) in zip(scores, fold.held_out, strict=True)]
     ).item()

@@ -66,6 +66,7 @@ from ._transfer_cv import (
     FoldEvaluator,
     SearchSetup,
     choose_normalisation,
+    choose_refinement,
     coordinate_search,
     mean_squared_error,
     misclassification_rate,
@@ -73,6 +74,7 @@ from ._transfer_cv import (
 from ._transfer_exact import ExactKernelStrategy
 from ._transfer_nystroem import NystroemFeatureStrategy
 from ._transfer_paper_rff import PaperRFFStrategy
+from ._transfer_refine import refine_scores
 from ._transfer_strategy import (
     POINT_KERNELS,
     FeatureMaps,
@@ -115,6 +117,8 @@ LINEAR_FALLBACK_GRID: dict[str, list[Any]] = {
 #: Per-task normalisations, simplest first: ``normalise="auto"`` applies one only where
 #: the folds show it helps (:func:`~._transfer_cv.choose_normalisation`).
 NORMALISATIONS = ("none", "standard", "quantile")
+#: Refinements of a new task's labels, simplest first (:mod:`._transfer_refine`).
+REFINEMENTS = ("none", "mixture")
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,10 @@ class TaskReport:
         share of its points they label differently (classifiers), or the root mean
         square difference of their values (regressors). ``None`` without a fallback,
         or where only the fallback was asked (the task was already out of range).
+    relabelled : float or None
+        Share of the task's points whose label the per-task mixture changed (the
+        model that answered refines, ``refine_ == "mixture"``); ``None`` where no
+        refinement ran.
     """
 
     nearest_tasks: NDArray[np.int64]
@@ -152,6 +160,7 @@ class TaskReport:
     out_of_range: bool
     fallback: bool = False
     disagreement: float | None = None
+    relabelled: float | None = None
 
 
 @dataclass
@@ -229,6 +238,7 @@ class _MarginalTransfer(BaseEstimator):
         range_factor: float = 1.5,
         max_exact_points: int = 4000,
         normalise: Literal["auto", "standard", "quantile", "none"] = "auto",
+        refine: Literal["auto", "mixture", "none"] = "auto",
         random_state: Any = None,
     ):
         self.solver = solver
@@ -251,6 +261,7 @@ class _MarginalTransfer(BaseEstimator):
         self.range_factor = range_factor
         self.max_exact_points = max_exact_points
         self.normalise = normalise
+        self.refine = refine
         self.random_state = random_state
 
     # ================================================================= validation
@@ -302,6 +313,17 @@ class _MarginalTransfer(BaseEstimator):
                 f"normalise must be 'auto' or one of {NORMALISATIONS}, got {self.normalise!r}"
             )
         return (self.normalise,)
+
+    def _refinements(self) -> tuple[str, ...]:
+        """The refinements the fit considers (``"auto"``: none or the per-task mixture,
+        by the folds; regressors have none)."""
+        if self.refine not in (*REFINEMENTS, "auto"):
+            raise ValueError(f"refine must be 'auto', 'mixture' or 'none', got {self.refine!r}")
+        if not self._is_classifier:
+            if self.refine == "mixture":
+                raise ValueError("refine='mixture' labels a task's points: classifiers only")
+            return ("none",)
+        return REFINEMENTS if self.refine == "auto" else (self.refine,)
 
     def _folds(
         self, n_tasks: int, groups: NDArray[Any] | None
@@ -360,6 +382,7 @@ class _MarginalTransfer(BaseEstimator):
         strategy = self._strategy()
         loss = self._loss(strategy)
         choices = self._normalisations()
+        refinements = self._refinements()
         raw, _ = _as_tasks(X)
         Y = self._labels(y, raw)
         N = len(raw)
@@ -396,7 +419,7 @@ class _MarginalTransfer(BaseEstimator):
 
         grid, alphas = self._grid(strategy)
         sizes = [len(v) for v in grid.values()]
-        if len(choices) > 1 or max(sizes) > 1 or alphas.size > 1:
+        if len(choices) > 1 or len(refinements) > 1 or max(sizes) > 1 or alphas.size > 1:
             # The search is thousands of small products: BLAS threads only add
             # synchronisation (and spin badly when the cores are busy).
             with threadpool_limits(1):
@@ -407,11 +430,13 @@ class _MarginalTransfer(BaseEstimator):
             best["alpha"] = float(alphas[0])
             self.selection_ = {"evaluated": [], "folds": [], "best": best}
         self._fit_on(strategy, variants[chosen], Y, chosen, best)
+        self.refine_ = (self.selection_.get("refine") or {}).get("chosen", refinements[0])
         self.fallback_ = None
         record = self.selection_.get("normalisation") or {}
         self.disagreement_threshold_ = None
         if "fallback" in record:
             self.fallback_ = self._fallback(strategy, variants["standard"], Y, record["fallback"])
+            self.fallback_.refine_ = record["fallback_refine"]["chosen"]
             if "fallback_blend" in record:
                 self.fallback_.blend_ = self._fallback(
                     strategy, variants["standard"], Y, record["fallback_blend"]
@@ -456,6 +481,8 @@ class _MarginalTransfer(BaseEstimator):
         fallback._fit_on(strategy, tasks, Y, "standard", best)
         fallback.fallback_ = None
         fallback.blend_ = None
+        # A blend's members are averaged first; whatever refines, refines the average.
+        fallback.refine_ = "none"
         return fallback
 
     # ----------------------------------------------------------------- pieces
@@ -635,16 +662,45 @@ class _MarginalTransfer(BaseEstimator):
         # (leave-tasks-out); a model that answers every task, new batches included, is
         # chosen leave-one-batch-out when batches are named.
         with_fallback = self.normalise == "auto" and chosen != "standard"
+        searched = evaluators[chosen]
         if batch_folds is None or with_fallback:
-            self.selection_ = coordinate_search(evaluators[chosen], grid)
+            self.selection_ = coordinate_search(searched, grid)
             self.selection_["cv"] = "leave-tasks-out"
         else:
-            self.selection_ = coordinate_search(evaluators[chosen].on_folds(batch_folds), grid)
+            searched = searched.on_folds(batch_folds)
+            self.selection_ = coordinate_search(searched, grid)
             self.selection_["cv"] = "leave-one-batch-out"
+        if "mixture" in self._refinements():
+            self.selection_["refine"] = self._choose_refinement(
+                [(searched, self.selection_["best"])]
+            )
         if with_fallback:
             self._choose_fallback(evaluators, chosen, grid, Y, batch_folds, record)
         self.selection_["normalisation"] = record
         return chosen, self.selection_["best"]
+
+    def _choose_refinement(
+        self, members: list[tuple[FoldEvaluator, dict[str, Any]]], for_fallback: bool = False
+    ) -> dict:
+        """Whether the model of ``members`` refines its answers by the per-task mixture
+        (:func:`~._transfer_refine.refine_scores`), by its folds (``refine="auto"``;
+        otherwise as fixed, the fold errors recorded alike).
+
+        The primary model answers tasks like the training ones, as its folds are: it
+        refines only where they show the refinement helps by more than their noise.
+        The fallback answers tasks unlike every training task, where a model's labels
+        deserve least trust and the task's own populations say most; folds of tasks
+        like the training ones cannot show that gain (the fallback may err on none of
+        them), only harm (populations no Gaussian describes hurt on any batch): it
+        refines unless they show the refinement hurts by more than their noise.
+        """
+        seed = self.seed_
+        record = choose_refinement(
+            members, lambda x, s: refine_scores(x, s, seed)[0], "mixture", first=for_fallback
+        )
+        if self.refine != "auto":
+            record["chosen"] = self.refine
+        return record
 
     def _choose_fallback(
         self,
@@ -720,10 +776,25 @@ class _MarginalTransfer(BaseEstimator):
             # Where both models are as accurate as their folds say, they disagree on a
             # task by at most the sum of their errors there (triangle inequality of the
             # 0-1 disagreement, or of the root mean square): the most either got wrong
-            # on a fold bounds what a task like the training ones may show.
-            record["primary_fold_errors"] = evaluators[chosen].per_fold(self.selection_["best"])
-            # A blend counts as the worse of its two members, fold by fold.
-            record["fallback_fold_errors"] = np.max([ev.per_fold(b) for ev, b in members], axis=0)
+            # on a fold bounds what a task like the training ones may show. Each model
+            # as it answers: refined, where it refines.
+            refine = self.selection_.get("refine")
+            if refine is None:
+                refine = {
+                    "chosen": "none",
+                    "fold_errors": {"none": evaluators[chosen].per_fold(self.selection_["best"])},
+                }
+            record["primary_fold_errors"] = refine["fold_errors"][refine["chosen"]]
+            if "mixture" in self._refinements():
+                # A blend counts as the worse of its two members, fold by fold.
+                record["fallback_refine"] = self._choose_refinement(members, for_fallback=True)
+            else:
+                none = np.max([ev.per_fold(b) for ev, b in members], axis=0)
+                record["fallback_refine"] = {"chosen": "none", "fold_errors": {"none": none}}
+            fallback_refine = record["fallback_refine"]
+            record["fallback_fold_errors"] = fallback_refine["fold_errors"][
+                fallback_refine["chosen"]
+            ]
             worst = [
                 float(record["primary_fold_errors"].max()),
                 float(record["fallback_fold_errors"].max()),
@@ -830,7 +901,8 @@ class _MarginalTransfer(BaseEstimator):
         With an invariant fallback (``fallback_``), it answers the tasks out of range,
         and every other task is asked of both models: where they disagree by more than
         ``disagreement_threshold_``, the task is out of range too and the fallback
-        answers. Each report says so."""
+        answers. Each model refines its own answers where its folds chose that
+        (``refine_``). Each report says so."""
         check_is_fitted(self, "tau_")
         if raw.sizes.min() < 1:  # pragma: no cover - Bags never holds empty bags
             raise BagValidationError(["empty task"])
@@ -842,10 +914,10 @@ class _MarginalTransfer(BaseEstimator):
         threshold = getattr(self, "disagreement_threshold_", None)
         check = getattr(self, "fallback_", None) is not None and threshold is not None
         asked = list(range(len(reports))) if check else far
-        fallback_scores: dict[int, NDArray[np.float64]] = {}
+        fallback_answers: dict[int, tuple[NDArray[np.float64], TaskReport]] = {}
         if asked:
-            answered, _ = self.fallback_._scores_per_task(raw[np.array(asked)])
-            fallback_scores = dict(zip(asked, answered, strict=True))
+            answered, their = self.fallback_._scores_per_task(raw[np.array(asked)])
+            fallback_answers = dict(zip(asked, zip(answered, their, strict=True), strict=True))
         scores: list[NDArray[np.float64]] = [np.empty((0, 0))] * len(reports)
         if near:
             if far:
@@ -857,10 +929,24 @@ class _MarginalTransfer(BaseEstimator):
             answered = strategy.task_scores(
                 self._fitted_state(strategy), self._new_tasks(tasks, emb, sq_new)
             )
-            for i, sc in zip(near, answered, strict=True):
+            blend = getattr(self, "blend_", None)
+            if blend is not None:
+                # A blended fallback: its scores and its partner's, averaged.
+                partner, _ = blend._scores_per_task(raw[np.array(near)])
+                answered = [(a + b) / 2.0 for a, b in zip(answered, partner, strict=True)]
+            relabelled: list[float | None] = [None] * len(near)
+            if getattr(self, "refine_", "none") == "mixture":
+                refined = [
+                    refine_scores(np.asarray(tasks[t]), sc, self.seed_)
+                    for t, sc in enumerate(answered)
+                ]
+                answered = [sc for sc, _ in refined]
+                relabelled = [share for _, share in refined]
+            for i, sc, share in zip(near, answered, relabelled, strict=True):
                 scores[i] = sc
+                reports[i] = replace(reports[i], relabelled=share)
                 if check:
-                    d = self._disagreement(sc, fallback_scores[i])
+                    d = self._disagreement(sc, fallback_answers[i][0])
                     unlike = d > threshold
                     reports[i] = replace(
                         reports[i],
@@ -870,12 +956,8 @@ class _MarginalTransfer(BaseEstimator):
                     )
         for i in range(len(reports)):
             if reports[i].fallback:
-                scores[i] = fallback_scores[i]
-        blend = getattr(self, "blend_", None)
-        if blend is not None:
-            # A blended fallback: its scores and its partner's, averaged.
-            partner, _ = blend._scores_per_task(raw)
-            scores = [(a + b) / 2.0 for a, b in zip(scores, partner, strict=True)]
+                scores[i], theirs = fallback_answers[i]
+                reports[i] = replace(reports[i], relabelled=theirs.relabelled)
         return scores, reports
 
     def _disagreement(self, a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
@@ -915,6 +997,9 @@ class _MarginalTransfer(BaseEstimator):
             disagreement=np.array(
                 [np.nan if r.disagreement is None else r.disagreement for r in reports]
             ),
+            relabelled=np.array(
+                [np.nan if r.relabelled is None else r.relabelled for r in reports]
+            ),
         )
 
     def domain_check(self, X: Any) -> DomainReport:
@@ -925,10 +1010,15 @@ class _MarginalTransfer(BaseEstimator):
         """Similarity of each new task to the training tasks, and the out-of-range flag.
 
         With a fallback the flag also depends on how the two models answer the task
-        (:class:`TaskReport`), so the tasks are scored as :meth:`predict` scores them.
+        (:class:`TaskReport`), and with a refinement the report says how much it
+        relabelled, so the tasks are scored as :meth:`predict` scores them.
         """
         check_is_fitted(self, "tau_")
-        if getattr(self, "disagreement_threshold_", None) is not None:
+        fallback = getattr(self, "fallback_", None)
+        refines = getattr(self, "refine_", "none") == "mixture" or (
+            fallback is not None and getattr(fallback, "refine_", "none") == "mixture"
+        )
+        if getattr(self, "disagreement_threshold_", None) is not None or refines:
             return self._scores_per_task(_as_tasks(X)[0])[1]
         return self._reports(self._task_similarities(self._tasks(X))[1])
 
@@ -1073,6 +1163,20 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         likely and undoing it the safer bet.
         With every other hyperparameter fixed, ``"auto"`` still cross-validates: fix
         ``normalise`` too for a fit without any search.
+    refine : {"auto", "mixture", "none"}, default="auto"
+        Classifiers: ``"mixture"`` refines each new task's labels by a Gaussian
+        mixture fitted to the task's own points, one component per class started at
+        the points the model gives it (:func:`~._transfer_refine.refine_scores`;
+        classes with fewer than ``d + 1`` points keep the model's labels). Where a
+        batch effect moved the populations, the task's own cells show where they
+        lie; where populations are not Gaussian, it can hurt. ``"auto"``: by each
+        model's folds, with the one-standard-error rule: the primary model refines
+        only where its folds show it helps by more than their noise
+        (``selection_["refine"]``); the fallback, which answers tasks unlike the
+        training ones, refines unless its folds show it hurts by more than their
+        noise (``selection_["normalisation"]["fallback_refine"]``). Regressors:
+        ``"auto"`` or ``"none"``, both none. :attr:`TaskReport.relabelled` reports the
+        share of labels it changed.
     random_state : int, Generator or None
 
     Attributes
@@ -1086,6 +1190,9 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         The invariant fallback for tasks out of range (``normalise="auto"`` when the
         choice was not ``"standard"``); its ``blend_``, when set, is the second model
         whose scores it averages with its own.
+    refine_ : str
+        ``"mixture"`` or ``"none"``: whether this model refines its answers (the
+        fallback's own ``refine_`` for the tasks it answers).
     disagreement_threshold_ : float or None
         With a fallback: ``range_factor`` times the sum of the two models' worst
         per-fold CV errors (root mean square for regressors). Two models that err
