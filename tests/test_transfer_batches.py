@@ -482,6 +482,14 @@ def test_runtime_answers_say_which_tasks_the_fallback_answered(tmp_path):
     own = runtime.info.domain_of(result.domain, 1)["disagreement"]
     assert own == model.task_report(tasks[[0]])[0].disagreement
     assert 0.0 <= own <= model.disagreement_threshold_
+    # Each answer says how many labels the answering model's refinement changed: the
+    # fallback's, for the far sample; none for the training one (the primary does not
+    # refine here).
+    reports = model.task_report(tasks[[4, 0]])
+    assert model.fallback_.refine_ == "mixture" and model.refine_ == "none"
+    assert runtime.info.domain_of(result.domain, 0)["relabelled"] == reports[0].relabelled
+    assert reports[0].relabelled is not None
+    assert runtime.info.domain_of(result.domain, 1)["relabelled"] is None
     np.testing.assert_array_equal(
         result.labels[: tasks.sizes[4]], model.fallback_.predict(np.asarray(tasks[4]))
     )
