@@ -43,10 +43,11 @@ def main() -> None:
     n_new = 10_000 if args.quick else 100_000
     train, y_train = make_cytometry_tasks(16, n_cells, n_markers=8, random_state=0)
     new, y_new = make_cytometry_tasks(1, n_new, n_markers=8, random_state=1)
-    # Every hyperparameter fixed (the normalisation and the embedding bandwidth too):
-    # no search.
+    # Every hyperparameter fixed (the normalisation, the refinement and the embedding
+    # bandwidth too): no search.
     fixed = {
         "normalise": "none",
+        "refine": "none",
         "point_bandwidth": 2.0,
         "task_gamma": 1.0,
         "tau": 0.2,

@@ -23,6 +23,7 @@ from bagserve.core.bags import (
 )
 from bagserve.core.datasets import make_batched_cytometry_tasks
 from bagserve.core.errors import ConfigError
+from bagserve.core.estimators._transfer_refine import refine_scores
 from bagserve.core.selection import leave_one_group_out_folds
 from bagserve.core.training import train
 from scipy.spatial.distance import cdist
@@ -283,14 +284,22 @@ def test_without_batches_the_fallback_blends_the_pooled_linear_model_and_the_ker
     assert record["fallback_cv_error"] == max(record["fallback_options"].values())
 
     new = tasks[np.flatnonzero(batches == 1)]
+    # The blend averages the members' scores; the fallback then refines the average
+    # by each new sample's own cells (the members themselves never refine).
+    assert fb.refine_ == "mixture" and fb.blend_.refine_ == "none"
     linear = copy.copy(fb)
-    linear.blend_ = None
-    np.testing.assert_allclose(
-        fb.decision_function(new),
-        (linear.decision_function(new) + fb.blend_.decision_function(new)) / 2,
-        rtol=1e-12,
-        atol=1e-12,
-    )
+    linear.blend_, linear.refine_ = None, "none"
+    unrefined = copy.copy(fb)
+    unrefined.refine_ = "none"
+    average = (linear.decision_function(new) + fb.blend_.decision_function(new)) / 2
+    np.testing.assert_allclose(unrefined.decision_function(new), average, rtol=1e-12, atol=1e-12)
+    std_each = standardise_each_bag(new)
+    sizes = np.cumsum(new.sizes)[:-1]
+    refined = [
+        refine_scores(np.asarray(x), s, fb.seed_)[0]
+        for x, s in zip(std_each, np.split(average, sizes), strict=True)
+    ]
+    np.testing.assert_array_equal(fb.decision_function(new), np.concatenate(refined))
     std = standardise_each_bag(tasks[train])
     X = np.hstack([std.points, np.ones((std.n_points, 1))])
     codes = np.searchsorted(model.classes_, np.concatenate([per[t] for t in train]))

@@ -6,7 +6,8 @@ every ``λ``). The evaluator caches, per fold, the fold's own embedding and the 
 bandwidths' median heuristic (both from its training tasks only), and the points each
 held-out task is scored on, so candidates that share them pay once.
 :func:`coordinate_search` walks the grid; :func:`choose_normalisation` picks the per-task
-normalisation before it.
+normalisation before it, :func:`choose_refinement` whether a model post-processes each
+task's answer after it.
 
 Everything the search needs from the estimator arrives in a :class:`SearchSetup`.
 """
@@ -47,6 +48,8 @@ __all__ = [
 #: ``("absolute", v)`` or ``("relative", factor of the median heuristic)``.
 Spec = tuple[str, float]
 Folds = list[tuple[NDArray[np.int64], NDArray[np.int64]]]
+#: A post-processing of one held-out task's scores: ``(points, scores) -> scores``.
+Transform = Callable[[NDArray[np.float64], NDArray[np.float64]], NDArray[np.float64]]
 
 
 def misclassification_rate(scores: NDArray[np.float64], y: NDArray[np.float64]) -> float:
@@ -104,9 +107,7 @@ class SearchSetup:
     error: Callable[[NDArray[np.float64], NDArray[np.float64]], float]
     cv_points: int
     seed: int
-    transform: Callable[[NDArray[np.float64], NDArray[np.float64]], NDArray[np.float64]] | None = (
-        None
-    )
+    transform: Transform | None = None
 
 
 class FoldEvaluator:
@@ -169,7 +170,7 @@ class FoldEvaluator:
         other._strategy_cache = self._strategy_cache
         return other
 
-    def transformed(self, transform: Any, alpha: float) -> FoldEvaluator:
+    def transformed(self, transform: Transform, alpha: float) -> FoldEvaluator:
         """The same folds with every held-out task's scores passed through
         ``transform`` before its error, at the one ``λ`` ``alpha``; sharing every cache
         (embeddings, bandwidths, held-out points, the strategy's statistics)."""
@@ -331,7 +332,7 @@ def one_standard_error_choice(per_fold: dict[str, NDArray[np.float64]]) -> str:
 
 def choose_refinement(
     members: list[tuple[FoldEvaluator, dict[str, Any]]],
-    transform: Callable[[NDArray[np.float64], NDArray[np.float64]], NDArray[np.float64]],
+    transform: Transform,
     name: str,
     first: bool = False,
 ) -> dict[str, Any]:

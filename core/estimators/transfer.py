@@ -1162,7 +1162,7 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         data look like them; a task outside their range is where a batch effect is
         likely and undoing it the safer bet.
         With every other hyperparameter fixed, ``"auto"`` still cross-validates: fix
-        ``normalise`` too for a fit without any search.
+        ``normalise`` (and ``refine``) too for a fit without any search.
     refine : {"auto", "mixture", "none"}, default="auto"
         Classifiers: ``"mixture"`` refines each new task's labels by a Gaussian
         mixture fitted to the task's own points, one component per class started at
@@ -1176,7 +1176,8 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         training ones, refines unless its folds show it hurts by more than their
         noise (``selection_["normalisation"]["fallback_refine"]``). Regressors:
         ``"auto"`` or ``"none"``, both none. :attr:`TaskReport.relabelled` reports the
-        share of labels it changed.
+        share of labels it changed. Like ``normalise="auto"``, ``"auto"`` runs the
+        cross-validation even with every other hyperparameter fixed.
     random_state : int, Generator or None
 
     Attributes
