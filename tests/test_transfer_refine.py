@@ -120,12 +120,18 @@ def test_a_class_too_rare_to_fit_keeps_the_model_labels():
 
 
 def test_refinement_does_not_depend_on_cell_order_and_subsamples_large_tasks(monkeypatch):
+    """Large tasks: the mixture is fitted on a seeded subsample and the cells are
+    labelled in blocks; the same cells in any order give the same answer bit for bit,
+    and the blocks change nothing beyond rounding."""
     monkeypatch.setattr(_transfer_refine, "REFINE_FIT_POINTS", 150)
     rng = np.random.default_rng(2)
     x, truth, _ = clusters(rng, 3)
     scores = -np.ones((x.shape[0], 3))
     scores[np.arange(x.shape[0]), truth] = 1.0
+    whole, _ = refine_scores(x, scores, seed=5)
+    monkeypatch.setattr(_transfer_refine, "REFINE_BLOCK", 64)
     refined, share = refine_scores(x, scores, seed=5)
+    np.testing.assert_allclose(refined, whole, rtol=0, atol=1e-12)
     perm = rng.permutation(x.shape[0])
     again, share_again = refine_scores(x[perm], scores[perm], seed=5)
     np.testing.assert_array_equal(again, refined[perm])

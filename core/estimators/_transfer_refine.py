@@ -32,6 +32,8 @@ __all__ = ["REFINE_FIT_POINTS", "refine_scores"]
 REFINE_FIT_POINTS = 20_000
 #: Expectation-maximisation steps at most: the classifier's labels start it close.
 REFINE_MAX_ITER = 50
+#: Rows labelled at a time.
+REFINE_BLOCK = 65_536
 #: Stop when the mean log-likelihood per point changes by less than this.
 REFINE_TOL = 1e-3
 #: Ridge added to every covariance, relative to the task's mean marker variance.
@@ -111,7 +113,10 @@ def refine_scores(
         warnings.simplefilter("ignore", ConvergenceWarning)
         mixture.fit(x)
     posterior = np.zeros((n, n_classes))
-    posterior[order[:, None], modelled[None, :]] = mixture.predict_proba(points[order])
+    # In blocks of rows (canonical order), so memory stays bounded on large tasks.
+    for lo in range(0, n, REFINE_BLOCK):
+        rows = order[lo : lo + REFINE_BLOCK]
+        posterior[rows[:, None], modelled[None, :]] = mixture.predict_proba(points[rows])
     if scores.shape[1] == 1:
         refined = posterior[:, [1]] - posterior[:, [0]]
     else:
