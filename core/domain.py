@@ -45,6 +45,12 @@ NEAREST = 3
 DEFAULT_QUANTILE = 0.95
 
 
+def _measured(values: NDArray[np.float64], i: int) -> float | None:
+    """Entry ``i`` as a float, ``None`` where it is NaN (not measured)."""
+    v = float(values[i])
+    return None if np.isnan(v) else v
+
+
 @dataclass(frozen=True)
 class DomainReport:
     """How far each bag lies from the training data (its applicability domain).
@@ -97,13 +103,11 @@ class DomainReport:
 
     def disagreement_of(self, i: int) -> float | None:
         """Bag ``i``'s disagreement, ``None`` where it was not measured."""
-        d = float(self.disagreement[i])
-        return None if np.isnan(d) else d
+        return _measured(self.disagreement, i)
 
     def relabelled_of(self, i: int) -> float | None:
         """Bag ``i``'s share of relabelled cells, ``None`` where no refinement ran."""
-        r = float(self.relabelled[i])
-        return None if np.isnan(r) else r
+        return _measured(self.relabelled, i)
 
     def nearest_of(self, i: int) -> list[int]:
         """The nearest training bags of bag ``i``, padding dropped."""

@@ -69,7 +69,7 @@ _DOMAIN: dict[str, Any] = {
             "description": "the share of the bag's cells whose label changed when the "
             "model refined its answer by a mixture fitted to the bag's own cells (one "
             "Gaussian per population, started at the model's labels; only where the "
-            "model's validation showed it helps). Null where no refinement ran",
+            "model's validation allows it). Null where no refinement ran",
         },
     },
 }

@@ -29,6 +29,7 @@ from ._transfer_strategy import (
     KernelParameters,
     SolverStrategy,
     TrainingData,
+    Transform,
     ValidationFold,
     task_similarity,
 )
@@ -48,8 +49,6 @@ __all__ = [
 #: ``("absolute", v)`` or ``("relative", factor of the median heuristic)``.
 Spec = tuple[str, float]
 Folds = list[tuple[NDArray[np.int64], NDArray[np.int64]]]
-#: A post-processing of one held-out task's scores: ``(points, scores) -> scores``.
-Transform = Callable[[NDArray[np.float64], NDArray[np.float64]], NDArray[np.float64]]
 
 
 def misclassification_rate(scores: NDArray[np.float64], y: NDArray[np.float64]) -> float:
@@ -162,25 +161,26 @@ class FoldEvaluator:
             self._held_out[v] = (tasks.points[pick], Y[pick])
         return self._held_out[v]
 
-    def on_folds(self, folds: Folds) -> FoldEvaluator:
-        """The same tasks on other folds, sharing what does not depend on the folds: the
-        held-out points and the strategy's per-bandwidth statistics of all tasks."""
-        other = FoldEvaluator(replace(self.setup, folds=folds), self.strategy)
+    def _sharing(self, setup: SearchSetup) -> FoldEvaluator:
+        """An evaluator of ``setup`` sharing this one's caches: the held-out points and
+        the strategy's per-bandwidth statistics always, the per-fold embeddings and
+        bandwidths when the folds are the same."""
+        other = FoldEvaluator(setup, self.strategy)
         other._held_out = self._held_out
         other._strategy_cache = self._strategy_cache
+        if setup.folds is self.setup.folds:
+            other._embeddings = self._embeddings
+            other._medians = self._medians
         return other
+
+    def on_folds(self, folds: Folds) -> FoldEvaluator:
+        """The same tasks on other folds."""
+        return self._sharing(replace(self.setup, folds=folds))
 
     def transformed(self, transform: Transform, alpha: float) -> FoldEvaluator:
         """The same folds with every held-out task's scores passed through
-        ``transform`` before its error, at the one ``λ`` ``alpha``; sharing every cache
-        (embeddings, bandwidths, held-out points, the strategy's statistics)."""
-        setup = replace(self.setup, alphas=np.array([alpha]), transform=transform)
-        other = FoldEvaluator(setup, self.strategy)
-        other._embeddings = self._embeddings
-        other._medians = self._medians
-        other._held_out = self._held_out
-        other._strategy_cache = self._strategy_cache
-        return other
+        ``transform`` before its error, at the one ``λ`` ``alpha``."""
+        return self._sharing(replace(self.setup, alphas=np.array([alpha]), transform=transform))
 
     @staticmethod
     def key(cand: dict[str, Any]) -> tuple[Any, ...]:

@@ -41,6 +41,7 @@ __all__ = [
     "SolverStrategy",
     "TrainingData",
     "TrainingProblem",
+    "Transform",
     "ValidationFold",
     "held_out_error",
     "task_similarity",
@@ -49,6 +50,8 @@ __all__ = [
 #: Rows per block of the per-point products at prediction: with a fixed block, every
 #: point's score depends on that point only, whatever batch it arrives in.
 POINT_BLOCK = 256
+#: A post-processing of one task's scores from its points: ``(points, scores) -> scores``.
+Transform = Callable[[NDArray[np.float64], NDArray[np.float64]], NDArray[np.float64]]
 
 
 @dataclass(frozen=True)
@@ -205,9 +208,7 @@ class ValidationFold:
     embeddings: tuple[Embedding, Embedding] | None
     held_out: list[tuple[NDArray[np.float64], NDArray[np.float64]]]
     error: Callable[[NDArray[np.float64], NDArray[np.float64]], float]
-    transform: Callable[[NDArray[np.float64], NDArray[np.float64]], NDArray[np.float64]] | None = (
-        None
-    )
+    transform: Transform | None = None
 
 
 def held_out_error(fold: ValidationFold, scores: list[NDArray[np.float64]]) -> float:

@@ -670,10 +670,7 @@ class _MarginalTransfer(BaseEstimator):
             searched = searched.on_folds(batch_folds)
             self.selection_ = coordinate_search(searched, grid)
             self.selection_["cv"] = "leave-one-batch-out"
-        if "mixture" in self._refinements():
-            self.selection_["refine"] = self._choose_refinement(
-                [(searched, self.selection_["best"])]
-            )
+        self.selection_["refine"] = self._choose_refinement([(searched, self.selection_["best"])])
         if with_fallback:
             self._choose_fallback(evaluators, chosen, grid, Y, batch_folds, record)
         self.selection_["normalisation"] = record
@@ -684,7 +681,8 @@ class _MarginalTransfer(BaseEstimator):
     ) -> dict:
         """Whether the model of ``members`` refines its answers by the per-task mixture
         (:func:`~._transfer_refine.refine_scores`), by its folds (``refine="auto"``;
-        otherwise as fixed, the fold errors recorded alike).
+        otherwise as fixed, the fold errors recorded alike), and its fold errors as it
+        answers (a blend: its worse member, fold by fold).
 
         The primary model answers tasks like the training ones, as its folds are: it
         refines only where they show the refinement helps by more than their noise.
@@ -694,6 +692,9 @@ class _MarginalTransfer(BaseEstimator):
         them), only harm (populations no Gaussian describes hurt on any batch): it
         refines unless they show the refinement hurts by more than their noise.
         """
+        if "mixture" not in self._refinements():
+            none = np.max([ev.per_fold(best) for ev, best in members], axis=0)
+            return {"chosen": "none", "fold_errors": {"none": none}}
         seed = self.seed_
         record = choose_refinement(
             members, lambda x, s: refine_scores(x, s, seed)[0], "mixture", first=for_fallback
@@ -778,23 +779,10 @@ class _MarginalTransfer(BaseEstimator):
             # 0-1 disagreement, or of the root mean square): the most either got wrong
             # on a fold bounds what a task like the training ones may show. Each model
             # as it answers: refined, where it refines.
-            refine = self.selection_.get("refine")
-            if refine is None:
-                refine = {
-                    "chosen": "none",
-                    "fold_errors": {"none": evaluators[chosen].per_fold(self.selection_["best"])},
-                }
+            refine = self.selection_["refine"]
             record["primary_fold_errors"] = refine["fold_errors"][refine["chosen"]]
-            if "mixture" in self._refinements():
-                # A blend counts as the worse of its two members, fold by fold.
-                record["fallback_refine"] = self._choose_refinement(members, for_fallback=True)
-            else:
-                none = np.max([ev.per_fold(b) for ev, b in members], axis=0)
-                record["fallback_refine"] = {"chosen": "none", "fold_errors": {"none": none}}
-            fallback_refine = record["fallback_refine"]
-            record["fallback_fold_errors"] = fallback_refine["fold_errors"][
-                fallback_refine["chosen"]
-            ]
+            refine = record["fallback_refine"] = self._choose_refinement(members, for_fallback=True)
+            record["fallback_fold_errors"] = refine["fold_errors"][refine["chosen"]]
             worst = [
                 float(record["primary_fold_errors"].max()),
                 float(record["fallback_fold_errors"].max()),
@@ -935,7 +923,7 @@ class _MarginalTransfer(BaseEstimator):
                 partner, _ = blend._scores_per_task(raw[np.array(near)])
                 answered = [(a + b) / 2.0 for a, b in zip(answered, partner, strict=True)]
             relabelled: list[float | None] = [None] * len(near)
-            if getattr(self, "refine_", "none") == "mixture":
+            if self._refines():
                 refined = [
                     refine_scores(np.asarray(tasks[t]), sc, self.seed_)
                     for t, sc in enumerate(answered)
@@ -959,6 +947,11 @@ class _MarginalTransfer(BaseEstimator):
                 scores[i], theirs = fallback_answers[i]
                 reports[i] = replace(reports[i], relabelled=theirs.relabelled)
         return scores, reports
+
+    def _refines(self) -> bool:
+        """Whether this model refines its answers (models saved before ``refine_``
+        existed do not)."""
+        return getattr(self, "refine_", "none") == "mixture"
 
     def _disagreement(self, a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
         """Share of points labelled differently from scores ``a`` and ``b`` (classifiers),
@@ -1015,9 +1008,7 @@ class _MarginalTransfer(BaseEstimator):
         """
         check_is_fitted(self, "tau_")
         fallback = getattr(self, "fallback_", None)
-        refines = getattr(self, "refine_", "none") == "mixture" or (
-            fallback is not None and getattr(fallback, "refine_", "none") == "mixture"
-        )
+        refines = self._refines() or (fallback is not None and fallback._refines())
         if getattr(self, "disagreement_threshold_", None) is not None or refines:
             return self._scores_per_task(_as_tasks(X)[0])[1]
         return self._reports(self._task_similarities(self._tasks(X))[1])
