@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["ArtifactError", "BagValidationError", "ConfigError", "CoreError", "DataError"]
+__all__ = [
+    "ArtifactError",
+    "BagValidationError",
+    "ConfigError",
+    "CoreError",
+    "DataError",
+    "SizeLimitError",
+]
 
 # At most this many problems are listed in one error message; the count of the
 # rest is still reported.
@@ -33,6 +40,15 @@ class CoreError(Exception):
 
 class DataError(CoreError, ValueError):
     """A file could not be read as a bag of cells, or does not fit the model's panel."""
+
+
+class SizeLimitError(DataError):
+    """Reading would exceed a size limit the caller set (decoded bytes, cells, columns).
+
+    Raised before the memory is allocated, from what a header or a compressed stream
+    says; the message names the limit. A service answers it with 413 rather than 422:
+    the data may be valid, only too large for this server.
+    """
 
 
 class ArtifactError(CoreError, ValueError):

@@ -8,15 +8,22 @@ Apache Parquet (pyarrow, the ``parquet`` extra) and AnnData ``.h5ad`` (anndata, 
 content's magic.
 
 Every reading problem raises :class:`~core.errors.DataError` naming the file, and the
-row or column when there is one.
+row or column when there is one. A caller that reads untrusted bytes (the service) passes
+:class:`ReadLimits`: what a header declares (NPY shape, FCS ``$TOT``/``$PAR``, Parquet
+and AnnData shapes, the rows of a CSV) and what a gzip stream inflates to are checked
+against them before the memory is allocated, and
+:class:`~core.errors.SizeLimitError` names the limit that was hit.
 """
 
 from __future__ import annotations
 
 import csv
-import gzip
 import io
+import math
 import os
+import re
+import warnings
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +32,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import DataError
+from ..errors import DataError, SizeLimitError
 from ..hashing import bytes_sha256
 
-__all__ = ["SUPPORTED_SUFFIXES", "Sample", "read_file", "read_sample"]
+__all__ = ["SUPPORTED_SUFFIXES", "ReadLimits", "Sample", "gunzip", "read_file", "read_sample"]
 
 SUPPORTED_SUFFIXES = (
     ".fcs",
@@ -48,6 +55,117 @@ HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 #: Columns of an AnnData ``var`` table that hold a second name per marker (the
 #: instrument's channel, as FCS-to-AnnData converters keep it), first found wins.
 ANNDATA_ALT_COLUMNS = ("channel", "pnn", "marker", "antigen")
+GZIP_MAGIC = b"\x1f\x8b"
+#: A gzip stream is fed to zlib in pieces of this many bytes and inflated in pieces of
+#: ``_INFLATE_OUT`` bytes, so that neither the input nor the output is ever copied whole
+#: and a bomb is stopped within one piece of its limit.
+_INFLATE_IN = 1 << 16
+_INFLATE_OUT = 1 << 20
+#: NPY element kinds that are cells: real floats and integers. Complex values would
+#: lose their imaginary part, booleans, strings, objects and records are no measurements.
+_NPY_KINDS = "fiu"
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """What reading one sample may allocate; each bound is checked before allocating.
+
+    Attributes
+    ----------
+    max_decoded_bytes : int, optional
+        A compressed stream may inflate to at most this many bytes, and the cells may
+        take at most this many bytes as float64 (what a header or the rows of a text
+        file declare, before they are decoded).
+    max_cells : int, optional
+        Rows (cells) of the sample.
+    max_columns : int, optional
+        Columns (markers and other channels) of the sample.
+    """
+
+    max_decoded_bytes: int | None = None
+    max_cells: int | None = None
+    max_columns: int | None = None
+
+    def check_shape(self, rows: int, columns: int, source: str, declared: str = "") -> None:
+        """Refuse a sample of ``rows`` x ``columns`` cells beyond the limits.
+
+        Raises
+        ------
+        SizeLimitError
+            Naming the limit and what declared the size (``declared``: e.g. "its header").
+        """
+        by = f" ({declared})" if declared else ""
+        if self.max_columns is not None and columns > self.max_columns:
+            raise SizeLimitError(
+                f"{source}: {columns} columns{by}, more than the limit of {self.max_columns}"
+            )
+        if self.max_cells is not None and rows > self.max_cells:
+            raise SizeLimitError(
+                f"{source}: {rows} cells{by}, more than the limit of {self.max_cells} per bag"
+            )
+        size = rows * columns * 8
+        if self.max_decoded_bytes is not None and size > self.max_decoded_bytes:
+            raise SizeLimitError(
+                f"{source}: {rows} x {columns} cells{by} take {size} bytes decoded, more than "
+                f"the decoded-size limit of {self.max_decoded_bytes} bytes"
+            )
+
+
+_NO_LIMITS = ReadLimits()
+
+
+def gunzip(data: bytes | bytearray | memoryview, source: str, limit: int | None = None) -> bytes:
+    """Inflate a gzip stream (every member of it), stopping as soon as it passes ``limit``.
+
+    The stream is inflated piece by piece: a small body that inflates to gigabytes
+    (a "gzip bomb") costs at most ``limit`` bytes and the time to inflate them, never
+    the whole. A stream whose trailer already declares more than ``limit`` (the size
+    of its last member, modulo 2^32) is refused at once.
+
+    Parameters
+    ----------
+    data : bytes-like
+        The compressed bytes.
+    source : str
+        Named in errors.
+    limit : int, optional
+        Inflated bytes allowed.
+
+    Raises
+    ------
+    SizeLimitError
+        The stream inflates to more than ``limit`` bytes.
+    DataError
+        Not a gzip stream, or a broken or truncated one.
+    """
+    view = memoryview(data).cast("B")
+    too_large = (
+        f"{source}: the gzip stream inflates to more than {limit} bytes (the decoded-size limit)"
+    )
+    if limit is not None and len(view) >= 18 and int.from_bytes(view[-4:], "little") > limit:
+        raise SizeLimitError(too_large)
+    out = bytearray()
+    rest: memoryview | bytes = view
+    while True:
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        pos = 0
+        try:
+            while not inflater.eof and pos < len(rest):
+                piece: bytes | memoryview = rest[pos : pos + _INFLATE_IN]
+                pos += len(piece)
+                while piece and not inflater.eof:
+                    out += inflater.decompress(piece, _INFLATE_OUT)
+                    if limit is not None and len(out) > limit:
+                        raise SizeLimitError(too_large)
+                    piece = inflater.unconsumed_tail
+        except zlib.error as exc:
+            raise DataError(f"{source}: broken gzip stream ({exc})") from exc
+        if not inflater.eof:
+            raise DataError(f"{source}: broken gzip stream (it ends before its last block)")
+        rest = inflater.unused_data + bytes(rest[pos:])
+        # gzip(1) ignores zero bytes after the last member (tape padding); so do we.
+        if not rest.strip(b"\0"):
+            return bytes(out)
 
 
 @dataclass(frozen=True)
@@ -85,13 +203,38 @@ def _suffix(name: str) -> str:
     return Path(lower).suffix
 
 
-def _read_fcs(data: bytes, source: str) -> Sample:
+def _check_fcs_size(text: dict[str, str], source: str, limits: ReadLimits) -> None:
+    """The sizes an FCS TEXT segment declares, against the limits, before the DATA
+    segment is read: ``$TOT`` x ``$PAR`` cells, and what the DATA segment's bytes
+    become as float64 (integers of 8 bits grow eightfold)."""
+    try:
+        rows, columns = int(text["tot"]), int(text["par"])
+        start, stop = int(text.get("begindata", 0)), int(text.get("enddata", 0))
+        if text.get("datatype", "").lower() == "i":
+            bits = min(int(text[f"p{i}b"]) for i in range(1, columns + 1))
+        else:
+            bits = {"f": 32, "d": 64}.get(text.get("datatype", "").lower(), 32)
+    except (KeyError, ValueError):
+        return  # flowio names what is missing or malformed
+    limits.check_shape(rows, columns, source, "its $TOT and $PAR keywords")
+    values = max(stop - start + 1, 0) * 8 // max(bits, 1)
+    if limits.max_decoded_bytes is not None and values * 8 > limits.max_decoded_bytes:
+        raise SizeLimitError(
+            f"{source}: its DATA segment decodes to {values * 8} bytes, more than the "
+            f"decoded-size limit of {limits.max_decoded_bytes} bytes"
+        )
+
+
+def _read_fcs(data: bytes, source: str, limits: ReadLimits = _NO_LIMITS) -> Sample:
     """An FCS file's events; names from ``$PnS`` when set, ``$PnN`` kept as alternates."""
     import flowio
 
     if len(data) < 58 or not data[:3] == b"FCS":
         raise DataError(f"{source}: not an FCS file (no 'FCS' header)")
     try:
+        if limits != _NO_LIMITS:
+            head = flowio.FlowData(io.BytesIO(data), only_text=True)
+            _check_fcs_size(head.text, source, limits)
         fd = flowio.FlowData(io.BytesIO(data))
         arr = np.asarray(fd.as_array(preprocess=True), dtype=np.float64)
     except (DataError, MemoryError):
@@ -121,26 +264,32 @@ def _extra(module: str, extra: str, source: str) -> Any:
         ) from None
 
 
-def _read_parquet(data: bytes | memoryview, source: str) -> Sample:
+def _read_parquet(data: bytes | memoryview, source: str, limits: ReadLimits = _NO_LIMITS) -> Sample:
     """A Parquet table: its numeric columns are the markers.
 
     Lab exports often carry text columns beside the measurements (a sample id, a gate
     name); those are skipped, as a CSV reader cannot, and the panel then picks its
-    markers by name. A null in a numeric column is an error naming it.
+    markers by name. A null in a numeric column is an error naming it. Only the numeric
+    columns are decompressed, after the footer's row count passed the limits.
     """
     pq = _extra("pyarrow.parquet", "parquet", source)
     pa = _extra("pyarrow", "parquet", source)
     try:
-        table = pq.read_table(pa.BufferReader(data))
+        parquet = pq.ParquetFile(pa.BufferReader(data))
+        schema = parquet.schema_arrow
+        numeric = [
+            f.name for f in schema if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
+        ]
+        if not numeric:
+            raise DataError(
+                f"{source}: no numeric column among {schema.names} (markers must be numbers)"
+            )
+        limits.check_shape(parquet.metadata.num_rows, len(numeric), source, "its footer")
+        table = parquet.read(columns=numeric)
+    except DataError:
+        raise
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for broken files
         raise DataError(f"{source}: unreadable Parquet file ({type(exc).__name__}: {exc})") from exc
-    numeric = [
-        f.name for f in table.schema if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
-    ]
-    if not numeric:
-        raise DataError(
-            f"{source}: no numeric column among {table.schema.names} (markers must be numbers)"
-        )
     columns = []
     for name in numeric:
         col = table.column(name)
@@ -155,68 +304,126 @@ def _read_parquet(data: bytes | memoryview, source: str) -> Sample:
     return Sample(np.ascontiguousarray(points), numeric, list(numeric), source)
 
 
-def _read_h5ad(data: bytes | memoryview, source: str) -> Sample:
-    """An AnnData file: cells are ``obs``, markers ``var`` (names: ``var_names``)."""
-    anndata = _extra("anndata", "anndata", source)
-    try:
-        adata = anndata.read_h5ad(io.BytesIO(bytes(data)))
-    except Exception as exc:  # h5py and anndata raise many types for broken files
-        raise DataError(f"{source}: unreadable AnnData file ({type(exc).__name__}: {exc})") from exc
-    x = adata.X
+def _h5ad_shape(h5: Any, source: str) -> tuple[int, int]:
+    """The cells x markers shape of an AnnData file's ``X``, from its metadata only."""
+    x = h5.get("X")
     if x is None:
         raise DataError(f"{source}: the AnnData file has no X matrix")
+    shape = x.attrs.get("shape") if not hasattr(x, "shape") else x.shape
+    if shape is None or len(shape) != 2:
+        raise DataError(f"{source}: X must be a cells x markers matrix")
+    return int(shape[0]), int(shape[1])
+
+
+def _read_h5ad(data: bytes | memoryview, source: str, limits: ReadLimits = _NO_LIMITS) -> Sample:
+    """An AnnData file: cells are ``obs``, markers ``var`` (names: ``var_names``).
+
+    Only ``X`` and ``var`` are read (AnnData's own element reader), after ``X``'s
+    declared shape passed the limits; ``obs``, ``uns`` and layers are never decoded.
+    """
+    _extra("anndata", "anndata", source)
+    import h5py
+    from anndata.io import read_elem
+
+    try:
+        with h5py.File(io.BytesIO(bytes(data)), "r") as h5:
+            limits.check_shape(*_h5ad_shape(h5, source), source, "the shape of its X")
+            x = read_elem(h5["X"])
+            var = read_elem(h5["var"]) if "var" in h5 else None
+    except DataError:
+        raise
+    except Exception as exc:  # h5py and anndata raise many types for broken files
+        raise DataError(f"{source}: unreadable AnnData file ({type(exc).__name__}: {exc})") from exc
     if hasattr(x, "toarray"):  # scipy sparse
         x = x.toarray()
     points = np.asarray(x)
     if points.ndim != 2 or not np.issubdtype(points.dtype, np.number):
         raise DataError(f"{source}: X must be a numeric cells x markers matrix, got {points.dtype}")
-    names = [str(v) for v in adata.var_names]
+    if var is None or len(var.index) != points.shape[1]:
+        raise DataError(f"{source}: var does not name the {points.shape[1]} columns of X")
+    names = [str(v) for v in var.index]
     alt = next(
-        ([str(v) for v in adata.var[c]] for c in ANNDATA_ALT_COLUMNS if c in adata.var),
+        ([str(v) for v in var[c]] for c in ANNDATA_ALT_COLUMNS if c in var),
         names,
     )
     return Sample(np.ascontiguousarray(points, dtype=np.float64), names, alt, source)
 
 
-def _read_text(data: bytes, source: str, delimiter: str | None) -> Sample:
-    """A delimited table with a header row; the delimiter is sniffed unless given."""
+#: numpy's loadtxt errors, turned into messages naming the row (as the file counts
+#: them, header included, blank lines skipped) and the column by its name.
+_NOT_A_NUMBER = re.compile(r"could not convert string (.*) to float64 at row (\d+), column (\d+)")
+_FIELDS_CHANGED = re.compile(r"number of columns changed from (\d+) to (\d+) at row (\d+)")
+
+
+def _read_text(
+    data: bytes | bytearray | memoryview,
+    source: str,
+    delimiter: str | None,
+    limits: ReadLimits = _NO_LIMITS,
+) -> Sample:
+    """A delimited table with a header row; the delimiter is sniffed unless given.
+
+    The header is read with :mod:`csv`; the cells with numpy's C parser
+    (:func:`numpy.loadtxt`), which allocates only the float64 array. The rows the text
+    can hold (its line count) are checked against the limits first.
+    """
     try:
-        text = data.decode("utf-8-sig")
+        text = str(data, "utf-8-sig")
     except UnicodeDecodeError as exc:
         raise DataError(f"{source}: not UTF-8 text ({exc})") from exc
-    lines = text.splitlines()
-    if not lines or not lines[0].strip():
+    first, _, rest = text.partition("\n")
+    first = first.rstrip("\r")
+    if not first.strip():
         raise DataError(f"{source}: empty file (a header row with marker names is required)")
     if delimiter is None:
         try:
-            delimiter = csv.Sniffer().sniff(lines[0], delimiters=",\t;").delimiter
+            delimiter = csv.Sniffer().sniff(first, delimiters=",\t;").delimiter
         except csv.Error:
             delimiter = ","
-    reader = csv.reader(lines, delimiter=delimiter)
-    header = [h.strip() for h in next(reader)]
+    header = [h.strip() for h in next(csv.reader([first], delimiter=delimiter))]
     if any(_is_number(h) for h in header):
         raise DataError(
             f"{source}: the first row must hold marker names, found a number "
             f"({next(h for h in header if _is_number(h))!r})"
         )
-    rows = list(reader)
-    rows = [r for r in rows if any(c.strip() for c in r)]
-    for i, r in enumerate(rows):
-        if len(r) != len(header):
-            raise DataError(
-                f"{source}: row {i + 2} has {len(r)} field(s), the header has {len(header)}"
-            )
+    limits.check_shape(rest.count("\n") + 1, len(header), source, "its lines")
     try:
-        arr = np.array(rows, dtype=np.float64).reshape(len(rows), len(header))
-    except ValueError:
-        for i, r in enumerate(rows):
-            for j, c in enumerate(r):
-                if not _is_number(c):
-                    raise DataError(
-                        f"{source}: row {i + 2}, column {header[j]!r}: {c!r} is not a number"
-                    ) from None
-        raise
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "input contained no data"
+            arr = np.loadtxt(
+                io.StringIO(rest),
+                delimiter=delimiter,
+                dtype=np.float64,
+                ndmin=2,
+                comments=None,
+                quotechar='"',
+            )
+    except ValueError as exc:
+        raise DataError(_text_problem(str(exc), source, header)) from None
+    if arr.size == 0:
+        arr = np.empty((0, len(header)))
+    if arr.shape[1] != len(header):
+        raise DataError(
+            f"{source}: row 2 has {arr.shape[1]} field(s), the header has {len(header)}"
+        )
     return Sample(arr, header, list(header), source)
+
+
+def _text_problem(message: str, source: str, header: list[str]) -> str:
+    """numpy's message about a bad cell, in the file's own terms."""
+    bad = _NOT_A_NUMBER.search(message)
+    if bad is not None:
+        value, row, column = bad.group(1), int(bad.group(2)), int(bad.group(3))
+        if column > len(header):
+            return f"{source}: row {row + 2} has more than {len(header)} field(s) (the header's)"
+        return f"{source}: row {row + 2}, column {header[column - 1]!r}: {value} is not a number"
+    changed = _FIELDS_CHANGED.search(message)
+    if changed is not None:
+        first, now, row = (int(g) for g in changed.groups())
+        if first != len(header):
+            return f"{source}: row 2 has {first} field(s), the header has {len(header)}"
+        return f"{source}: row {row + 1} has {now} field(s), the header has {len(header)}"
+    return f"{source}: unreadable table ({message})"
 
 
 def _is_number(text: str) -> bool:
@@ -227,58 +434,83 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _read_npy(data: bytes | memoryview, source: str, names: Sequence[str] | None) -> Sample:
-    """A 2-D numeric NPY array; little-endian float64 C-order data is not copied.
-
-    The array then views ``data`` (read-only), which saves a copy of every upload; only
-    the header is copied out to be parsed.
-    """
-    view = memoryview(data).cast("B")
+def _npy_header(view: memoryview, source: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """Shape, Fortran order, dtype and data offset of an NPY file, from its header only."""
     try:
         prefix = bytes(view[:12])
         version = np.lib.format.read_magic(io.BytesIO(prefix))
-        read_header = {
-            (1, 0): np.lib.format.read_array_header_1_0,
-            (2, 0): np.lib.format.read_array_header_2_0,
-        }.get(version)
-        if read_header is not None:
-            # Magic and version (8 bytes), the header's length (2 or 4), the header.
-            width = 2 if version == (1, 0) else 4
-            start = 8 + width + int.from_bytes(prefix[8 : 8 + width], "little")
-            head = io.BytesIO(bytes(view[:start]))
-            np.lib.format.read_magic(head)
-            shape, fortran, dtype = read_header(head)
-        if (
-            read_header is not None
-            and dtype == np.dtype("<f8")
-            and not fortran
-            and len(view) - start == int(np.prod(shape, dtype=np.int64)) * 8
-        ):
-            arr = np.frombuffer(view, dtype=dtype, offset=start).reshape(shape)
-            # A writable upload buffer still gives a read-only array, as bytes would.
-            arr.flags.writeable = False
-        else:
-            arr = np.load(io.BytesIO(view), allow_pickle=False)
+        # Version 3.0 only allows UTF-8 in the header, which a numeric array never has.
+        read = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0
+        )
+        if version not in ((1, 0), (2, 0), (3, 0)):
+            raise ValueError(f"unknown NPY format version {version}")
+        width = 2 if version == (1, 0) else 4
+        start = 8 + width + int.from_bytes(prefix[8 : 8 + width], "little")
+        head = io.BytesIO(bytes(view[:start]))
+        np.lib.format.read_magic(head)
+        shape, fortran, dtype = read(head)
     except ValueError as exc:
         raise DataError(f"{source}: not a readable NPY array ({exc})") from exc
-    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.number):
+    return tuple(int(n) for n in shape), bool(fortran), np.dtype(dtype), start
+
+
+def _read_npy(
+    data: bytes | bytearray | memoryview,
+    source: str,
+    names: Sequence[str] | None,
+    limits: ReadLimits = _NO_LIMITS,
+) -> Sample:
+    """A 2-D real-valued NPY array, read from its header and bytes (never ``np.load``).
+
+    The header's dtype, shape and data length are checked before anything is
+    allocated: complex, boolean, text, object and structured arrays are refused naming
+    their dtype, a shape beyond the limits or unlike the data's length is refused. A
+    little-endian float64 C-order array then views ``data`` (read-only, no copy: an
+    upload in shared memory reaches the model as it is); other real dtypes are
+    converted once.
+    """
+    view = memoryview(data).cast("B")
+    shape, fortran, dtype, start = _npy_header(view, source)
+    if dtype.kind not in _NPY_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise DataError(
+            f"{source}: NPY dtype {dtype.str if dtype.fields is None else dtype.descr!r} is "
+            "not supported: cells must be real numbers (a float or integer dtype)"
+        )
+    if len(shape) != 2:
         raise DataError(
             f"{source}: NPY must hold a 2-D numeric array (cells x markers), "
-            f"got {arr.dtype} of shape {arr.shape}"
+            f"got {dtype} of shape {shape}"
         )
+    limits.check_shape(shape[0], shape[1], source, "its NPY header")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(view) - start != expected:
+        raise DataError(
+            f"{source}: not a readable NPY array (its header declares {shape} {dtype}, "
+            f"{expected} bytes of data; the file holds {len(view) - start})"
+        )
+    flat = np.frombuffer(view, dtype=dtype, count=math.prod(shape), offset=start)
+    arr = flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
+    # A writable upload buffer still gives a read-only array, as bytes would.
+    arr.flags.writeable = False
     if names is None:
         names = [str(i) for i in range(arr.shape[1])]
     if len(names) != arr.shape[1]:
         raise DataError(f"{source}: {len(names)} marker name(s) for {arr.shape[1]} column(s)")
-    return Sample(arr.astype(np.float64, copy=False), list(names), list(names), source)
+    if dtype != np.dtype("<f8") or fortran:
+        arr = np.ascontiguousarray(arr, dtype=np.float64)
+    return Sample(arr, list(names), list(names), source)
 
 
 def read_sample(
-    source: str | os.PathLike[str] | bytes | memoryview,
+    source: str | os.PathLike[str] | bytes | bytearray | memoryview,
     *,
     format: str | None = None,
     name: str | None = None,
     markers: Sequence[str] | None = None,
+    limits: ReadLimits | None = None,
 ) -> Sample:
     """Read one bag of cells from a file path or raw bytes.
 
@@ -289,21 +521,26 @@ def read_sample(
     format : {"fcs", "csv", "tsv", "npy", "parquet", "h5ad"}, optional
         Default: from the file name (``.fcs``, ``.csv[.gz]``, ``.tsv[.gz]``,
         ``.txt[.gz]``, ``.npy``, ``.parquet`` / ``.pq``, ``.h5ad``), else from the
-        content's magic bytes.
+        content's magic bytes. gzip is recognised by its magic bytes whatever the name.
     name : str, optional
         Name used in error messages (default: the path).
     markers : sequence of str, optional
         Column names for NPY input, which has none.
+    limits : ReadLimits, optional
+        Bounds for untrusted input, checked before allocating (default: none).
 
     Raises
     ------
+    SizeLimitError
+        The sample is larger than ``limits`` allow (naming the limit).
     DataError
         Unreadable, truncated or wrongly typed file, naming it (and the row/column).
     """
+    limits = limits or _NO_LIMITS
     if isinstance(source, bytes | bytearray | memoryview):
         # A memoryview (an upload in shared memory) is kept as it is for NPY, which
         # reads it without a copy; the other formats take bytes.
-        data = source if isinstance(source, memoryview) else bytes(source)
+        data = source
         label = name or "<upload>"
         suffix = f".{format}" if format else ""
     else:
@@ -314,22 +551,20 @@ def read_sample(
         except OSError as exc:
             raise DataError(f"{label}: cannot read ({exc.strerror or exc})") from exc
         suffix = f".{format}" if format else _suffix(path.name)
-    if suffix.endswith(".gz") or data[:2] == b"\x1f\x8b":
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as exc:
-            raise DataError(f"{label}: broken gzip stream ({exc})") from exc
+    if suffix.endswith(".gz") or bytes(data[:2]) == GZIP_MAGIC:
+        data = gunzip(data, label, limits.max_decoded_bytes)
         suffix = suffix.removesuffix(".gz")
-    if suffix == ".fcs" or (not suffix and data[:3] == b"FCS"):
-        sample = _read_fcs(bytes(data), label)
-    elif suffix == ".npy" or (not suffix and data[:6] == b"\x93NUMPY"):
-        sample = _read_npy(data, label, markers)
-    elif suffix in (".parquet", ".pq") or (not suffix and bytes(data[:4]) == PARQUET_MAGIC):
-        sample = _read_parquet(data, label)
-    elif suffix == ".h5ad" or (not suffix and bytes(data[:8]) == HDF5_MAGIC):
-        sample = _read_h5ad(data, label)
+    head = bytes(data[:8])
+    if suffix == ".fcs" or (not suffix and head[:3] == b"FCS"):
+        sample = _read_fcs(bytes(data), label, limits)
+    elif suffix == ".npy" or (not suffix and head[:6] == b"\x93NUMPY"):
+        sample = _read_npy(data, label, markers, limits)
+    elif suffix in (".parquet", ".pq") or (not suffix and head[:4] == PARQUET_MAGIC):
+        sample = _read_parquet(data, label, limits)
+    elif suffix == ".h5ad" or (not suffix and head == HDF5_MAGIC):
+        sample = _read_h5ad(data, label, limits)
     elif suffix in (".csv", ".tsv", ".txt", ""):
-        sample = _read_text(bytes(data), label, "\t" if suffix == ".tsv" else None)
+        sample = _read_text(data, label, "\t" if suffix == ".tsv" else None, limits)
     else:
         raise DataError(
             f"{label}: unsupported file type {suffix!r}; expected one of {SUPPORTED_SUFFIXES}"
