@@ -7,10 +7,11 @@
 # settings are BAGSERVE_* variables (service/settings.py, the package bagserve.service).
 
 FROM python:3.11-slim AS build
-# Optional input formats served by the image (Parquet, AnnData .h5ad) and PostgreSQL
-# for shared state (compose's scale profile); an empty EXTRAS builds the smaller image
-# without them (--build-arg EXTRAS=).
-ARG EXTRAS=parquet,anndata,postgres
+# Optional input formats served by the image (Parquet, AnnData .h5ad), PostgreSQL for
+# shared state (compose's scale profile) and signed model releases
+# (BAGSERVE_TRUSTED_KEYS); an empty EXTRAS builds the smaller image without them
+# (--build-arg EXTRAS=).
+ARG EXTRAS=parquet,anndata,postgres,signing
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY core ./core
