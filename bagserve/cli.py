@@ -7,7 +7,6 @@ data, configuration or model problem, 2 for a wrong command line, 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import csv
 import io
 import json
 import sys
@@ -145,8 +144,10 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     if args.format == "json":
         text = json.dumps(result, default=str)
     else:
+        from .core.io.spreadsheet import SafeWriter
+
         buf = io.StringIO()
-        writer = csv.writer(buf, lineterminator="\n")
+        writer = SafeWriter(buf, lineterminator="\n")
         if result["results"] and "predictions" in result["results"][0]:
             writer.writerow(["file", "cell", "prediction"])
             for r in result["results"]:
@@ -226,24 +227,53 @@ def _audit_source(args: argparse.Namespace):
         raise SystemExit(
             f"error: no audit database: {data_dir / 'bagserve.sqlite3'} does not exist"
         )
-    return AuditLog(Database(url, data_dir, pool_size=1))
+    return AuditLog(Database(url, data_dir, pool_size=1, timeout=settings.database_timeout))
 
 
 def _cmd_audit_verify(args: argparse.Namespace) -> int:
-    from .service.audit import verify
+    from .service.audit import read_head, verify
 
+    earlier = read_head(args.head) if args.head else None
     if args.file is not None:
-        where, result = args.file, verify(args.file)
+        where, result = args.file, verify(args.file, earlier)
     else:
         log = _audit_source(args)
         try:
-            where, result = log.db.where, log.verify()
+            where, result = log.db.where, log.verify(earlier)
         finally:
             log.db.close()
     if not result.ok:
         print(f"error: {where}: {result.problem}", file=sys.stderr)
         return 1
-    print(f"ok: {result.lines} record(s), chain intact, last hash {result.last_hash}")
+    matched = f"; holds the head of {args.head} (record {earlier[0]})" if earlier else ""
+    print(f"ok: {result.lines} record(s), chain intact, last hash {result.last_hash}{matched}")
+    return 0
+
+
+def _cmd_audit_head(args: argparse.Namespace) -> int:
+    """The chain's head, after verifying the chain: to be kept away from the database."""
+    from datetime import UTC, datetime
+
+    from .core.atomic import atomic_write_json
+
+    log = _audit_source(args)
+    try:
+        result = log.verify()
+    finally:
+        log.db.close()
+    if not result.ok:
+        print(f"error: {log.db.where}: {result.problem}; no head written", file=sys.stderr)
+        return 1
+    head = {
+        "lines": result.lines,
+        "last_hash": result.last_hash,
+        "taken": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    if args.output:
+        atomic_write_json(args.output, head)
+        print(f"{args.output}: {result.lines} record(s), last hash {result.last_hash}")
+    else:
+        print(json.dumps(head))
     return 0
 
 
@@ -257,6 +287,34 @@ def _cmd_audit_export(args: argparse.Namespace) -> int:
         print(f"error: {log.db.where}: {result.problem}; nothing written", file=sys.stderr)
         return 1
     print(f"{args.output}: {result.lines} record(s), last hash {result.last_hash}")
+    return 0
+
+
+def _cmd_sign(args: argparse.Namespace) -> int:
+    import os
+
+    from .core.signing import sign_model
+
+    password = None
+    if args.password_env:
+        password = os.environ.get(args.password_env)
+        if password is None:
+            raise ValueError(f"the environment variable {args.password_env} is not set")
+    signature, fingerprint = sign_model(args.model, args.key, password=password)
+    print(f"{signature}: signed with the key of sha256 {fingerprint}")
+    return 0
+
+
+def _cmd_verify_signature(args: argparse.Namespace) -> int:
+    from .core.signing import SignatureError, load_trusted_keys, verify_model
+
+    keys = load_trusted_keys([e for value in args.trusted_keys for e in value.split(",") if e])
+    try:
+        signer = verify_model(args.model, keys)
+    except SignatureError as exc:
+        print(f"error: {args.model}: {exc}", file=sys.stderr)
+        return 1
+    print(f"ok: {args.model} signed by {signer.name} (key sha256 {signer.key_sha256})")
     return 0
 
 
@@ -390,19 +448,53 @@ def _parser() -> argparse.ArgumentParser:
         "verify", help="check the hash chain: exit 1 on an edited, reordered or deleted record"
     )
     av.add_argument("file", nargs="?", help="an exported trail; default: the service's database")
+    av.add_argument(
+        "--head",
+        metavar="HEAD_FILE",
+        help="a head taken earlier (`bagserve audit head`) and kept elsewhere: the chain must "
+        "still hold it (catches records cut from the end with the head row edited to match)",
+    )
     av.set_defaults(func=_cmd_audit_verify)
+    ah = asub.add_parser(
+        "head", help="the chain's head (count, last hash) after verifying it, to keep elsewhere"
+    )
+    ah.add_argument("--output", help="write it here (JSON) instead of printing it")
+    ah.set_defaults(func=_cmd_audit_head)
     ae = asub.add_parser(
         "export", help="write the chain as JSON lines (+ FILE.head) after verifying it"
     )
     ae.add_argument("output")
     ae.set_defaults(func=_cmd_audit_export)
-    for audit_parser in (av, ae):
+    for audit_parser in (av, ae, ah):
         audit_parser.add_argument(
             "--database", help="postgresql://... ; default: BAGSERVE_DATABASE_URL, else SQLite"
         )
         audit_parser.add_argument(
             "--data-dir", help="where the SQLite database is; default: BAGSERVE_DATA_DIR"
         )
+
+    sg = sub.add_parser(
+        "sign",
+        help="sign a model version for release (OpenSSF model-signing, elliptic-curve key)",
+    )
+    sg.add_argument("model", help="the model version's directory (MODELS_DIR/<name>/<version>)")
+    sg.add_argument("--key", required=True, help="the private key, PEM (kept offline)")
+    sg.add_argument(
+        "--password-env", metavar="VAR", help="the environment variable holding its password"
+    )
+    sg.set_defaults(func=_cmd_sign)
+    vs = sub.add_parser(
+        "verify-signature", help="check a model version's signature against trusted keys"
+    )
+    vs.add_argument("model")
+    vs.add_argument(
+        "--trusted-keys",
+        action="append",
+        required=True,
+        help="PATH or NAME=PATH of a PEM public key, or a directory of them (repeatable, "
+        "or comma-separated as BAGSERVE_TRUSTED_KEYS)",
+    )
+    vs.set_defaults(func=_cmd_verify_signature)
 
     o = sub.add_parser("openapi", help="print (or write) the service's OpenAPI document")
     o.add_argument("--output", help="e.g. openapi/openapi.json")

@@ -1,7 +1,8 @@
 """bagserve service: a FastAPI app that serves saved models to lab pipelines.
 
-One uvicorn process does I/O, parsing and validation; a fixed pool of worker
-processes (:mod:`bagserve.service.pool`) holds the models and does the math.
+One uvicorn process does the I/O; a fixed pool of worker processes
+(:mod:`bagserve.service.pool`) holds the models, decodes and validates request bodies
+(:mod:`.codecs`, :mod:`.tensors`, :mod:`.validation`) and does the math.
 
 ``create_app`` and ``Settings`` are imported on first use, so that the parts a lab
 pipeline or an auditor needs alone (:mod:`.client`, :mod:`.audit`) do not load the web

@@ -14,7 +14,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from bagserve.core.signing import load_trusted_keys
+from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.datastructures import Headers, MutableHeaders, QueryParams
 from starlette.responses import Response
@@ -41,6 +42,7 @@ from .repository import Repository
 from .routes import health, jobs, repository, ui, v1, v2
 from .security import ApiKeys
 from .settings import Settings
+from .uploads import Intake
 
 __all__ = ["create_app"]
 
@@ -138,18 +140,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     auth = ApiKeys(settings.api_keys)
     app_metrics = Metrics()
+    # A key file that cannot be read stops the start-up here, naming it.
+    trusted = load_trusted_keys(settings.trusted_keys) if settings.trusted_keys else []
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        registry = Registry(settings.models_dir)
+        registry = Registry(settings.models_dir, trusted)
         for key, reason in registry.failures.items():
             log.error("model not loaded", extra={"model": key, "reason": reason})
         pool = WorkerPool(
-            {e.key: e.info.path for e in registry.all()}, settings.workers, settings.queue_size
+            {e.key: e.info.path for e in registry.all()},
+            settings.workers,
+            settings.queue_size,
+            settings.request_limits().to_json(),
         )
         data = Path(settings.data_dir)
         db = await asyncio.to_thread(
-            Database, settings.database_url, data, pool_size=settings.database_pool
+            Database,
+            settings.database_url,
+            data,
+            pool_size=settings.database_pool,
+            timeout=settings.database_timeout,
         )
         imported = await asyncio.to_thread(import_files, db, data, settings.audit_log)
         audit = AuditLog(db)
@@ -174,6 +185,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             jobs=store,
             repository=Repository(registry, pool),
             stats=stats,
+            intake=Intake(settings, pool),
         )
         await pool.start()
         store.start(JobRunner(store, registry, predictor), concurrency=settings.workers)
@@ -245,9 +257,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.add_middleware(RequestContext, log_probes=settings.log_probes)
 
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)
-    async def metrics(svc: ServicesDep) -> Response:
-        """Request counts, stage timings, queue and worker gauges (Prometheus text)."""
+    @app.get(
+        "/metrics",
+        tags=["health"],
+        summary="Prometheus metrics",
+        response_class=Response,
+        responses={401: {"description": "BAGSERVE_METRICS_AUTH is on: an API key is needed"}},
+    )
+    async def metrics(request: Request, svc: ServicesDep) -> Response:
+        """Request counts, stage timings, queue and worker gauges (Prometheus text).
+        Open by default, like the probes; with ``BAGSERVE_METRICS_AUTH=true`` a scrape
+        needs an API key of any role (Prometheus: ``authorization`` in its scrape
+        configuration)."""
+        if settings.metrics_auth:
+            svc.auth.check(request)
         body = svc.metrics.render(svc.pool.status(), len(svc.registry.failures))
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 

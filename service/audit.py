@@ -10,14 +10,22 @@ The trail lives in the service's database (:mod:`.database`), one chain for ever
 replica: appending reads and moves the chain's head (record count and last hash) in
 the same transaction, under the head row's lock, so replicas never fork it. Editing,
 reordering or deleting any record, the last one included, is found by
-:meth:`AuditLog.verify` (``bagserve audit verify --database URL``). ``bagserve audit
+:meth:`AuditLog.verify` (``bagserve audit verify --database URL``). The key id column
+that each API key's listing selects on is checked against the key id inside the hashed
+record, so moving a record to another key is an edit like any other. ``bagserve audit
 export FILE`` writes the chain as JSON lines with a ``FILE.head`` sidecar (count, last
 hash) that :func:`verify` checks the same way, away from the database.
+
+Someone who can write the database can also cut records off its end and move the head
+row back to match. A head taken earlier and kept elsewhere (``bagserve audit head``,
+copied to another system) catches that: ``bagserve audit verify --head FILE`` requires
+the chain to still hold that record with that hash.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -30,10 +38,16 @@ from bagserve.core.hashing import json_sha256
 
 from .database import GENESIS, Database
 
-__all__ = ["GENESIS", "AuditLog", "VerifyResult", "verify"]
+log = logging.getLogger("bagserve.audit")
+
+__all__ = ["GENESIS", "AuditLog", "Head", "VerifyResult", "read_head", "verify"]
 
 #: Records read per query when walking the chain.
 _PAGE = 5000
+#: The key id of a record read from a file, which has no column to compare with.
+_NO_COLUMN = object()
+#: A chain's head: the number of records and the hash of the last.
+Head = tuple[int, str]
 
 
 def _digest(record: dict[str, Any]) -> str:
@@ -90,18 +104,31 @@ class AuditLog:
         return record
 
     def recent(self, limit: int, key_id: str | None = None) -> list[dict[str, Any]]:
-        """The last ``limit`` records, newest first (of API key ``key_id`` only, if given)."""
+        """The last ``limit`` records, newest first (of API key ``key_id`` only, if given).
+
+        The key id column selects; the key id inside the hashed record decides: a record
+        whose column was edited to another key is left out (and logged), never shown to
+        that key.
+        """
         with self.db.transaction(write=False) as cur:
             if key_id is None:
                 rows = cur.execute(
-                    "SELECT record FROM audit ORDER BY seq DESC LIMIT %s", (limit,)
+                    "SELECT seq, record FROM audit ORDER BY seq DESC LIMIT %s", (limit,)
                 ).fetchall()
             else:
                 rows = cur.execute(
-                    "SELECT record FROM audit WHERE api_key_id = %s ORDER BY seq DESC LIMIT %s",
+                    "SELECT seq, record FROM audit WHERE api_key_id = %s "
+                    "ORDER BY seq DESC LIMIT %s",
                     (key_id, limit),
                 ).fetchall()
-        return [json.loads(r[0]) for r in rows]
+        records = []
+        for seq, text in rows:
+            record = json.loads(text)
+            if key_id is not None and record.get("api_key_id") != key_id:
+                log.error("audit record's key id column was edited", extra={"record": int(seq)})
+                continue
+            records.append(record)
+        return records
 
     def count(self) -> int:
         """Records in the chain (the head's count)."""
@@ -109,48 +136,51 @@ class AuditLog:
             row = cur.execute("SELECT seq FROM audit_head WHERE id = 1").fetchone()
         return int(row[0]) if row else 0
 
-    def _pages(self) -> Iterator[tuple[int, str]]:
+    def _pages(self) -> Iterator[tuple[int, str, Any]]:
         after = 0
         while True:
             with self.db.transaction(write=False) as cur:
                 rows = cur.execute(
-                    "SELECT seq, record FROM audit WHERE seq > %s ORDER BY seq LIMIT %s",
+                    "SELECT seq, record, api_key_id FROM audit WHERE seq > %s "
+                    "ORDER BY seq LIMIT %s",
                     (after, _PAGE),
                 ).fetchall()
             if not rows:
                 return
-            for seq, text in rows:
-                yield int(seq), str(text)
+            for seq, text, key in rows:
+                yield int(seq), str(text), key
             after = int(rows[-1][0])
 
-    def _head(self) -> tuple[int, str]:
+    def head(self) -> Head:
+        """The chain's head as the database holds it: record count and last hash."""
         with self.db.transaction(write=False) as cur:
             seq, last = cur.execute("SELECT seq, last_hash FROM audit_head WHERE id = 1").fetchone()  # type: ignore[misc]
         return int(seq), str(last)
 
-    def verify(self) -> VerifyResult:
-        """Walk the chain in the database, then check it against the head."""
+    def verify(self, earlier: Head | None = None) -> VerifyResult:
+        """Walk the chain in the database, then check it against the head (and against
+        a head taken ``earlier``, which the chain must still hold)."""
         # The head first: records appended while walking lie beyond it and are not read.
-        head = self._head()
-        records = ((seq, text) for seq, text in self._pages() if seq <= head[0])
-        return _walk(records, head, "record")
+        head = self.head()
+        records = (r for r in self._pages() if r[0] <= head[0])
+        return _walk(records, head, "record", earlier)
 
     def export(self, path: str | Path) -> VerifyResult:
         """Write the chain, as far as its head when the export starts, to ``path`` as
         JSON lines and the head to ``path.head``. The lines are streamed to a temporary
         file that replaces ``path`` only once the chain verified."""
         path = Path(path)
-        head = self._head()
+        head = self.head()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "w", encoding="utf-8") as fh:
 
-                def written() -> Iterator[tuple[int, str]]:
-                    for seq, text in self._pages():
+                def written() -> Iterator[tuple[int, str, Any]]:
+                    for seq, text, key in self._pages():
                         if seq > head[0]:
                             return
                         fh.write(text + "\n")
-                        yield seq, text
+                        yield seq, text, key
 
                 checked = _walk(written(), head, "record")
                 fh.flush()
@@ -167,12 +197,16 @@ class AuditLog:
 
 
 def _walk(
-    records: Iterable[tuple[int, str]], head: tuple[int, str] | None, unit: str
+    records: Iterable[tuple[int, str, Any]],
+    head: Head | None,
+    unit: str,
+    earlier: Head | None = None,
 ) -> VerifyResult:
-    """Check a chain: numbering, links and hashes, then the head (count, last hash)."""
+    """Check a chain: numbering, links, hashes and key id columns, then the head
+    (count, last hash), then that the chain still holds a head taken ``earlier``."""
     prev = GENESIS
     n = 0
-    for seq, text in records:
+    for seq, text, column in records:
         n += 1
         if seq != n:
             return VerifyResult(
@@ -193,22 +227,59 @@ def _walk(
             return VerifyResult(
                 False, n - 1, prev, f"{unit} {n} was edited (its hash does not match)"
             )
+        if column is not _NO_COLUMN and column != record.get("api_key_id"):
+            return VerifyResult(
+                False,
+                n - 1,
+                prev,
+                f"{unit} {n} was moved to another API key (its key id column says "
+                f"{column!r}, the hashed record {record.get('api_key_id')!r})",
+            )
+        if earlier is not None and n == earlier[0] and record["hash"] != earlier[1]:
+            return VerifyResult(
+                False,
+                n,
+                record["hash"],
+                f"{unit} {n} is not the one the head taken earlier names: the history "
+                "up to it was rewritten",
+            )
         prev = record["hash"]
     if head is not None and (head[0] != n or head[1] != prev):
         problem = f"the chain ends at {unit} {n} but {head[0]} {unit}(s) were written"
         return VerifyResult(False, n, prev, problem + f" ({unit}s removed from the end)")
+    if earlier is not None and n < earlier[0]:
+        return VerifyResult(
+            False,
+            n,
+            prev,
+            f"the chain has {n} {unit}(s) but a head taken earlier counted {earlier[0]}: "
+            f"{unit}s were removed from the end",
+        )
     return VerifyResult(True, n, prev, None)
 
 
-def verify(path: str | Path) -> VerifyResult:
+def read_head(path: str | Path) -> Head:
+    """A head written by ``bagserve audit head`` or ``audit export`` (``FILE.head``).
+
+    Raises
+    ------
+    ValueError
+        The file is not such a head.
+    """
+    try:
+        spec = json.loads(Path(path).read_text())
+        return int(spec["lines"]), str(spec["last_hash"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not an audit head ({exc})") from None
+
+
+def verify(path: str | Path, earlier: Head | None = None) -> VerifyResult:
     """Check an exported (or pre-database) trail file: the first edited, inserted or
-    deleted line is named; ``FILE.head``, when present, catches lines cut from the end."""
+    deleted line is named; ``FILE.head``, when present, catches lines cut from the end,
+    and so does a head taken ``earlier`` and kept elsewhere."""
     path = Path(path)
     head_path = path.with_name(path.name + ".head")
-    head = None
-    if head_path.exists():
-        expected = json.loads(head_path.read_text())
-        head = (int(expected.get("lines", -1)), str(expected.get("last_hash")))
+    head = read_head(head_path) if head_path.exists() else None
     with open(path, encoding="utf-8") as fh:
-        lines = ((n, line) for n, line in enumerate(fh, start=1))
-        return _walk(lines, head, "line")
+        lines = ((n, line, _NO_COLUMN) for n, line in enumerate(fh, start=1))
+        return _walk(lines, head, "line", earlier)

@@ -1,6 +1,15 @@
-"""Request bodies to bags: JSON, NPY, CSV/TSV, FCS and multipart (and arrays to NPY bytes).
+"""Request bodies to bags: JSON, NPY, CSV/TSV, FCS, Parquet, AnnData and multipart.
 
-Accepted bodies (``Content-Type``):
+These decoders run in the worker processes (:mod:`.worker`), never on the server's event
+loop: a body crosses to a worker as bytes (through shared memory when large) and is
+decoded there, so that a slow or hostile body stalls one worker, not every request, and
+the memory it takes is the worker's. Every decoder is bounded by
+:class:`RequestLimits`, checked before the memory is allocated (a compressed body's
+inflated size, an NPY or FCS header's shape, the rows of a CSV, the values of a JSON
+document); a body beyond them is refused with 413, an undecodable one with 400, 415 or
+422, each naming the problem.
+
+Accepted bodies (``Content-Type``), each optionally ``Content-Encoding: gzip``:
 
 * ``application/json``: ``{"bags": [{"id", "points", "markers"?, "weights"?}]}``. Plain
   documents of this shape are parsed by simdjson straight into float64 buffers (no
@@ -15,23 +24,38 @@ Accepted bodies (``Content-Type``):
   ``application/x-hdf5`` (an AnnData ``.h5ad`` file): one bag each, with the optional
   extras ``bagserve[parquet]`` / ``bagserve[anndata]`` installed;
 * ``multipart/form-data``: several files of the above kinds, one bag each (the file
-  name is the bag id and tells the format).
+  name is the bag id and tells the format; ``.gz`` files are inflated).
 """
 
 from __future__ import annotations
 
 import io
 import threading
-from dataclasses import dataclass
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import orjson
 import simdjson
+from bagserve.core.errors import SizeLimitError
 from bagserve.core.io import DataError, read_sample
+from bagserve.core.io.readers import GZIP_MAGIC, ReadLimits, gunzip
 
 from .errors import Problem
 
-__all__ = ["IncomingBag", "decode_body", "decode_file", "media_type"]
+__all__ = [
+    "ACCEPTED",
+    "ENCODINGS",
+    "BodySpec",
+    "IncomingBag",
+    "RequestLimits",
+    "decode_body",
+    "decode_file",
+    "inflate",
+    "media_type",
+    "npy_bytes",
+]
 
 JSON = "application/json"
 NPY = "application/x-npy"
@@ -43,6 +67,8 @@ PARQUET = "application/vnd.apache.parquet"
 HDF5 = "application/x-hdf5"
 MULTIPART = "multipart/form-data"
 ACCEPTED = (JSON, NPY, CSV, TSV, FCS, PARQUET, HDF5, OCTET, MULTIPART)
+#: ``Content-Encoding`` values a body may carry (``identity`` or none: as it is).
+ENCODINGS = ("gzip", "x-gzip", "deflate")
 #: File kinds by name suffix (multipart parts) and by magic bytes (octet-stream).
 FILE_KINDS = ("fcs", "csv", "tsv", "npy", "parquet", "pq", "h5ad")
 MAGIC = (
@@ -69,9 +95,120 @@ class IncomingBag:
     spillover: str | None = None
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may hold and what decoding it may allocate.
+
+    Attributes
+    ----------
+    max_decoded_bytes : int
+        A compressed body (or each of its files, together) may inflate to at most this
+        many bytes, and its cells may take at most this many bytes as float64.
+    max_bags, max_points_per_bag, max_total_points, max_columns : int
+        The service's limits on bags, cells per bag, cells in all, and columns.
+    """
+
+    max_decoded_bytes: int
+    max_bags: int
+    max_points_per_bag: int
+    max_total_points: int
+    max_columns: int
+
+    def reading(self, decoded_budget: int | None = None) -> ReadLimits:
+        """The core readers' limits for one file, with ``decoded_budget`` bytes left."""
+        budget = self.max_decoded_bytes if decoded_budget is None else decoded_budget
+        return ReadLimits(
+            max_decoded_bytes=budget,
+            max_cells=self.max_points_per_bag,
+            max_columns=self.max_columns,
+        )
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BodySpec:
+    """How to decode a request body: what the request's headers and query said of it.
+
+    Attributes
+    ----------
+    content_type : str
+        The whole ``Content-Type`` header (a multipart body needs its boundary).
+    content_encoding : str
+        The ``Content-Encoding`` header (``gzip``, ``deflate``; empty: none).
+    markers : list of str, optional
+        Column names of an NPY body (the ``markers`` query parameter).
+    default_id : str
+        The id of a single bag that names none (the ``id`` query parameter).
+    protocol : {"v1", "v2"}
+        A native body, or an Open Inference Protocol document (:mod:`.tensors`).
+    header_length : str, optional
+        ``/v2``: the ``Inference-Header-Content-Length`` header (binary tensors).
+    """
+
+    content_type: str
+    content_encoding: str = ""
+    markers: list[str] | None = None
+    default_id: str = "bag-0"
+    protocol: str = "v1"
+    header_length: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def media_type(header: str | None) -> str:
     """The media type of a ``Content-Type`` or ``Accept`` entry, lower case, no parameters."""
     return (header or "").split(";")[0].strip().lower()
+
+
+def encoding_problem(header: str | None) -> str | None:
+    """Why a ``Content-Encoding`` cannot be decoded (None when it can)."""
+    coding = (header or "").strip().lower()
+    if coding in ("", "identity", *ENCODINGS):
+        return None
+    return f"unsupported Content-Encoding {header!r}; expected one of {list(ENCODINGS)}"
+
+
+def inflate(body: bytes | memoryview, encoding: str, limits: RequestLimits) -> bytes | memoryview:
+    """The body with its ``Content-Encoding`` undone, within the decoded-size limit (413)."""
+    coding = encoding.strip().lower()
+    if coding in ("", "identity"):
+        return body
+    try:
+        if coding in ("gzip", "x-gzip"):
+            return gunzip(body, "the body", limits.max_decoded_bytes)
+        if coding == "deflate":
+            return _inflate_zlib(body, limits.max_decoded_bytes)
+    except SizeLimitError as exc:
+        raise Problem(413, str(exc), slug="decoded-too-large") from None
+    except DataError as exc:
+        raise Problem(400, str(exc), slug="invalid-encoding") from None
+    raise Problem(415, encoding_problem(encoding) or coding, slug="unsupported-encoding")
+
+
+def _inflate_zlib(body: bytes | memoryview, limit: int) -> bytes:
+    """A ``deflate`` body (zlib-wrapped, or raw as some clients send it), bounded."""
+    view = memoryview(body).cast("B")
+    raw = len(view) < 2 or (view[0] & 0x0F) != 8 or (view[0] << 8 | view[1]) % 31 != 0
+    inflater = zlib.decompressobj(-zlib.MAX_WBITS if raw else zlib.MAX_WBITS)
+    out = bytearray()
+    try:
+        for start in range(0, len(view), 1 << 16):
+            piece: bytes | memoryview = view[start : start + (1 << 16)]
+            while piece and not inflater.eof:
+                out += inflater.decompress(piece, 1 << 20)
+                if len(out) > limit:
+                    raise SizeLimitError(
+                        f"the body inflates to more than {limit} bytes (the decoded-size limit)"
+                    )
+                piece = inflater.unconsumed_tail
+    except zlib.error as exc:
+        raise DataError(f"the body: broken deflate stream ({exc})") from exc
+    if not inflater.eof:
+        raise DataError("the body: broken deflate stream (it ends before its last block)")
+    return bytes(out)
 
 
 #: JSON bodies up to this size reuse their thread's parser (larger ones get their own).
@@ -96,6 +233,30 @@ def _parser(size: int) -> simdjson.Parser:
     if parser is None:
         parser = _local.parser = simdjson.Parser()
     return parser
+
+
+def check_json_values(body: bytes | memoryview, limits: RequestLimits) -> None:
+    """Refuse a JSON body whose numbers would take more than the decoded-size limit.
+
+    A document of one-digit numbers holds one value per two bytes, and every parser
+    spends 8 bytes or more on each: a 256 MiB body could ask for gigabytes. Each value
+    but the last of an array is followed by a comma, so commas and brackets bound the
+    count from the bytes alone (about 12 ms for 19 MB, needed only for bodies larger
+    than a quarter of the limit).
+    """
+    # A value takes two bytes at least (a digit and a separator): most bodies pass on
+    # their length alone, without a pass over their bytes.
+    if (len(body) // 2 + 1) * 8 <= limits.max_decoded_bytes:
+        return
+    raw = np.frombuffer(body, np.uint8)
+    values = int(np.count_nonzero(raw == ord(","))) + int(np.count_nonzero(raw == ord("[")))
+    if values * 8 > limits.max_decoded_bytes:
+        raise Problem(
+            413,
+            f"the JSON body holds up to {values} values, {values * 8} bytes decoded: more than "
+            f"the decoded-size limit of {limits.max_decoded_bytes} bytes",
+            slug="decoded-too-large",
+        )
 
 
 def _plain_json_bags(body: bytes | memoryview) -> list[IncomingBag] | None:
@@ -224,12 +385,18 @@ def _general_json_bags(body: bytes | memoryview) -> tuple[list[IncomingBag], lis
 
 
 def decode_file(
-    data: bytes | memoryview, name: str, kind: str | None, markers: list[str] | None
+    data: bytes | memoryview,
+    name: str,
+    kind: str | None,
+    markers: list[str] | None,
+    limits: ReadLimits | None = None,
 ) -> IncomingBag:
     """One bag from a file's bytes (``kind``: one of :data:`FILE_KINDS`, or None to
-    infer it)."""
+    infer it); 413 beyond ``limits``, 422 for an unreadable file."""
     try:
-        sample = read_sample(data, format=kind, name=name, markers=markers)
+        sample = read_sample(data, format=kind, name=name, markers=markers, limits=limits)
+    except SizeLimitError as exc:
+        raise Problem(413, str(exc), errors=[str(exc)], slug="too-large") from exc
     except DataError as exc:
         raise Problem(422, str(exc), errors=[str(exc)], slug="invalid-file") from exc
     has_names = kind != "npy" or markers is not None
@@ -244,23 +411,31 @@ def decode_file(
 
 
 def decode_body(
-    content_type: str, body: bytes | memoryview, markers: list[str] | None, name: str
+    spec: BodySpec, body: bytes | memoryview, limits: RequestLimits
 ) -> tuple[list[IncomingBag], list[str]]:
-    """Bags from a non-multipart body, and the problems already found in them."""
-    if content_type == JSON:
+    """Bags from a native (``/v1``, job) body, and the problems already found in them.
+
+    Raises
+    ------
+    Problem
+        413 beyond the limits, 400/415/422 for a body that cannot be decoded.
+    """
+    ctype = media_type(spec.content_type)
+    body = inflate(body, spec.content_encoding, limits)
+    reading = limits.reading()
+    if ctype == MULTIPART:
+        return _multipart_bags(spec, body, limits)
+    if ctype == JSON:
+        check_json_values(body, limits)
         return _json_bags(body)
-    if content_type == NPY:
-        return [decode_file(body, name, "npy", markers)], []
-    if content_type == CSV:
-        return [decode_file(body, name, "csv", None)], []
-    if content_type == TSV:
-        return [decode_file(body, name, "tsv", None)], []
-    if content_type == PARQUET:
-        return [decode_file(body, name, "parquet", None)], []
-    if content_type == HDF5:
-        return [decode_file(body, name, "h5ad", None)], []
-    if content_type in (FCS, OCTET):
+    name = spec.default_id
+    kinds = {NPY: "npy", CSV: "csv", TSV: "tsv", PARQUET: "parquet", HDF5: "h5ad"}
+    if ctype in kinds:
+        return [decode_file(body, name, kinds[ctype], spec.markers, reading)], []
+    if ctype in (FCS, OCTET):
         head = bytes(body[:8])
+        if head.startswith(GZIP_MAGIC):
+            return [decode_file(body, name, None, spec.markers, reading)], []
         kind = next((k for magic, k in MAGIC if head.startswith(magic)), None)
         if kind is None:
             raise Problem(
@@ -268,12 +443,106 @@ def decode_body(
                 "application/octet-stream bodies must be FCS, NPY, Parquet or AnnData files",
                 slug="unsupported-media-type",
             )
-        return [decode_file(body, name, kind, markers)], []
+        return [decode_file(body, name, kind, spec.markers, reading)], []
     raise Problem(
         415,
-        f"unsupported content type {content_type or '(none)'!r}; expected one of {list(ACCEPTED)}",
+        f"unsupported content type {ctype or '(none)'!r}; expected one of {list(ACCEPTED)}",
         slug="unsupported-media-type",
     )
+
+
+def _multipart_bags(
+    spec: BodySpec, body: bytes | memoryview, limits: RequestLimits
+) -> tuple[list[IncomingBag], list[str]]:
+    """One bag per file part (the file name is its id and tells its format).
+
+    The files share the decoded-size budget: what each inflates to, or decodes into,
+    is taken from what is left. At most ``max_bags`` files are decoded; the count of the
+    rest is reported with the other problems.
+    """
+    files = _multipart_files(spec.content_type, body, limits.max_bags + 1)
+    if not files:
+        raise Problem(422, "the multipart body holds no files", slug="invalid-request")
+    bags, errors = [], []
+    budget = limits.max_decoded_bytes
+    for name, data in files[: limits.max_bags]:
+        suffix = name.lower().removesuffix(".gz").rsplit(".", 1)[-1]
+        kind = suffix if suffix in FILE_KINDS else None
+        try:
+            bag = decode_file(data, name, kind, spec.markers, limits.reading(budget))
+        except Problem as exc:
+            if exc.status == 413:
+                raise
+            errors += exc.errors or [exc.detail]
+            continue
+        # The cells decoded so far stay; what a file inflates to is freed once parsed.
+        budget -= bag.points.nbytes
+        bags.append(bag)
+    if len(files) > limits.max_bags:
+        errors.append(f"more than {limits.max_bags} files, the limit of bags per request")
+    return bags, errors
+
+
+def _multipart_files(
+    content_type: str, body: bytes | memoryview, max_files: int
+) -> list[tuple[str, bytes]]:
+    """The (file name, bytes) of each file part of a multipart body, in order; at most
+    ``max_files`` are kept (form fields without a file name are skipped)."""
+    from python_multipart.exceptions import FormParserError
+    from python_multipart.multipart import MultipartParser, parse_options_header
+
+    _, params = parse_options_header(content_type)
+    boundary = params.get(b"boundary")
+    if not boundary:
+        raise Problem(400, "malformed multipart body: no boundary", slug="invalid-request")
+    files: list[tuple[str, bytes]] = []
+    part: dict[str, Any] = {}
+
+    def begin() -> None:
+        part.clear()
+        part.update(headers={}, field=b"", value=b"", chunks=[])
+
+    def header_field(data: bytes, start: int, end: int) -> None:
+        part["field"] += data[start:end]
+
+    def header_value(data: bytes, start: int, end: int) -> None:
+        part["value"] += data[start:end]
+
+    def header_end() -> None:
+        part["headers"][part["field"].lower()] = part["value"]
+        part["field"] = part["value"] = b""
+
+    def data(chunk: bytes, start: int, end: int) -> None:
+        if len(files) < max_files:
+            part["chunks"].append(chunk[start:end])
+
+    def end() -> None:
+        _, disposition = parse_options_header(part["headers"].get(b"content-disposition"))
+        if b"filename" not in disposition:
+            return  # a form field, not a file
+        index = len(files)
+        name = disposition[b"filename"].decode("utf-8", "replace") or (
+            f"{disposition.get(b'name', b'file').decode('utf-8', 'replace')}-{index}"
+        )
+        files.append((name, b"".join(part["chunks"]) if index < max_files else b""))
+
+    parser = MultipartParser(
+        boundary,
+        {
+            "on_part_begin": begin,
+            "on_header_field": header_field,
+            "on_header_value": header_value,
+            "on_header_end": header_end,
+            "on_part_data": data,
+            "on_part_end": end,
+        },
+    )
+    try:
+        parser.write(bytes(body))
+        parser.finalize()
+    except (FormParserError, ValueError) as exc:
+        raise Problem(400, f"malformed multipart body: {exc}", slug="invalid-request") from None
+    return files
 
 
 def npy_bytes(array: np.ndarray) -> bytes:

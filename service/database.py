@@ -15,11 +15,22 @@ same audit chain. Two engines behind one small interface:
 SQL is written once with ``%s`` placeholders; for SQLite they become ``?``. The schema
 is created and migrated in code (:data:`MIGRATIONS`), under a lock, by whichever replica
 starts first.
+
+A PostgreSQL server that does not answer is noticed within ``timeout`` seconds (2 by
+default, ``BAGSERVE_DATABASE_TIMEOUT``), and the request is answered 503 at once rather
+than held: a connection is waited for that long, a new one is given up after that long
+(libpq's ``connect_timeout``), a statement is cancelled by the server after that long
+(``statement_timeout``; transactions that write large bodies get more, in proportion),
+and the kernel drops a connection whose peer stopped acknowledging (``tcp_user_timeout``,
+keepalives). For SQLite the same limit would be wrong: the only way it "does not answer"
+is another writer holding the file's lock, which is legitimate (a large job body being
+written) and ends; it keeps its busy timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import sqlite3
 import sys
 import threading
@@ -140,10 +151,19 @@ class Database:
         Where the SQLite file goes when ``url`` is None.
     pool_size : int
         PostgreSQL connections at most.
+    timeout : float
+        Seconds after which a PostgreSQL server that does not answer (a connection, a
+        statement) counts as unavailable.
     """
 
-    def __init__(self, url: str | None, data_dir: Path, *, pool_size: int = 8) -> None:
+    #: Bytes per second a slow but healthy server is expected to take in a large write.
+    WRITE_RATE = 16 << 20
+
+    def __init__(
+        self, url: str | None, data_dir: Path, *, pool_size: int = 8, timeout: float = 2.0
+    ) -> None:
         self.dialect: Literal["sqlite", "postgresql"]
+        self.timeout = timeout
         if url and url.startswith(("postgresql://", "postgres://")):
             self.dialect = "postgresql"
             self._open_postgres(url, pool_size)
@@ -169,11 +189,27 @@ class Database:
                 "BAGSERVE_DATABASE_URL names PostgreSQL but psycopg is not installed: "
                 "pip install 'bagserve[postgres]'"
             ) from exc
-        # A request waits at most 10 s for a connection: past that the database is
-        # treated as unavailable (503) rather than holding the client for the pool's
-        # default 30 s.
+        ms = max(1, round(1000 * self.timeout))
+        connection = {
+            # libpq counts whole seconds and takes 2 as its least meaningful value.
+            "connect_timeout": max(2, math.ceil(self.timeout)),
+            "options": f"-c statement_timeout={ms}",
+            "keepalives": 1,
+            "keepalives_idle": max(1, math.ceil(self.timeout)),
+            "keepalives_interval": 1,
+            "keepalives_count": 2,
+            "tcp_user_timeout": ms,
+        }
+        # A request waits at most ``timeout`` for a connection: past that the database
+        # is unavailable (503) rather than holding the client.
         self._pool = ConnectionPool(
-            url, min_size=1, max_size=pool_size, open=False, name="bagserve", timeout=10.0
+            url,
+            min_size=1,
+            max_size=pool_size,
+            open=False,
+            name="bagserve",
+            timeout=self.timeout,
+            kwargs=connection,
         )
         try:
             self._pool.open(wait=True, timeout=30)
@@ -196,16 +232,26 @@ class Database:
                 self._connections.append(conn)
         return conn
 
+    def write_timeout(self, size: int) -> float:
+        """Seconds to allow a transaction that writes ``size`` bytes (a job's body, a
+        stored answer): the usual limit, plus the time a slow server takes to write them."""
+        return self.timeout + size / self.WRITE_RATE
+
     @contextlib.contextmanager
-    def transaction(self, *, write: bool = True) -> Iterator[Cursor]:
+    def transaction(self, *, write: bool = True, timeout: float | None = None) -> Iterator[Cursor]:
         """One transaction, committed when the block ends, rolled back on an error.
 
         ``write=True`` on SQLite takes the write lock at once (``BEGIN IMMEDIATE``), so
         that a read-then-write (a queue claim, the audit head) is never interleaved
         with another writer; PostgreSQL uses row locks in the statements instead.
+        ``timeout`` (PostgreSQL): the statement timeout of this transaction, when it
+        must differ from the connection's (see :meth:`write_timeout`).
         """
         if self.dialect == "postgresql":
             with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+                if timeout is not None:
+                    # SET takes no parameters; the value is a number formatted here.
+                    cur.execute(f"SET LOCAL statement_timeout = {max(1, round(1000 * timeout))}")
                 yield Cursor(cur, self.dialect)
             return
         conn = self._sqlite_connection()
@@ -221,10 +267,11 @@ class Database:
         finally:
             cur.close()
 
-    def ping(self, timeout: float = 2.0) -> None:
-        """Raise unless the database answers a query within ``timeout`` seconds."""
+    def ping(self, timeout: float | None = None) -> None:
+        """Raise unless the database answers a query within ``timeout`` seconds (the
+        database's own limit by default)."""
         if self.dialect == "postgresql":
-            with self._pool.connection(timeout=timeout) as conn:
+            with self._pool.connection(timeout=timeout or self.timeout) as conn:
                 conn.execute("SELECT 1")
             return
         with self.transaction(write=False) as cur:

@@ -9,10 +9,11 @@ thread hop per dependency per request.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request, Security
+from fastapi import Depends, Path, Request, Security
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from .audit import AuditLog
@@ -25,17 +26,23 @@ from .pool import WorkerPool
 from .prediction import Caller, Predictor
 from .registry import ModelEntry, Registry
 from .repository import Repository
-from .security import ApiKeys
+from .security import ApiKeys, Principal, Role
 from .settings import Settings
+from .uploads import Intake
 
 __all__ = [
+    "FORBIDDEN",
     "CallerDep",
     "LatestEntry",
+    "ModelName",
+    "ModelVersion",
+    "PrincipalDep",
     "Services",
     "ServicesDep",
     "VersionEntry",
     "authenticate",
     "lookup",
+    "require",
     "services",
 ]
 
@@ -61,6 +68,8 @@ class Services:
         Loads, reloads and unloads models while serving.
     stats : ModelStats
         Per-model inference counts and times (Triton's statistics).
+    intake : Intake
+        Admits requests and reads their bodies (:mod:`.uploads`).
     """
 
     settings: Settings
@@ -74,6 +83,7 @@ class Services:
     jobs: JobStore
     repository: Repository
     stats: ModelStats
+    intake: Intake
 
 
 async def services(request: Request) -> Services:
@@ -98,12 +108,32 @@ async def authenticate(
     svc: ServicesDep,
     _bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_BEARER)] = None,
     _key: Annotated[str | None, Security(_API_KEY)] = None,
-) -> str | None:
-    """Check the API key (401 without a valid one); the key's id goes to the request's
-    state, for the access log and the audit trail."""
-    key_id = svc.auth.check(request)
-    request.state.key_id = key_id
-    return key_id
+) -> Principal:
+    """Check the API key (401 without a valid one); the key's id and role go to the
+    request's state, for the access log, the audit trail and the role checks."""
+    principal = svc.auth.check(request)
+    request.state.key_id = principal.key_id
+    request.state.principal = principal
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(authenticate)]
+
+
+def require(role: Role) -> Callable[..., Awaitable[Principal]]:
+    """A dependency that lets only keys of ``role`` or above through (403 otherwise)."""
+
+    async def check(principal: PrincipalDep) -> Principal:
+        if not principal.may(role):
+            raise Problem(
+                403,
+                f"this API key's role ({principal.role}) may not do this; it needs the "
+                f"{role} role (BAGSERVE_API_KEYS entry {role}:KEY)",
+                slug="forbidden",
+            )
+        return principal
+
+    return check
 
 
 async def caller(request: Request) -> Caller:
@@ -134,12 +164,24 @@ def lookup(registry: Registry, name: str, version: str | None) -> ModelEntry:
     return entry
 
 
-async def latest_entry(svc: ServicesDep, name: str) -> ModelEntry:
+#: The path parameters naming a model and a version (the examples name a demo model,
+#: so that the OpenAPI document's examples work against ``bagserve demo``'s models).
+ModelName = Annotated[
+    str, Path(description="the model's name (its directory)", examples=["demo-dose"])
+]
+ModelVersion = Annotated[
+    str, Path(description="a version of the model, or `latest`", examples=["1"])
+]
+#: What a route that needs a role answers to a key without it.
+FORBIDDEN = {403: {"description": "the API key's role may not do this"}}
+
+
+async def latest_entry(svc: ServicesDep, name: ModelName) -> ModelEntry:
     """The latest version of the model named in the path."""
     return lookup(svc.registry, name, None)
 
 
-async def version_entry(svc: ServicesDep, name: str, version: str) -> ModelEntry:
+async def version_entry(svc: ServicesDep, name: ModelName, version: ModelVersion) -> ModelEntry:
     """The model version named in the path."""
     return lookup(svc.registry, name, version)
 

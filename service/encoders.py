@@ -7,12 +7,14 @@ each answer follows the kind of the result, never the estimator's class.
 
 from __future__ import annotations
 
-import csv
+import asyncio
 import io
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
+from bagserve.core.io.spreadsheet import SafeWriter
 from bagserve.core.runtime import (
     ArtifactInfo,
     CellPrediction,
@@ -25,11 +27,43 @@ from .codecs import JSON, NPY, media_type, npy_bytes
 from .errors import Problem
 from .fhir import FHIR_JSON, bundle
 
-__all__ = ["CSV_OUT", "FHIR_JSON", "FORMATS", "encode", "encode_document", "negotiate"]
+__all__ = [
+    "CSV_OUT",
+    "FHIR_JSON",
+    "FORMATS",
+    "encode",
+    "encode_document",
+    "encode_off_loop",
+    "negotiate",
+    "server_timing",
+]
 
 CSV_OUT = "text/csv"
 #: What predict can answer, in the order offered.
 FORMATS = (JSON, CSV_OUT, NPY, FHIR_JSON)
+#: Answers of per-cell models for more cells than this are encoded in a thread: a
+#: label per cell of 10^6 cells takes a CSV writer seconds, which the event loop must
+#: not wait for; smaller answers are encoded at once (a thread hop costs more).
+ENCODE_INLINE_CELLS = 20_000
+#: The stages of a prediction, in the order ``Server-Timing`` lists them.
+STAGES = ("read", "parse", "validate", "queue", "transfer", "compute", "encode")
+
+T = TypeVar("T")
+
+
+async def encode_off_loop(result: Prediction, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``: in a worker thread when ``result`` is a large per-cell
+    answer (the event loop keeps answering meanwhile), else at once."""
+    if isinstance(result, CellPrediction) and int(result.sizes.sum()) > ENCODE_INLINE_CELLS:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def server_timing(timings: dict[str, float]) -> str:
+    """Where the time of a prediction went, as a W3C ``Server-Timing`` header value."""
+    return ", ".join(
+        f"{stage};dur={1000 * timings[stage]:.1f}" for stage in STAGES if stage in timings
+    )
 
 
 def negotiate(accept: str | None) -> str:
@@ -208,7 +242,7 @@ def _trust_columns(result: Prediction) -> tuple[list[str], list[list[Any]]]:
 def _csv(result: Prediction, ids: list[str], cells: bool = True) -> bytes:
     buf = io.StringIO()
     trust_header, trust = _trust_columns(result)
-    w = _TrustWriter(csv.writer(buf, lineterminator="\n"), trust_header, trust)
+    w = _TrustWriter(SafeWriter(buf, lineterminator="\n"), trust_header, trust)
     if isinstance(result, CellPrediction) and not cells and result.population(0) is not None:
         # The population summary: one row per bag and class.
         w.header(["id", "class", "count", "percent", "mean_probability"])

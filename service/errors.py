@@ -6,13 +6,14 @@ an ``error`` string so clients of the Open Inference Protocol find what they exp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
+
+if TYPE_CHECKING:  # the web framework is imported where it is used: the worker
+    # processes raise and pass on problems without loading it.
+    from fastapi import FastAPI, Request
+    from starlette.responses import Response
 
 __all__ = ["PROBLEM_JSON", "Problem", "ServiceError", "install_handlers", "problem_response"]
 
@@ -92,6 +93,8 @@ def problem_response(
     the whole message in ``error``, as KServe's and Triton's clients read it; the
     problem-details fields are kept beside it.
     """
+    from starlette.responses import Response
+
     request_id = getattr(request.state, "request_id", None) if request is not None else None
     oip = request is not None and request.url.path.startswith("/v2/")
     full = detail if not errors else f"{detail}: " + "; ".join(errors)
@@ -115,6 +118,8 @@ def problem_response(
 def install_handlers(app: FastAPI) -> None:
     """Answer :class:`Problem`, request validation, HTTP and unexpected errors as
     problem details (an unexpected error's traceback goes to the log only)."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(Problem)
     async def _problem(request: Request, exc: Problem) -> Response:

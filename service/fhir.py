@@ -53,6 +53,8 @@ __all__ = ["FHIR_JSON", "bundle", "references"]
 FHIR_JSON = "application/fhir+json"
 #: Identifier systems and codes of bagserve's own (no registry assigns these).
 _SHA256 = "urn:bagserve:sha256"
+#: The sha256 of the public key that signed the model release (OpenSSF model-signing).
+_SIGNER_KEY = "urn:bagserve:signer-key-sha256"
 _REQUEST = "urn:bagserve:request-id"
 _PREDICTION = "urn:bagserve:prediction"
 _CATEGORY = "http://terminology.hl7.org/CodeSystem/observation-category"
@@ -375,11 +377,27 @@ class _Observations:
 
 
 def _device(model: Mapping[str, Any], estimator: str) -> dict[str, Any]:
-    """The model as a contained Device: name, version, sha256 of its manifest."""
-    return {
+    """The model as a contained Device: name, version, sha256 of its manifest, and who
+    signed the release (when the service requires signed models)."""
+    identifiers = [{"system": _SHA256, "value": str(model["sha256"])}]
+    signer = model.get("signer")
+    notes = []
+    if signer:
+        identifiers.append({"system": _SIGNER_KEY, "value": str(signer["key_sha256"])})
+        notes.append(
+            {
+                "authorString": str(signer["signer"]),
+                "text": (
+                    f"Release signed by {signer['signer']} (public key sha256 "
+                    f"{signer['key_sha256']}, OpenSSF model-signing); the signature was "
+                    "verified when the model was loaded."
+                ),
+            }
+        )
+    device = {
         "resourceType": "Device",
         "id": "model",
-        "identifier": [{"system": _SHA256, "value": str(model["sha256"])}],
+        "identifier": identifiers,
         "status": "active",
         "manufacturer": "bagserve",
         "deviceName": [{"name": str(model["name"]), "type": "model-name"}],
@@ -389,6 +407,9 @@ def _device(model: Mapping[str, Any], estimator: str) -> dict[str, Any]:
             {"type": {"text": "bagserve"}, "value": __version__},
         ],
     }
+    if notes:
+        device["note"] = notes
+    return device
 
 
 def _own(code: str, display: str) -> Coding:

@@ -2,7 +2,8 @@
 
 The answer to a keyed request (its status, headers and body) is stored in the service's
 database (:mod:`.database`) with a fingerprint of the request (method, path, query,
-content type, accept, body), so every replica replays it. A request with the same key
+content type and encoding, accept, body), so every replica replays it. A key belongs to
+the API key that sent it: each API key has its own keys. A request with the same key
 and fingerprint replays it (header ``Idempotent-Replayed: true``); the same key with
 another request is refused (422). Concurrent requests with one key, on one replica or
 several, wait for the first one's answer: the first claims the key (a row without an
@@ -42,18 +43,27 @@ _KEPT_HEADERS = (
 )
 
 
-def fingerprint(request: Request, body: bytes | memoryview) -> str:
+#: Bodies from this size on are hashed in a thread (hashlib releases the GIL): 256 MiB
+#: take about half a second, which the event loop must not wait for.
+_HASH_INLINE_BYTES = 1 << 20
+
+
+async def fingerprint(request: Request, body: bytes | memoryview) -> str:
     """sha256 of what makes a request the same request: method, path, query,
-    content type, accept, and the body.
+    content type and encoding, accept, and the body.
     """
     parts = (
         request.method,
         request.url.path,
         str(request.url.query),
         request.headers.get("content-type", ""),
+        request.headers.get("content-encoding", ""),
         request.headers.get("accept", ""),
     )
-    return chunks_sha256([*(f"{part}\0" for part in parts), body])
+    chunks = [*(f"{part}\0" for part in parts), body]
+    if len(body) < _HASH_INLINE_BYTES:
+        return chunks_sha256(chunks)
+    return await asyncio.to_thread(chunks_sha256, chunks)
 
 
 class IdempotencyStore:
@@ -81,6 +91,7 @@ class IdempotencyStore:
         self.lease = lease
         self.owner = owner or replica_id()
         self._locks: dict[str, asyncio.Lock] = {}
+        self._users: dict[str, int] = {}
 
     # ------------------------------------------------------------------ storage
     def _begin(self, key_hash: str, fp: str) -> tuple[str, dict[str, Any] | None]:
@@ -136,7 +147,7 @@ class IdempotencyStore:
 
     def _store(self, key_hash: str, response: Response) -> None:
         headers = {k: v for k, v in response.headers.items() if k.lower() in _KEPT_HEADERS}
-        with self.db.transaction() as cur:
+        with self.db.transaction(timeout=self.db.write_timeout(len(response.body))) as cur:
             cur.execute(
                 "UPDATE idempotency SET stored = %s, status = %s, headers = %s, body = %s, "
                 "owner = NULL, lease_until = NULL WHERE key_hash = %s AND owner = %s",
@@ -166,9 +177,20 @@ class IdempotencyStore:
             ).rowcount
 
     # ------------------------------------------------------------------ use
-    async def run(self, key: str, fp: str, produce: Callable[[], Awaitable[Response]]) -> Response:
+    async def run(
+        self,
+        key: str,
+        fp: str,
+        produce: Callable[[], Awaitable[Response]],
+        *,
+        owner: str | None = None,
+    ) -> Response:
         """The stored answer for ``key`` (same fingerprint ``fp``), or ``produce()``'s,
         stored when it is final; 422 when the key was used for another request.
+
+        Keys belong to the API key that sent them (``owner``, its id): another API key
+        using the same ``Idempotency-Key`` gets its own computation, never the first
+        one's answer, and never learns that the key was used.
         """
         if not _KEY.match(key):
             raise Problem(
@@ -176,32 +198,46 @@ class IdempotencyStore:
                 "Idempotency-Key must be 1 to 255 printable ASCII characters",
                 slug="invalid-idempotency-key",
             )
-        key_hash = text_sha256(key)
+        # Without API keys every caller is the same tenant (and records kept from before
+        # tenants keep their hash).
+        key_hash = text_sha256(key if owner is None else f"{owner}\0{key}")
         # Requests on this replica queue here; other replicas' through the database.
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            while True:
-                state, record = await asyncio.to_thread(self._begin, key_hash, fp)
-                if state == "mine":
-                    break
-                if state == "reused":
-                    raise Problem(
-                        422,
-                        "this Idempotency-Key was used for a different request",
-                        slug="idempotency-key-reused",
-                    )
-                if state == "replay":
-                    assert record is not None
-                    headers = {**record["headers"], "Idempotent-Replayed": "true"}
-                    media = headers.pop("content-type", None)
-                    return Response(
-                        record["body"],
-                        status_code=record["status"],
-                        headers=headers,
-                        media_type=media,
-                    )
-                await asyncio.sleep(self.wait_poll)
-            return await self._produce(key_hash, produce)
+        lock = self._locks.setdefault(key_hash, asyncio.Lock())
+        self._users[key_hash] = self._users.get(key_hash, 0) + 1
+        try:
+            async with lock:
+                return await self._replay_or_produce(key_hash, fp, produce)
+        finally:
+            # The last request of a key drops its lock: keys are not remembered here.
+            self._users[key_hash] -= 1
+            if not self._users[key_hash]:
+                del self._users[key_hash], self._locks[key_hash]
+
+    async def _replay_or_produce(
+        self, key_hash: str, fp: str, produce: Callable[[], Awaitable[Response]]
+    ) -> Response:
+        while True:
+            state, record = await asyncio.to_thread(self._begin, key_hash, fp)
+            if state == "mine":
+                break
+            if state == "reused":
+                raise Problem(
+                    422,
+                    "this Idempotency-Key was used for a different request",
+                    slug="idempotency-key-reused",
+                )
+            if state == "replay":
+                assert record is not None
+                headers = {**record["headers"], "Idempotent-Replayed": "true"}
+                media = headers.pop("content-type", None)
+                return Response(
+                    record["body"],
+                    status_code=record["status"],
+                    headers=headers,
+                    media_type=media,
+                )
+            await asyncio.sleep(self.wait_poll)
+        return await self._produce(key_hash, produce)
 
     async def _produce(self, key_hash: str, produce: Callable[[], Awaitable[Response]]) -> Response:
         keeper = asyncio.ensure_future(self._keep(key_hash))

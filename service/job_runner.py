@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 
-from .encoders import encode_document
+from .codecs import BodySpec
+from .encoders import encode_document, encode_off_loop
 from .errors import Problem
 from .jobs import JobStore
-from .prediction import Caller, PredictOptions, Predictor
+from .options import PredictOptions
+from .prediction import Caller, Predictor
 from .registry import Registry
-from .uploads import decode_bags, markers_param
+from .uploads import markers_param
 
 __all__ = ["JobRunner"]
 
@@ -47,22 +49,25 @@ class JobRunner:
         caller = Caller(meta["request_id"], meta.get("api_key_id"), f"/v1/jobs/{job_id}")
         body = await asyncio.to_thread(store.body, job_id)
         options = PredictOptions.from_json(meta.get("options"))
+        spec = BodySpec(
+            content_type=meta["content_type"],
+            content_encoding=meta.get("content_encoding", ""),
+            markers=markers_param(meta.get("markers")),
+            default_id=meta.get("bag_id", "bag-0"),
+        )
         try:
+            # A body that breaks a limit fails here with its problem, in a worker: the
+            # job is failed once and the replica goes on.
             outcome = await self.predictor.run(
-                caller,
-                entry,
-                body,
-                lambda: decode_bags(
-                    meta["content_type"], body, markers_param(meta.get("markers")), "bag-0"
-                ),
-                options,
-                input_sha256=meta["input_sha256"],
+                caller, entry, body, spec, options, input_sha256=meta["input_sha256"]
             )
         except Problem as exc:
             problem = {"status": exc.status, "detail": exc.detail, "errors": exc.errors}
             await asyncio.to_thread(store.finish, job_id, "failed", problem)
             return
-        document = encode_document(
+        document = await encode_off_loop(
+            outcome.result,
+            encode_document,
             outcome.result,
             outcome.ids,
             outcome.provenance(meta["request_id"]),

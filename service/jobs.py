@@ -109,7 +109,7 @@ class JobStore:
         """Store a request body with its metadata as a queued job; its metadata."""
         job_id = uuid.uuid4().hex
         now = time.time()
-        with self.db.transaction() as cur:
+        with self.db.transaction(timeout=self.db.write_timeout(len(body))) as cur:
             cur.execute(
                 "INSERT INTO jobs (id, status, created, updated, meta, body) "
                 "VALUES (%s, 'queued', %s, %s, %s, %s)",
@@ -136,8 +136,14 @@ class JobStore:
         return _meta(self._row(_COLUMNS, job_id))
 
     def body(self, job_id: str) -> bytes:
-        """The stored request body."""
-        return bytes(self._row("body", job_id)[0])
+        """The stored request body (given the time a large one takes to read)."""
+        with self.db.transaction(write=False, timeout=self.db.write_timeout(1 << 28)) as cur:
+            row = cur.execute(
+                "SELECT body FROM jobs WHERE id = %s", (_check_id(job_id),)
+            ).fetchone()
+        if row is None:
+            raise Problem(404, f"unknown job {job_id!r}", slug="unknown-job")
+        return bytes(row[0])
 
     def view(self, job_id: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Metadata and result in one read (what a poll answers)."""

@@ -129,9 +129,18 @@ _PREDICT_ANSWER: dict[str, Any] = {
 }
 _READINESS: dict[str, Any] = {
     "type": "object",
-    "required": ["status", "models", "workers"],
+    "description": (
+        "`status` and `reasons` for everyone; the rest for a caller with a valid API key "
+        "(or for everyone when the service has no keys)"
+    ),
+    "required": ["status", "reasons"],
     "properties": {
         "status": {"type": "string", "enum": ["ready", "not ready"]},
+        "reasons": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "why it is not ready, in words (empty when ready)",
+        },
         "models": {"type": "array", "items": {"type": "string"}},
         "model_failures": {"type": "object", "additionalProperties": {"type": "string"}},
         "workers": {"type": "object"},
@@ -228,7 +237,24 @@ _BY_MEDIA = {
     "text/csv": {"type": "string"},
     "text/plain": {"type": "string"},
     "application/x-npy": {"type": "string", "format": "binary"},
+    "application/octet-stream": {"type": "string", "format": "binary"},
     "application/fhir+json": {"$ref": "#/components/schemas/FhirBundle"},
+}
+#: Operations that answer without the app's services (everything else answers 503
+#: while the service starts or stops).
+_WITHOUT_SERVICES = {"/healthz", "/v2", "/v2/health/live"}
+#: What every operation with a path parameter answers when it names nothing served.
+_NOT_FOUND = {
+    "{job_id}": "unknown job (or another API key's)",
+    "{name}": "unknown model or version",
+}
+#: What every operation that reads a request body may answer, besides its own.
+_BODY_ERRORS = {
+    "400": "a body that cannot be parsed, or a Content-Length that is not a number",
+    "413": "over the body, decoded-size, cell or column limits",
+    "415": "unsupported content type or Content-Encoding",
+    "422": "invalid bags, options or parameters (every problem listed)",
+    "503": "queue full or request bodies waiting over their limit; see Retry-After",
 }
 
 
@@ -250,6 +276,16 @@ def _complete(doc: dict[str, Any], keys_required: bool) -> dict[str, Any]:
                 responses.setdefault("401", {"description": "missing or invalid API key"})
                 if not keys_required:
                     op["security"] = [*op["security"], {}]
+            for parameter, missing in _NOT_FOUND.items():
+                if parameter in path:
+                    responses.setdefault("404", {"description": missing})
+            if "requestBody" in op:
+                for code, why in _BODY_ERRORS.items():
+                    responses.setdefault(code, {"description": why})
+            if path not in _WITHOUT_SERVICES:
+                responses.setdefault(
+                    "503", {"description": "the service is starting or stopping; retry"}
+                )
             responses.setdefault("500", {"description": "internal error (details in the log)"})
             if path == "/metrics":
                 responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}

@@ -18,7 +18,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ServiceError
+from .errors import Problem, ServiceError
 from .wire import BufferPool, SharedBuffer, recv_message, send_message
-from .worker import INPUT_ERROR, worker_main
+from .worker import INPUT_ERROR, PROBLEM_ERROR, worker_main
 
 __all__ = [
     "ComputeFailed",
@@ -89,18 +89,23 @@ class _Worker:
         timeout: float,
         pool: BufferPool | None = None,
         lent: Sequence[SharedBuffer] = (),
+        meanwhile: Callable[[], Any] | None = None,
     ):
-        """Send a request, wait for the answer, the worker's death, or the timeout.
+        """Send a request, wait for the answer, the worker's death, or the timeout;
+        returns the answer and what ``meanwhile()`` returned.
 
-        Buffers taken from ``pool`` go back to it once the answer is in; if there is
-        no answer, the worker may still read them, and they are never reused.
+        ``meanwhile`` runs in this thread once the request is sent, while the worker
+        computes (work that releases the GIL, such as hashing the input). Buffers taken
+        from ``pool`` go back to it once the answer is in; if there is no answer, the
+        worker may still read them, and they are never reused.
         """
         try:
             taken = send_message(self.conn, header, arrays, pool, lent)
         except (BrokenPipeError, EOFError, OSError) as exc:
             raise WorkerLost(str(exc)) from exc
         try:
-            answer = self._answer(timeout)
+            aside = meanwhile() if meanwhile is not None else None
+            answer = (*self._answer(timeout), aside)
         except BaseException:
             for buf in taken:
                 buf.tainted = True
@@ -143,14 +148,23 @@ class WorkerPool:
         Worker processes.
     queue_size : int
         Requests that may wait for a worker before :class:`QueueFull`.
+    limits : dict
+        The request limits the workers decode within (:class:`~.codecs.RequestLimits`
+        as JSON).
     start_timeout : float, default=120
         Seconds a worker may take to load every model.
     """
 
     def __init__(
-        self, models: dict[str, Path], n: int, queue_size: int, start_timeout: float = 120.0
+        self,
+        models: dict[str, Path],
+        n: int,
+        queue_size: int,
+        limits: dict[str, int],
+        start_timeout: float = 120.0,
     ):
         self.models = {k: str(v) for k, v in models.items()}
+        self.limits = dict(limits)
         self.n = n
         self.queue_size = queue_size
         self.start_timeout = start_timeout
@@ -181,7 +195,7 @@ class WorkerPool:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
             target=worker_main,
-            args=(child, self.models),
+            args=(child, self.models, self.limits),
             name=f"bagserve-worker-{index}",
             daemon=True,
         )
@@ -309,15 +323,18 @@ class WorkerPool:
         arrays: Mapping[str, np.ndarray],
         timeout: float,
         lent: Sequence[SharedBuffer] = (),
-    ) -> tuple[dict[str, Any], dict[str, np.ndarray], float]:
-        """Run one request on a worker; returns its answer and the seconds spent queued.
+        meanwhile: Callable[[], Any] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, np.ndarray], float, Any]:
+        """Run one request on a worker; returns its answer, the seconds spent queued,
+        and what ``meanwhile()`` returned (run while the worker computes; see
+        :meth:`_Worker.exchange`).
 
         Arrays lying in one of the ``lent`` buffers (the caller's, from
         :attr:`buffers`) reach the worker without a copy. If the request fails, the
         worker may still be reading them: they are marked tainted, not to be reused.
         """
         assert self._idle is not None, "pool not started"
-        if self._idle.empty() and self._waiting >= self.queue_size:
+        if self.saturated:
             raise QueueFull()
         t0 = time.monotonic()
         while True:
@@ -337,8 +354,15 @@ class WorkerPool:
         self._busy += 1
         loop = asyncio.get_running_loop()
         try:
-            out_header, out_arrays = await loop.run_in_executor(
-                self._executor, worker.exchange, header, arrays, timeout, self.buffers, lent
+            out_header, out_arrays, aside = await loop.run_in_executor(
+                self._executor,
+                worker.exchange,
+                header,
+                arrays,
+                timeout,
+                self.buffers,
+                lent,
+                meanwhile,
             )
         except (WorkerLost, WorkerTimeout):
             self._taint(lent)
@@ -354,9 +378,22 @@ class WorkerPool:
         self._release(index)
         if not out_header.get("ok"):
             error = out_header.get("error") or {}
+            if error.get("type") == PROBLEM_ERROR:
+                raise Problem(
+                    int(error["status"]),
+                    str(error["detail"]),
+                    errors=list(error.get("errors") or []),
+                    slug=error.get("slug"),
+                )
             cls = InputRejected if error.get("type") == INPUT_ERROR else ComputeFailed
             raise cls(str(error.get("message", "compute failed")))
-        return out_header, out_arrays, queued
+        return out_header, out_arrays, queued, aside
+
+    @property
+    def saturated(self) -> bool:
+        """Every worker is busy and the waiting line is full: the next request would be
+        refused (checked before a request's body is read, too)."""
+        return self._idle is not None and self._idle.empty() and self._waiting >= self.queue_size
 
     @staticmethod
     def _taint(buffers: Sequence[SharedBuffer]) -> None:

@@ -1,13 +1,16 @@
 """The models a service instance serves: ``MODELS_DIR/<name>/<version>/`` artifacts.
 
 Every artifact is verified (format and sha256 of every file) at start-up; a broken one
-is recorded with its reason and skipped, the others still serve. Models are never
-uploaded over HTTP.
+is recorded with its reason and skipped, the others still serve. With trusted release
+keys (``BAGSERVE_TRUSTED_KEYS``), an artifact is served only if its signature verifies
+against one of them (:mod:`bagserve.core.signing`), at start-up and at every reload.
+Models are never uploaded over HTTP.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ from typing import Any
 from bagserve.core.artifacts import ArtifactError
 from bagserve.core.io import Panel
 from bagserve.core.runtime import ArtifactInfo, ModelKind
+from bagserve.core.signing import Signer, TrustedKey, verify_model
 
 __all__ = ["ModelEntry", "Registry"]
 
@@ -36,11 +40,14 @@ class ModelEntry:
         From the directory ``MODELS_DIR/<name>/<version>/``.
     info : ArtifactInfo
         The verified manifest (kind, panel, preprocessing, hashes).
+    signer : Signer, optional
+        Who signed the release, when the service requires signatures.
     """
 
     name: str
     version: str
     info: ArtifactInfo = field(repr=False)
+    signer: Signer | None = None
 
     @property
     def key(self) -> str:
@@ -69,7 +76,38 @@ class ModelEntry:
 
     def describe(self) -> dict[str, Any]:
         """The model as ``GET /v1/models`` lists it."""
-        return {"name": self.name, "version": self.version, **self.info.describe()}
+        out = {"name": self.name, "version": self.version, **self.info.describe()}
+        if self.signer is not None:
+            out["signature"] = self.signer.to_json()
+        return out
+
+    def provenance(self) -> dict[str, Any]:
+        """The model as every answer names it: name, version, sha256, and the signer."""
+        out: dict[str, Any] = {"name": self.name, "version": self.version, "sha256": self.sha256}
+        if self.signer is not None:
+            out["signer"] = self.signer.to_json()
+        return out
+
+    def card(self) -> str:
+        """The model card, with a section on the release's signature when signed."""
+        text = self.info.card()
+        if self.signer is None:
+            return text
+        signed = self.signer
+        return (
+            f"{text.rstrip()}\n\n## Signature\n\n"
+            f"Release signed by **{signed.name}** (public key sha256 `{signed.key_sha256}`), "
+            "OpenSSF model-signing format; the signature covers every file of this version "
+            "and was verified when the service loaded it.\n"
+        )
+
+
+def _without_paths(reason: str, artifact: Path, key: str) -> str:
+    """A refusal's reason with the artifact's place on disk replaced by its key: the
+    server's paths are nobody's business, and ``name/version`` says which artifact."""
+    for place in (str(artifact.resolve()), str(artifact)):
+        reason = reason.replace(place, key)
+    return reason
 
 
 class Registry:
@@ -79,10 +117,14 @@ class Registry:
     ----------
     models_dir : path
         ``MODELS_DIR/<name>/<version>/`` artifacts.
+    trusted_keys : sequence of TrustedKey
+        Release keys; when given, an artifact without a signature that verifies against
+        one of them is refused (with the reason).
     """
 
-    def __init__(self, models_dir: str | Path):
+    def __init__(self, models_dir: str | Path, trusted_keys: Sequence[TrustedKey] = ()):
         self.models_dir = Path(models_dir)
+        self.trusted_keys = list(trusted_keys)
         self.entries: dict[str, dict[str, ModelEntry]] = {}
         self.failures: dict[str, str] = {}
         #: Models taken out of service by :meth:`unload` (kept out by later rescans).
@@ -111,11 +153,12 @@ class Registry:
                 try:
                     info = ArtifactInfo.read(vdir)
                     info.check_servable()
-                except ArtifactError as exc:
-                    failures[key] = str(exc)
+                    signer = verify_model(vdir, self.trusted_keys) if self.trusted_keys else None
+                except ArtifactError as exc:  # SignatureError included
+                    failures[key] = _without_paths(str(exc), vdir, key)
                     continue
                 entries.setdefault(mdir.name, {})[vdir.name] = ModelEntry(
-                    mdir.name, vdir.name, info
+                    mdir.name, vdir.name, info, signer
                 )
         return entries, failures
 
@@ -125,6 +168,7 @@ class Registry:
         unchanged until :meth:`adopt`."""
         nxt = Registry.__new__(Registry)
         nxt.models_dir = self.models_dir
+        nxt.trusted_keys = self.trusted_keys
         nxt.unloaded = set(self.unloaded) - ({name} if name else set())
         if name is None:
             entries, failures = self._scan()
@@ -142,6 +186,7 @@ class Registry:
         """This registry with model ``name`` unloaded (see :meth:`plan`)."""
         nxt = Registry.__new__(Registry)
         nxt.models_dir = self.models_dir
+        nxt.trusted_keys = self.trusted_keys
         nxt.unloaded = self.unloaded | {name}
         nxt.entries = {k: v for k, v in self.entries.items() if k != name}
         nxt.failures = dict(self.failures)

@@ -44,7 +44,7 @@ class Repository:
         async with self._lock:
             nxt = self.registry.plan(name)
             if name is not None and name not in nxt.entries:
-                reasons = [f"{k}: {v}" for k, v in nxt.failures.items() if k.startswith(name)]
+                reasons = [f"{k}: {v}" for k, v in nxt.failures.items() if k.startswith(f"{name}/")]
                 raise Problem(
                     404,
                     f"no servable version of model {name!r} in the repository",

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from .codecs import RequestLimits
 
 __all__ = ["Settings"]
 
@@ -14,7 +17,8 @@ __all__ = ["Settings"]
 class Settings(BaseSettings):
     """Everything the service can be told, each with a ``BAGSERVE_`` variable.
 
-    Lists (``api_keys``, ``cors_origins``) are JSON arrays or comma-separated strings.
+    Lists (``api_keys``, ``cors_origins``, ``trusted_keys``) are JSON arrays or
+    comma-separated strings.
     """
 
     model_config = SettingsConfigDict(env_prefix="BAGSERVE_", extra="ignore")
@@ -30,8 +34,42 @@ class Settings(BaseSettings):
     max_bags: int = Field(1000, ge=1)
     max_points_per_bag: int = Field(2_000_000, ge=1)
     max_total_points: int = Field(10_000_000, ge=1)
+    max_columns: int = Field(
+        512, ge=1, description="columns (markers and other channels) per bag; FCS files carry ~5-70"
+    )
+    max_decoded_bytes: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "what a compressed body may inflate to, and its cells may take as float64; "
+            "default: 32 bytes per point of max_total_points (320 MB)"
+        ),
+    )
+    max_pending_bytes: int = Field(
+        1 << 30,
+        gt=0,
+        description=(
+            "bytes of request bodies held while they wait for a worker; a body that would "
+            "pass it is refused (503) before it is read (never below max_body_bytes)"
+        ),
+    )
     api_keys: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="empty: no authentication"
+        default_factory=list,
+        description=(
+            "KEY or ROLE:KEY entries, ROLE one of read, predict (the default), admin; "
+            "empty: no authentication"
+        ),
+    )
+    trusted_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "release keys: PATH or NAME=PATH entries of PEM public keys (or directories of "
+            "them); when set, only models whose OpenSSF model-signing signature verifies "
+            "against one of them are served"
+        ),
+    )
+    metrics_auth: bool = Field(
+        False, description="/metrics needs an API key (of any role) when keys are configured"
     )
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="empty: CORS off"
@@ -48,6 +86,14 @@ class Settings(BaseSettings):
         ),
     )
     database_pool: int = Field(8, ge=1, le=256, description="PostgreSQL connections at most")
+    database_timeout: float = Field(
+        2.0,
+        gt=0,
+        description=(
+            "seconds after which a PostgreSQL server that does not answer (connection, "
+            "statement) is unavailable and requests get 503"
+        ),
+    )
     lease: float = Field(
         30.0,
         gt=0,
@@ -70,7 +116,30 @@ class Settings(BaseSettings):
         False, description="log /healthz, /readyz and /metrics requests (probes) too"
     )
 
-    @field_validator("api_keys", "cors_origins", mode="before")
+    @property
+    def decoded_limit(self) -> int:
+        """``max_decoded_bytes``, or its default derived from the point limit.
+
+        32 bytes per point allowed in a request: four markers as float64, or about
+        three ten-character numbers of text. At the default 10^7 points that is 320 MB:
+        more than the largest text body the 256 MiB body limit lets through decodes to,
+        and a thousandth of what a gzip bomb of that size asks for.
+        """
+        return self.max_decoded_bytes or 32 * self.max_total_points
+
+    def request_limits(self) -> RequestLimits:
+        """The limits the workers decode and validate requests within."""
+        from .codecs import RequestLimits
+
+        return RequestLimits(
+            max_decoded_bytes=self.decoded_limit,
+            max_bags=self.max_bags,
+            max_points_per_bag=self.max_points_per_bag,
+            max_total_points=self.max_total_points,
+            max_columns=self.max_columns,
+        )
+
+    @field_validator("api_keys", "cors_origins", "trusted_keys", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         if isinstance(value, str):

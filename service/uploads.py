@@ -1,53 +1,39 @@
-"""Request bodies in: read within the size limit, then decoded into bags.
+"""Request bodies in: admitted, read within the size limit, never decoded here.
 
-* The body is read incrementally and refused with 413 as soon as it passes the limit
-  (before it is all read), and at once when ``Content-Length`` already says so.
-* Large NPY and JSON bodies of known length are read straight into a shared buffer
-  that the workers map (:func:`read_body`), so the points reach a worker without a copy.
-* :func:`decode_bags` turns a body of any accepted type into bags, multipart included,
-  from the bytes alone: a stored job's body decodes exactly as the request did.
+* A request is refused before its body is read when it cannot be served: 415 for a
+  content type or encoding no worker decodes, 413 when ``Content-Length`` passes the
+  body limit, and 503 (``Retry-After``) when every worker is busy and the queue is full,
+  or when the bodies already waiting would leave no room for this one
+  (``max_pending_bytes``): a crowd of large uploads cannot fill the server's memory.
+* The body is read incrementally and refused with 413 as soon as it passes the limit.
+* A body of known length from ``MEMFD_MIN_BYTES`` on is read straight into a shared
+  buffer that the workers map, so it reaches the worker that decodes it without a copy.
+
+Decoding happens in the worker processes (:mod:`.codecs`, :mod:`.tensors`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
-from starlette.datastructures import Headers
-from starlette.formparsers import MultiPartException, MultiPartParser
 
-from .codecs import (
-    ACCEPTED,
-    FILE_KINDS,
-    JSON,
-    MULTIPART,
-    NPY,
-    OCTET,
-    IncomingBag,
-    decode_body,
-    decode_file,
-)
+from .codecs import ACCEPTED, BodySpec, encoding_problem
 from .codecs import media_type as media_type_of
 from .errors import Problem
-from .wire import MEMFD_MIN_BYTES, BufferPool, SharedBuffer
+from .pool import WorkerPool
+from .settings import Settings
+from .wire import MEMFD_MIN_BYTES, SharedBuffer
 
-__all__ = [
-    "SHARED_TYPES",
-    "accepted_content_type",
-    "decode_bags",
-    "markers_param",
-    "read_body",
-    "read_limited",
-]
-
-#: Bodies that are read straight into a shared buffer when large enough: the formats
-#: read without a copy (NPY), whose array then reaches the worker without one either,
-#: and JSON, which is parsed from the buffer's warm pages instead of a fresh join.
-SHARED_TYPES = (NPY, OCTET, JSON)
+__all__ = ["Intake", "ReceivedBody", "accepted_content_type", "body_spec", "markers_param"]
 
 
 def accepted_content_type(request: Request) -> str:
-    """The request's media type, or 415 before the body is read."""
+    """The request's media type, or 415 before the body is read (also for a
+    ``Content-Encoding`` that cannot be undone)."""
     ctype = media_type_of(request.headers.get("content-type"))
     if ctype not in ACCEPTED:
         raise Problem(
@@ -55,7 +41,15 @@ def accepted_content_type(request: Request) -> str:
             f"unsupported content type {ctype or '(none)'!r}; expected one of {list(ACCEPTED)}",
             slug="unsupported-media-type",
         )
+    check_encoding(request)
     return ctype
+
+
+def check_encoding(request: Request) -> None:
+    """415 for a ``Content-Encoding`` the workers cannot undo."""
+    problem = encoding_problem(request.headers.get("content-encoding"))
+    if problem is not None:
+        raise Problem(415, problem, slug="unsupported-encoding")
 
 
 def markers_param(text: str | None) -> list[str] | None:
@@ -63,45 +57,124 @@ def markers_param(text: str | None) -> list[str] | None:
     return [m.strip() for m in text.split(",")] if text else None
 
 
-async def read_limited(request: Request, limit: int) -> bytes:
-    """The body, or 413 as soon as it is known to exceed ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise Problem(413, f"the body ({int(declared)} bytes) exceeds the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise Problem(413, f"the body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def body_spec(request: Request, *, protocol: str = "v1") -> BodySpec:
+    """How the request's body is to be decoded, from its headers and query."""
+    qp = request.query_params
+    return BodySpec(
+        content_type=request.headers.get("content-type", ""),
+        content_encoding=request.headers.get("content-encoding", ""),
+        markers=markers_param(qp.get("markers")),
+        default_id=qp.get("id") or "bag-0",
+        protocol=protocol,
+        header_length=request.headers.get("inference-header-content-length"),
+    )
 
 
-async def read_body(
-    request: Request, limit: int, buffers: BufferPool | None
-) -> tuple[bytes | memoryview, SharedBuffer | None]:
-    """The body, and the shared buffer it was read into, if any (413 as in read_limited).
+@dataclass
+class ReceivedBody:
+    """A request body as read: its bytes, the shared buffer they lie in (if any), and
+    the seconds reading took."""
 
-    A large NPY body of known length is written, chunk by chunk, into a reused shared
-    buffer of ``buffers`` (a memory file the workers already map) rather than joined
-    into bytes and copied into a fresh memory file for the worker: that saves two
-    copies of the body and, above all, allocating the memory file's pages for every
-    request. A large JSON body goes the same way (its pages are warm; a join allocates
-    and faults in fresh ones). The body is then a read-only view of the buffer; the
-    caller gives the buffer back to ``buffers`` when the request is over.
+    data: bytes | memoryview
+    lent: SharedBuffer | None
+    seconds: float
+
+
+class Intake:
+    """Admission and reading of request bodies, and the bytes held by those waiting.
+
+    Parameters
+    ----------
+    settings : Settings
+        ``max_body_bytes``, ``max_pending_bytes`` and ``retry_after``.
+    pool : WorkerPool
+        Whose queue is checked before a body is read, and whose shared buffers large
+        bodies are read into.
     """
-    declared = request.headers.get("content-length")
-    if (
-        buffers is None
-        or declared is None
-        or not declared.isdigit()
-        or not MEMFD_MIN_BYTES <= int(declared) <= limit
-        or media_type_of(request.headers.get("content-type")) not in SHARED_TYPES
-    ):
-        return await read_limited(request, limit), None
-    size = int(declared)
-    buffer = buffers.lease(size)
-    try:
+
+    def __init__(self, settings: Settings, pool: WorkerPool) -> None:
+        self.limit = settings.max_body_bytes
+        self.pending_limit = max(settings.max_pending_bytes, settings.max_body_bytes)
+        self.retry = {"Retry-After": str(settings.retry_after)}
+        self.pool = pool
+        #: Bytes of bodies read or being read whose request is not finished.
+        self.pending = 0
+
+    def _declared(self, request: Request) -> int | None:
+        declared = request.headers.get("content-length")
+        if declared is None:
+            return None
+        if not declared.isdigit():
+            raise Problem(400, "Content-Length must be a number of bytes", slug="invalid-request")
+        size = int(declared)
+        if size > self.limit:
+            raise Problem(413, f"the body ({size} bytes) exceeds the limit of {self.limit} bytes")
+        return size
+
+    def _reserve(self, size: int) -> None:
+        if self.pending + size > self.pending_limit:
+            raise Problem(
+                503,
+                f"the server holds {self.pending} bytes of request bodies waiting for a worker; "
+                f"this one ({size} bytes) would pass the limit of {self.pending_limit}: "
+                "retry later",
+                headers=self.retry,
+                slug="bodies-pending",
+            )
+        self.pending += size
+
+    @contextlib.asynccontextmanager
+    async def body(self, request: Request, *, compute: bool = True) -> AsyncIterator[ReceivedBody]:
+        """Admit the request and read its body; the bytes it holds count against
+        ``max_pending_bytes`` until the block ends.
+
+        Parameters
+        ----------
+        request : Request
+        compute : bool, default=True
+            The body goes to a worker now: refused at once (503) while the queue is
+            full, and read into a shared buffer when large. False for a job, which is
+            stored and queued in the database.
+        """
+        if compute and self.pool.saturated:
+            raise Problem(
+                503,
+                "all workers are busy and the queue is full; retry later",
+                headers=self.retry,
+                slug="queue-full",
+            )
+        declared = self._declared(request)
+        held = 0
+        lent: SharedBuffer | None = None
+        t0 = time.perf_counter()
+        try:
+            if declared is not None:
+                self._reserve(declared)
+                held = declared
+            buffers = self.pool.buffers if compute else None
+            if buffers is not None and declared is not None and declared >= MEMFD_MIN_BYTES:
+                lent = buffers.lease(declared)
+                data: bytes | memoryview = await self._read_into(request, lent, declared)
+            else:
+                chunks, size = [], 0
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.limit:
+                        raise Problem(413, f"the body exceeds the limit of {self.limit} bytes")
+                    if size > held:  # no Content-Length: held as it arrives
+                        self._reserve(size - held)
+                        held = size
+                    chunks.append(chunk)
+                data = b"".join(chunks)
+            yield ReceivedBody(data, lent, time.perf_counter() - t0)
+        finally:
+            self.pending -= held
+            if lent is not None:
+                self.pool.buffers.give_back(lent)  # type: ignore[union-attr]
+
+    @staticmethod
+    async def _read_into(request: Request, buffer: SharedBuffer, size: int) -> memoryview:
+        """The body written chunk by chunk into ``buffer``; a read-only view of it."""
         target, end = buffer.map, 0
         async for chunk in request.stream():
             start, end = end, end + len(chunk)
@@ -112,55 +185,4 @@ async def read_body(
                     slug="invalid-request",
                 )
             target[start:end] = chunk
-    except BaseException:
-        buffers.give_back(buffer)
-        raise
-    return memoryview(target).toreadonly()[:end], buffer
-
-
-async def decode_bags(
-    content_type: str, body: bytes | memoryview, markers: list[str] | None, default_id: str
-) -> tuple[list[IncomingBag], list[str]]:
-    """The bags of a body, and the problems found while decoding them.
-
-    Parameters
-    ----------
-    content_type : str
-        The whole ``Content-Type`` header (a multipart body needs its boundary).
-    body : bytes or memoryview
-    markers : list of str or None
-        Column names of an NPY body (the ``markers`` query parameter).
-    default_id : str
-        The id of a single bag that names none (the ``id`` query parameter).
-    """
-    ctype = media_type_of(content_type)
-    if ctype != MULTIPART:
-        return decode_body(ctype, body, markers, default_id)
-    form = await _multipart(content_type, bytes(body))
-    bags, errors = [], []
-    for i, (part, value) in enumerate(form.multi_items()):
-        if not hasattr(value, "read"):
-            continue
-        name = value.filename or f"{part}-{i}"
-        suffix = name.lower().removesuffix(".gz").rsplit(".", 1)[-1]
-        kind = suffix if suffix in FILE_KINDS else None
-        try:
-            bags.append(decode_file(await value.read(), name, kind, markers))
-        except Problem as exc:
-            errors += exc.errors or [exc.detail]
-    if not bags and not errors:
-        raise Problem(422, "the multipart body holds no files", slug="invalid-request")
-    return bags, errors
-
-
-async def _multipart(content_type: str, body: bytes):  # -> FormData
-    async def stream() -> AsyncIterator[bytes]:
-        yield body
-
-    parser = MultiPartParser(Headers({"content-type": content_type}), stream())
-    try:
-        return await parser.parse()
-    except MultiPartException as exc:
-        raise Problem(
-            400, f"malformed multipart body: {exc.message}", slug="invalid-request"
-        ) from None
+        return memoryview(target).toreadonly()[:end]

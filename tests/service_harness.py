@@ -42,11 +42,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build_models(directory: Path) -> Path:
-    """Demo models, a deliberately slow model, and one broken artifact."""
-    build_demo_models(directory)
+def build_slow_model(directory: Path) -> DistributionRidge:
+    """``slow/1``: exact MMD against 40,000 training points, so that a 20,000-cell bag
+    takes seconds (for queue, timeout and cancellation tests)."""
     rng = np.random.default_rng(0)
-    # Exact MMD against 40,000 training points: a 20,000-cell bag takes seconds.
     train = [rng.normal(loc=i / 10, size=(2000, 3)) for i in range(20)]
     slow = DistributionRidge(MeanEmbedding(bandwidth=1.0), gamma=1.0, alpha=1e-3)
     slow.fit(train, np.arange(20.0))
@@ -58,6 +57,13 @@ def build_models(directory: Path) -> Path:
         panel=Panel(("a", "b", "c")).to_json(),
         preprocessing=Preprocessing().to_json(),
     )
+    return slow
+
+
+def build_models(directory: Path) -> Path:
+    """Demo models, a deliberately slow model, and one broken artifact."""
+    build_demo_models(directory)
+    slow = build_slow_model(directory)
     yeast_files = sorted((SHARED_DATA / "cytoflow_yeast" / "dose_response").glob("Yeast_B*.fcs"))
     panel = Panel(("FSC-A", "SSC-A", "FITC-A"), {"FITC-A": ("GFP",)})
     bags = [panel.select(read_sample(f)) for f in yeast_files]

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import gzip
+import zlib
+
 import numpy as np
 import orjson
 import pytest
-from bagserve.service.codecs import _general_json_bags, _json_bags, _plain_json_bags
+from bagserve.service.codecs import (
+    BodySpec,
+    RequestLimits,
+    _general_json_bags,
+    _json_bags,
+    _plain_json_bags,
+    decode_body,
+    inflate,
+)
+from bagserve.service.errors import Problem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -117,3 +129,58 @@ def test_a_reused_parser_leaves_earlier_results_alone(rng):
     third = _plain_json_bags(body)
     assert third is not None and third[0].points.tobytes() == first.tobytes()
     assert isinstance(held, simdjson.Array)
+
+
+# ------------------------------------------------------------------ bounded bodies
+LIMITS = RequestLimits(
+    max_decoded_bytes=4000, max_bags=3, max_points_per_bag=100, max_total_points=300, max_columns=8
+)
+
+
+def test_json_numbers_are_bounded_before_parsing():
+    small = b'{"points": [' + b",".join([b"[0,0]"] * 40) + b"]}"
+    assert len(decode_body(BodySpec("application/json"), small, LIMITS)[0]) == 1
+    # 400 values of one digit: 3200 bytes as float64, over the 4000-byte limit.
+    large = b'{"points": [' + b",".join([b"[0,0,0,0,0,0,0,0]"] * 100) + b"]}"
+    with pytest.raises(Problem) as info:
+        decode_body(BodySpec("application/json"), large, LIMITS)
+    assert info.value.status == 413 and "decoded-size limit of 4000" in info.value.detail
+
+
+def test_content_encodings_are_undone_within_the_limit():
+    text = b"a,b\n" + b"1,2\n" * 50
+    for coding, data in (
+        ("gzip", gzip.compress(text)),
+        ("deflate", zlib.compress(text)),
+        ("deflate", zlib.compress(text)[2:-4]),  # raw deflate, as some clients send it
+    ):
+        assert bytes(inflate(data, coding, LIMITS)) == text
+    with pytest.raises(Problem) as info:
+        inflate(zlib.compress(b"0" * 5000), "deflate", LIMITS)
+    assert info.value.status == 413
+    with pytest.raises(Problem) as info:
+        inflate(b"not gzip at all", "gzip", LIMITS)
+    assert info.value.status == 400
+
+
+def test_multipart_files_are_named_and_form_fields_skipped():
+    boundary = "b0undary"
+    parts = [
+        ('form-data; name="note"', b"a field, not a file"),
+        ('form-data; name="files"; filename="p1.csv"', b"a,b\n1,2\n3,4\n"),
+        ('form-data; name="files"; filename="p2.csv.gz"', gzip.compress(b"a,b\n5,6\n7,8\n")),
+    ]
+    body = (
+        b"".join(
+            f"--{boundary}\r\nContent-Disposition: {d}\r\n\r\n".encode() + data + b"\r\n"
+            for d, data in parts
+        )
+        + f"--{boundary}--\r\n".encode()
+    )
+    spec = BodySpec(f"multipart/form-data; boundary={boundary}")
+    bags, errors = decode_body(spec, body, LIMITS)
+    assert errors == [] and [b.id for b in bags] == ["p1.csv", "p2.csv.gz"]
+    assert bags[1].points.tolist() == [[5.0, 6.0], [7.0, 8.0]]
+    with pytest.raises(Problem) as info:
+        decode_body(BodySpec("multipart/form-data"), body, LIMITS)
+    assert info.value.status == 400 and "boundary" in info.value.detail

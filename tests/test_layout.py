@@ -66,6 +66,16 @@ def test_the_client_and_the_audit_check_load_no_web_framework():
     assert loaded == []
 
 
+def test_what_the_workers_run_loads_no_web_framework():
+    """The worker processes decode, validate and predict: none of it needs FastAPI,
+    which keeps their start-up short and the web layer out of the untrusted bytes."""
+    _, loaded = _loaded_web_modules(
+        "import bagserve.service.worker, bagserve.service.codecs, bagserve.service.tensors, "
+        "bagserve.service.validation, bagserve.service.options, bagserve.service.registry"
+    )
+    assert loaded == []
+
+
 def test_no_code_outside_the_runtime_decides_from_class_names():
     """The kind of a model is decided in core/runtime.py only: no other module compares
     estimator class names (the artifact registry maps names to classes, nothing more)."""

@@ -1,10 +1,18 @@
-"""Liveness and readiness probes (open, no API key)."""
+"""Liveness and readiness probes (open: no API key needed).
+
+Probes are open because orchestrators and load balancers call them without keys; so
+their answer says only what an outsider may know: ready or not, and why in words. The
+detail (model names and refusals, worker counts and process ids, the database) is
+given to a caller presenting a valid API key, or to everyone when the service runs
+without keys.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..deps import ServicesDep
@@ -18,37 +26,60 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+def _reasons(models: list[str], workers: dict[str, Any], database_ok: bool) -> list[str]:
+    """Why the replica is not ready, in words an outsider may read."""
+    reasons = []
+    if not models:
+        reasons.append("no model is served")
+    missing = workers["configured"] - workers["alive"]
+    if missing:
+        reasons.append(
+            f"{missing} of {workers['configured']} worker process(es) are starting or "
+            "being replaced"
+        )
+    if not database_ok:
+        reasons.append("the state database (jobs, audit trail) does not answer")
+    return reasons
+
+
 @router.get(
     "/readyz",
     summary="Readiness: models loaded, every worker alive, the state database reachable",
     responses={
+        401: {"description": "an API key was presented and is not valid"},
         503: {
             "description": (
                 "not ready (a worker is being replaced, no model loaded, or the database "
                 "does not answer)"
             )
-        }
+        },
     },
 )
-async def readyz(svc: ServicesDep) -> JSONResponse:
+async def readyz(request: Request, svc: ServicesDep) -> JSONResponse:
     """Ready when every worker is alive, at least one model is served and the database
     (jobs, idempotency, audit) answers: a replica that cannot record its audit trail
-    must not take predictions."""
-    registry = svc.registry
+    must not take predictions. Without a key: the status and the reasons; with a valid
+    key (or no keys configured): the models, refused artifacts, workers and database."""
+    # A presented key must be valid (401 otherwise); none at all is an outsider.
+    detailed = not svc.auth.enabled or (
+        svc.auth.presented(request) is not None and svc.auth.check(request) is not None
+    )
     pool = svc.pool
     workers = pool.status()
-    models = [e.key for e in registry.all()]
+    models = [e.key for e in svc.registry.all()]
     try:
-        await asyncio.wait_for(asyncio.to_thread(svc.jobs.db.ping), 3.0)
+        await asyncio.wait_for(asyncio.to_thread(svc.jobs.db.ping), svc.settings.database_timeout)
         database = "ok"
     except Exception as exc:
         database = f"unreachable: {type(exc).__name__}: {exc}"[:300]
-    ready = pool.ready and bool(models) and database == "ok"
-    body = {
-        "status": "ready" if ready else "not ready",
-        "models": models,
-        "model_failures": registry.failures,
-        "workers": workers,
-        "database": database,
-    }
+    reasons = _reasons(models, workers, database == "ok")
+    ready = pool.ready and not reasons
+    body: dict[str, Any] = {"status": "ready" if ready else "not ready", "reasons": reasons}
+    if detailed:
+        body.update(
+            models=models,
+            model_failures=svc.registry.failures,
+            workers=workers,
+            database=database,
+        )
     return JSONResponse(body, status_code=200 if ready else 503)

@@ -20,10 +20,20 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from ..deps import LatestEntry, ServicesDep, VersionEntry, authenticate, lookup
+from ..deps import (
+    FORBIDDEN,
+    LatestEntry,
+    ModelName,
+    ServicesDep,
+    VersionEntry,
+    authenticate,
+    lookup,
+    require,
+)
 from ..errors import Problem
 from ..registry import ModelEntry
-from .v2 import _OUTPUTS
+from ..security import Role
+from ..tensors import OUTPUTS
 
 router = APIRouter(
     prefix="/v2", tags=["v2 (Triton extensions)"], dependencies=[Depends(authenticate)]
@@ -57,16 +67,26 @@ async def repository_index(request: Request, svc: ServicesDep) -> list[dict[str,
     return rows
 
 
-@router.post("/repository/models/{name}/load", summary="Load or reload a model")
-async def load_model(name: str, svc: ServicesDep) -> dict[str, Any]:
+@router.post(
+    "/repository/models/{name}/load",
+    dependencies=[Depends(require(Role.ADMIN))],
+    responses={**FORBIDDEN, 404: {"description": "no servable version of the model on disk"}},
+    summary="Load or reload a model",
+)
+async def load_model(name: ModelName, svc: ServicesDep) -> dict[str, Any]:
     """Serve every valid version of model ``name`` as it is on disk now (new, changed
     or unloaded before); the service keeps answering meanwhile."""
     served = await svc.repository.load(name)
     return {"name": name, "served": [k for k in served if k.startswith(f"{name}/")]}
 
 
-@router.post("/repository/models/{name}/unload", summary="Unload a model")
-async def unload_model(name: str, svc: ServicesDep) -> dict[str, Any]:
+@router.post(
+    "/repository/models/{name}/unload",
+    dependencies=[Depends(require(Role.ADMIN))],
+    responses={**FORBIDDEN, 404: {"description": "the model is not loaded"}},
+    summary="Unload a model",
+)
+async def unload_model(name: ModelName, svc: ServicesDep) -> dict[str, Any]:
     """Stop serving model ``name`` (until it is loaded again)."""
     await svc.repository.unload(name)
     return {"name": name, "served": []}
@@ -95,7 +115,7 @@ def _config(svc: ServicesDep, entry: ModelEntry) -> dict[str, Any]:
             {"name": "points", "data_type": "TYPE_FP64", "dims": [-1, entry.n_features]},
             {"name": "bag_sizes", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
         ],
-        "output": [tensor(o) for o in _OUTPUTS[entry.kind]],
+        "output": [tensor(o) for o in OUTPUTS[entry.kind]],
         "parameters": {
             "estimator": {"string_value": entry.info.estimator},
             "kind": {"string_value": str(entry.kind)},
@@ -112,7 +132,7 @@ async def all_stats(svc: ServicesDep) -> dict[str, Any]:
 
 
 @router.get("/models/{name}/stats", summary="Statistics of a model")
-async def model_stats(name: str, svc: ServicesDep) -> dict[str, Any]:
+async def model_stats(name: ModelName, svc: ServicesDep) -> dict[str, Any]:
     """Inference counts and times of every served version of model ``name``."""
     lookup(svc.registry, name, None)
     return svc.stats.triton([e.key for e in svc.registry.versions(name)])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import PlainTextResponse
@@ -18,12 +18,24 @@ from starlette.responses import Response
 
 from .. import fhir
 from ..codecs import NPY
-from ..deps import CallerDep, LatestEntry, ServicesDep, VersionEntry, authenticate, lookup
-from ..encoders import CSV_OUT, encode, negotiate
+from ..deps import (
+    FORBIDDEN,
+    CallerDep,
+    LatestEntry,
+    ModelName,
+    ServicesDep,
+    VersionEntry,
+    authenticate,
+    lookup,
+    require,
+)
+from ..encoders import CSV_OUT, encode, encode_off_loop, negotiate, server_timing
 from ..idempotency import fingerprint
-from ..prediction import Caller, PredictOptions, provenance_headers
+from ..options import PredictOptions
+from ..prediction import Caller, provenance_headers
 from ..registry import ModelEntry
-from ..uploads import accepted_content_type, decode_bags, markers_param, read_body
+from ..security import Role
+from ..uploads import accepted_content_type, body_spec
 
 router = APIRouter(prefix="/v1", tags=["v1"], dependencies=[Depends(authenticate)])
 
@@ -103,11 +115,11 @@ _PREDICT_DOC: dict[str, Any] = {
             "in": "query",
             "required": False,
             "schema": {"type": "string", "pattern": r"^[0-9.eE+-]+(,[0-9.eE+-]+)*$"},
-            "example": "0.05,0.5,0.95",
             "description": (
                 "Conditional models (ConditionalMeanEmbedding) only: comma-separated levels "
-                "in [0, 1]; each prediction gains `quantiles` {level: value} of the outcome's "
-                "predicted distribution (CSV: columns q_<level>; NPY: columns after the mean)."
+                "in [0, 1], e.g. `0.05,0.5,0.95`; each prediction gains `quantiles` "
+                "{level: value} of the outcome's predicted distribution (CSV: columns "
+                "q_<level>; NPY: columns after the mean)."
             ),
         },
         {
@@ -115,10 +127,10 @@ _PREDICT_DOC: dict[str, Any] = {
             "in": "query",
             "required": False,
             "schema": {"type": "string", "pattern": r"^[0-9.eE+-]+(,[0-9.eE+-]+)*$"},
-            "example": "2.5",
             "description": (
-                "Conditional models only: comma-separated thresholds t; each prediction gains "
-                "`exceedance` {t: P(outcome > t)} (CSV: columns p_gt_<t>; NPY: last columns)."
+                "Conditional models only: comma-separated thresholds t, e.g. `2.5`; each "
+                "prediction gains `exceedance` {t: P(outcome > t)} (CSV: columns p_gt_<t>; "
+                "NPY: last columns)."
             ),
         },
         {
@@ -235,13 +247,25 @@ _PREDICT_RESPONSES: dict[int | str, dict[str, Any]] = {
             "application/fhir+json": {},
         },
     },
+    400: {"description": "a body that cannot be parsed (JSON, multipart, Content-Length)"},
     401: {"description": "missing or invalid API key"},
+    **FORBIDDEN,
     404: {"description": "unknown model or version"},
     406: {"description": "unsupported Accept"},
-    413: {"description": "body over the limit"},
-    415: {"description": "unsupported content type"},
-    422: {"description": "invalid bags (every problem listed)"},
-    503: {"description": "queue full or worker lost; see Retry-After"},
+    413: {
+        "description": (
+            "the body is over the size limit, or decodes (inflates, or holds cells) beyond "
+            "the decoded-size, cell or column limits"
+        )
+    },
+    415: {"description": "unsupported content type or Content-Encoding"},
+    422: {"description": "invalid bags or options (every problem listed)"},
+    503: {
+        "description": (
+            "queue full, request bodies waiting over their limit, worker lost, or the "
+            "state database unreachable; see Retry-After"
+        )
+    },
     504: {"description": "prediction timed out"},
 }
 
@@ -275,11 +299,15 @@ async def get_model(svc: ServicesDep, entry: LatestEntry) -> dict[str, Any]:
     response_class=PlainTextResponse,
     responses={200: {"content": {"text/markdown": {"schema": {"type": "string"}}}}},
 )
-async def model_card(name: str, svc: ServicesDep, version: str | None = None) -> PlainTextResponse:
+async def model_card(
+    name: ModelName,
+    svc: ServicesDep,
+    version: Annotated[str | None, Query(examples=["1"])] = None,
+) -> PlainTextResponse:
     """Intended use, training data, evaluation, panel, preprocessing and provenance of
     the latest version (or ``?version=``), as ``bagserve train`` writes it."""
     entry = lookup(svc.registry, name, version)
-    return PlainTextResponse(entry.info.card(), media_type="text/markdown; charset=utf-8")
+    return PlainTextResponse(entry.card(), media_type="text/markdown; charset=utf-8")
 
 
 @router.get("/audit", summary="Recent audit-trail entries")
@@ -298,73 +326,67 @@ async def recent_audit(
 async def _predict(
     request: Request, svc: ServicesDep, caller: Caller, entry: ModelEntry
 ) -> Response:
-    """Decode → predict → encode, behind ``Idempotency-Key`` when the caller sent one."""
+    """Read the body, predict on a worker (which decodes it), encode, behind
+    ``Idempotency-Key`` when the caller sent one."""
     fmt = negotiate(request.headers.get("accept"))
-    ctype = request.headers.get("content-type", "")
     accepted_content_type(request)
     qp = request.query_params
     # Bad query parameters are refused before the body is read.
     options = PredictOptions.parse(entry, qp)
     refs = fhir.references(qp) if fmt == fhir.FHIR_JSON else None
-    t0 = time.perf_counter()
-    body, lent = await read_body(request, svc.settings.max_body_bytes, svc.pool.buffers)
-    read = {"read": time.perf_counter() - t0}
+    spec = body_spec(request)
+    async with svc.intake.body(request) as received:
+        body = received.data
 
-    async def answer() -> Response:
-        outcome = await svc.predictor.run(
-            caller,
-            entry,
-            body,
-            lambda: decode_bags(
-                ctype, body, markers_param(qp.get("markers")), qp.get("id", "bag-0")
-            ),
-            options,
-            lent=lent,
-            timings=read,
-        )
-        t1 = time.perf_counter()
-        content = encode(
-            outcome.result,
-            outcome.ids,
-            fmt,
-            outcome.provenance(caller.request_id),
-            entry.info,
-            cells=options.cells,
-            plots=outcome.plots,
-            coverage=options.coverage,
-            refs=refs,
-        )
-        timings = {**outcome.timings, "encode": time.perf_counter() - t1}
-        svc.metrics.observe_stages({"encode": timings["encode"]})
-        headers = provenance_headers(entry, outcome.input_sha256)
-        # Where the time went, for the caller's own dashboards (W3C Server Timing).
-        headers["Server-Timing"] = ", ".join(
-            f"{stage};dur={1000 * timings[stage]:.1f}"
-            for stage in ("read", "parse", "validate", "queue", "transfer", "compute", "encode")
-            if stage in timings
-        )
-        classes = getattr(outcome.result, "classes", None)
-        if fmt in (CSV_OUT, NPY) and classes is not None:
-            # The column order of CSV probability columns and NPY tables.
-            headers["Bagserve-Classes"] = json.dumps([str(c) for c in classes.tolist()])
-        warning = outcome.warning_header()
-        if warning is not None:
-            headers["Warning"] = warning
-        media = f"{fmt}; fhirVersion=4.0" if fmt == fhir.FHIR_JSON else fmt
-        return Response(content, media_type=media, headers=headers)
+        async def answer() -> Response:
+            outcome = await svc.predictor.run(
+                caller,
+                entry,
+                body,
+                spec,
+                options,
+                lent=received.lent,
+                timings={"read": received.seconds},
+            )
+            t1 = time.perf_counter()
+            content = await encode_off_loop(
+                outcome.result,
+                encode,
+                outcome.result,
+                outcome.ids,
+                fmt,
+                outcome.provenance(caller.request_id),
+                entry.info,
+                cells=options.cells,
+                plots=outcome.plots,
+                coverage=options.coverage,
+                refs=refs,
+            )
+            timings = {**outcome.timings, "encode": time.perf_counter() - t1}
+            svc.metrics.observe_stages({"encode": timings["encode"]})
+            headers = provenance_headers(entry, outcome.input_sha256)
+            headers["Server-Timing"] = server_timing(timings)
+            classes = getattr(outcome.result, "classes", None)
+            if fmt in (CSV_OUT, NPY) and classes is not None:
+                # The column order of CSV probability columns and NPY tables.
+                headers["Bagserve-Classes"] = json.dumps([str(c) for c in classes.tolist()])
+            warning = outcome.warning_header()
+            if warning is not None:
+                headers["Warning"] = warning
+            media = f"{fmt}; fhirVersion=4.0" if fmt == fhir.FHIR_JSON else fmt
+            return Response(content, media_type=media, headers=headers)
 
-    try:
         key = request.headers.get("idempotency-key")
         if key is None:
             return await answer()
-        return await svc.idempotency.run(key, fingerprint(request, body), answer)
-    finally:
-        if lent is not None:
-            svc.pool.buffers.give_back(lent)
+        return await svc.idempotency.run(
+            key, await fingerprint(request, body), answer, owner=caller.key_id
+        )
 
 
 @router.post(
     "/models/{name}/predict",
+    dependencies=[Depends(require(Role.PREDICT))],
     summary="Predict with the latest version",
     openapi_extra=_PREDICT_DOC,
     responses=_PREDICT_RESPONSES,
@@ -378,6 +400,7 @@ async def predict_latest(
 
 @router.post(
     "/models/{name}/versions/{version}/predict",
+    dependencies=[Depends(require(Role.PREDICT))],
     summary="Predict with one version",
     openapi_extra=_PREDICT_DOC,
     responses=_PREDICT_RESPONSES,

@@ -6,7 +6,8 @@ points concatenated plus an INT64 ``bag_sizes`` tensor; marker names may be give
 (one per bag; FP64 or BYTES), ``scores`` for classifiers, and for per-cell models
 ``labels`` (one per point) and ``out_of_range`` (BOOL, one per bag). The binary tensor
 extension is supported both ways (``Inference-Header-Content-Length``). Errors carry
-``{"error": ...}`` inside our problem details.
+``{"error": ...}`` inside our problem details. The request document is decoded in a
+worker process (:mod:`..tensors`), like every other body.
 """
 
 from __future__ import annotations
@@ -17,35 +18,31 @@ from typing import Any
 
 import numpy as np
 import orjson
-from bagserve.core.runtime import (
-    CellPrediction,
-    ClassificationPrediction,
-    ModelKind,
-    Prediction,
-)
+from bagserve.core.runtime import CellPrediction, ClassificationPrediction, Prediction
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from bagserve import __version__
 
-from ..codecs import IncomingBag
-from ..deps import CallerDep, LatestEntry, ServicesDep, VersionEntry, authenticate
-from ..errors import Problem
-from ..prediction import Caller, Outcome, PredictOptions, provenance_headers
+from ..deps import (
+    FORBIDDEN,
+    CallerDep,
+    LatestEntry,
+    ServicesDep,
+    VersionEntry,
+    authenticate,
+    require,
+)
+from ..encoders import encode_off_loop, server_timing
+from ..prediction import Caller, Outcome, provenance_headers
 from ..registry import ModelEntry
-from ..uploads import read_limited
+from ..security import Role
+from ..tensors import OUTPUTS
+from ..uploads import body_spec, check_encoding
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 #: Routes that need an API key (server metadata and health stay open, as in KServe).
 models = APIRouter(dependencies=[Depends(authenticate)])
-
-_NUMPY = {
-    "FP64": np.float64, "FP32": np.float32, "FP16": np.float16,
-    "INT64": np.int64, "INT32": np.int32, "INT16": np.int16, "INT8": np.int8,
-    "UINT64": np.uint64, "UINT32": np.uint32, "UINT16": np.uint16, "UINT8": np.uint8,
-    "BOOL": np.bool_,
-}  # fmt: skip
-HEADER_LENGTH = "inference-header-content-length"
 
 
 @router.get("", summary="Server metadata")
@@ -69,47 +66,8 @@ async def ready(svc: ServicesDep) -> Response:
     )
 
 
-#: Every model's applicability domain, one value per bag.
-_DOMAIN_OUTPUTS = [
-    {"name": "out_of_range", "datatype": "BOOL", "shape": [-1]},
-    {"name": "domain_score", "datatype": "FP64", "shape": [-1]},
-]
-#: With the request parameter ``interval`` (a coverage): the interval of each bag.
-_INTERVAL = {"name": "interval", "datatype": "FP64", "shape": [-1, 2]}
-#: The outputs of each kind of model, with their datatype and shape.
-_OUTPUTS: dict[ModelKind, list[dict[str, Any]]] = {
-    ModelKind.REGRESSION: [
-        {"name": "prediction", "datatype": "FP64", "shape": [-1]},
-        *_DOMAIN_OUTPUTS,
-        _INTERVAL,
-    ],
-    ModelKind.CONDITIONAL: [
-        {"name": "prediction", "datatype": "FP64", "shape": [-1]},
-        *_DOMAIN_OUTPUTS,
-        _INTERVAL,
-    ],
-    ModelKind.CLASSIFICATION: [
-        {"name": "prediction", "datatype": "BYTES", "shape": [-1]},
-        {"name": "scores", "datatype": "FP64", "shape": [-1, -1]},
-        {"name": "probabilities", "datatype": "FP64", "shape": [-1, -1]},
-        *_DOMAIN_OUTPUTS,
-        # With ``interval``: True where the class (a column) is in the bag's set.
-        {"name": "prediction_set", "datatype": "BOOL", "shape": [-1, -1]},
-    ],
-    ModelKind.CELL: [
-        {"name": "labels", "datatype": "BYTES", "shape": [-1]},
-        # Classifiers: cells per (bag, class) and the classes' mean probabilities; with
-        # the request parameter ``probabilities``: every cell's, columns as the classes.
-        {"name": "population_counts", "datatype": "INT64", "shape": [-1, -1]},
-        {"name": "population_mean_probability", "datatype": "FP64", "shape": [-1, -1]},
-        {"name": "cell_probabilities", "datatype": "FP64", "shape": [-1, -1]},
-        *_DOMAIN_OUTPUTS,
-    ],
-}
-
-
 def _produced(result: Prediction) -> dict[str, np.ndarray]:
-    """The output tensors of a typed result, by name (see :data:`_OUTPUTS`)."""
+    """The output tensors of a typed result, by name (see :data:`OUTPUTS`)."""
     if isinstance(result, CellPrediction):
         out = {"labels": result.estimate}
         optional = {
@@ -157,7 +115,7 @@ def _metadata(svc: ServicesDep, entry: ModelEntry) -> dict[str, Any]:
             {"name": "points", "datatype": "FP64", "shape": [-1, entry.n_features]},
             {"name": "bag_sizes", "datatype": "INT64", "shape": [-1]},
         ],
-        "outputs": _OUTPUTS[entry.kind],
+        "outputs": OUTPUTS[entry.kind],
         "parameters": {"markers": list(panel.markers) if panel else None, "sha256": entry.sha256},
     }
 
@@ -195,140 +153,6 @@ async def model_version_ready(svc: ServicesDep, entry: VersionEntry) -> Response
     return _model_ready(svc, entry)
 
 
-def _tensor(spec: dict[str, Any], binary: bytes | None) -> np.ndarray:
-    name = spec.get("name", "?")
-    dtype = spec.get("datatype")
-    shape = spec.get("shape")
-    if dtype not in _NUMPY:
-        raise Problem(
-            400,
-            f"input {name!r}: unsupported datatype {dtype!r} (numbers and BOOL only)",
-            slug="invalid-tensor",
-        )
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise Problem(
-            400,
-            f"input {name!r}: shape must be a list of non-negative integers",
-            slug="invalid-tensor",
-        )
-    if binary is not None:
-        array = np.frombuffer(binary, dtype=np.dtype(_NUMPY[dtype]).newbyteorder("<"))
-    else:
-        data = spec.get("data")
-        if data is None:
-            raise Problem(400, f"input {name!r} has no data", slug="invalid-tensor")
-        try:
-            array = np.asarray(data, dtype=_NUMPY[dtype]).reshape(-1)
-        except (TypeError, ValueError):
-            raise Problem(
-                400, f"input {name!r}: data are not {dtype} values", slug="invalid-tensor"
-            ) from None
-    expected = int(np.prod(shape)) if shape else 1
-    if array.size != expected:
-        raise Problem(
-            400, f"input {name!r}: {array.size} value(s) for shape {shape}", slug="invalid-tensor"
-        )
-    return array.reshape(shape)
-
-
-def _parse(body: bytes, header_length: str | None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
-            raise Problem(
-                400, "Inference-Header-Content-Length does not fit the body", slug="invalid-binary"
-            )
-        n = int(header_length)
-        head, rest = body[:n], body[n:]
-    else:
-        head, rest = body, b""
-    try:
-        doc = orjson.loads(head)
-    except orjson.JSONDecodeError as exc:
-        raise Problem(
-            400, f"the inference request is not valid JSON ({exc})", slug="invalid-json"
-        ) from exc
-    if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:
-        raise Problem(
-            400, "the inference request needs a non-empty 'inputs' list", slug="invalid-request"
-        )
-    tensors: dict[str, np.ndarray] = {}
-    offset = 0
-    for spec in doc["inputs"]:
-        if not isinstance(spec, dict):
-            raise Problem(400, "every input must be an object", slug="invalid-request")
-        params = spec.get("parameters") or {}
-        binary = None
-        if "binary_data_size" in params:
-            size = int(params["binary_data_size"])
-            binary = rest[offset : offset + size]
-            if len(binary) != size:
-                raise Problem(
-                    400,
-                    f"input {spec.get('name')!r}: binary data shorter than its size",
-                    slug="invalid-binary",
-                )
-            offset += size
-        tensors[str(spec.get("name"))] = _tensor(spec, binary)
-    return doc, tensors
-
-
-def _options(doc: dict[str, Any], entry: ModelEntry) -> PredictOptions:
-    """The request's outputs must exist; its ``interval`` parameter is a coverage."""
-    wanted = {o.get("name") for o in doc.get("outputs") or []}
-    available = [o["name"] for o in _OUTPUTS[entry.kind]]
-    unknown = wanted - set(available)
-    if unknown:
-        raise Problem(
-            400,
-            f"unknown output(s) {sorted(unknown)}; available: {sorted(available)}",
-            slug="invalid-request",
-        )
-    params = doc.get("parameters") or {}
-    return PredictOptions.parse(
-        entry, {k: params.get(k) for k in ("interval", "compensated", "cells", "probabilities")}
-    )
-
-
-def _bags(doc: dict[str, Any], tensors: dict[str, np.ndarray]) -> list[IncomingBag]:
-    if "points" not in tensors:
-        raise Problem(
-            400, f"no input named 'points' (got {sorted(tensors)})", slug="invalid-request"
-        )
-    points = tensors["points"]
-    if points.ndim != 2:
-        raise Problem(
-            400, f"'points' must have shape [n, d], got {list(points.shape)}", slug="invalid-tensor"
-        )
-    points = np.ascontiguousarray(points, dtype=np.float64)
-    sizes = tensors.get("bag_sizes")
-    if sizes is None:
-        sizes = np.array([points.shape[0]])
-    sizes = np.asarray(sizes).reshape(-1)
-    if sizes.dtype.kind not in "iu" or (sizes < 0).any() or int(sizes.sum()) != points.shape[0]:
-        raise Problem(
-            400,
-            f"'bag_sizes' must be non-negative integers summing to {points.shape[0]}",
-            slug="invalid-tensor",
-        )
-    spec = next(s for s in doc["inputs"] if s.get("name") == "points")
-    markers = (spec.get("parameters") or {}).get("markers") or (doc.get("parameters") or {}).get(
-        "markers"
-    )
-    if isinstance(markers, str):
-        markers = [m.strip() for m in markers.split(",")]
-    if markers is not None and (not isinstance(markers, list) or len(markers) != points.shape[1]):
-        raise Problem(
-            400,
-            f"'markers' must name the {points.shape[1]} columns of 'points'",
-            slug="invalid-request",
-        )
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    return [
-        IncomingBag(f"bag-{i}", points[starts[i] : starts[i + 1]], markers, markers)
-        for i in range(sizes.size)
-    ]
-
-
 def _output(name: str, array: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
     array = np.asarray(array)
     if array.dtype.kind in "US":
@@ -363,32 +187,42 @@ def _output(name: str, array: np.ndarray, binary: bool) -> tuple[dict[str, Any],
 
 
 async def _infer(request: Request, svc: ServicesDep, caller: Caller, entry: ModelEntry) -> Response:
-    """Decode tensors → predict → encode tensors."""
-    t0 = time.perf_counter()
-    body = await read_limited(request, svc.settings.max_body_bytes)
-    timings = {"read": time.perf_counter() - t0}
-    # The document is parsed here, before the use-case, because it also carries the
-    # options (``interval``); a problem in it is raised inside the use-case, so that
-    # it is audited like any other.
+    """Read the body, predict on a worker (which decodes the tensors), encode tensors."""
+    check_encoding(request)
+    spec = body_spec(request, protocol="v2")
+    async with svc.intake.body(request) as received:
+        outcome = await svc.predictor.run(
+            caller,
+            entry,
+            received.data,
+            spec,
+            lent=received.lent,
+            timings={"read": received.seconds},
+        )
     t1 = time.perf_counter()
-    try:
-        doc, tensors = _parse(body, request.headers.get(HEADER_LENGTH))
-        options = _options(doc, entry)
-        problem = None
-    except Problem as exc:
-        problem = exc
-    timings["parse"] = time.perf_counter() - t1
+    echo = outcome.echo or {}
+    head, blobs = await encode_off_loop(outcome.result, _answer, outcome, entry, caller, echo)
+    timings = {**outcome.timings, "encode": time.perf_counter() - t1}
+    svc.metrics.observe_stages({"encode": timings["encode"]})
+    headers = provenance_headers(entry, outcome.input_sha256)
+    headers["Server-Timing"] = server_timing(timings)
+    warning = outcome.warning_header()
+    if warning is not None:
+        headers["Warning"] = warning
+    if blobs:
+        headers["Inference-Header-Content-Length"] = str(len(head))
+        return Response(
+            head + b"".join(blobs), media_type="application/octet-stream", headers=headers
+        )
+    return Response(head, media_type="application/json", headers=headers)
 
-    async def decode() -> tuple[list[IncomingBag], list[str]]:
-        if problem is not None:
-            raise problem
-        return _bags(doc, tensors), []
 
-    outcome = await svc.predictor.run(
-        caller, entry, body, decode, PredictOptions() if problem else options, timings=timings
-    )
-    wanted = {o.get("name"): (o.get("parameters") or {}) for o in doc.get("outputs") or []}
-    binary_all = bool((doc.get("parameters") or {}).get("binary_data_output"))
+def _answer(
+    outcome: Outcome, entry: ModelEntry, caller: Caller, echo: dict[str, Any]
+) -> tuple[bytes, list[bytes]]:
+    """The inference answer's JSON head and its binary tensors, if any."""
+    wanted = echo.get("outputs") or {}
+    binary_all = bool(echo.get("binary_data_output"))
     produced = _produced(outcome.result)
     outputs, blobs = [], []
     for n in produced:
@@ -403,7 +237,7 @@ async def _infer(request: Request, svc: ServicesDep, caller: Caller, entry: Mode
     answer = {
         "model_name": entry.name,
         "model_version": entry.version,
-        "id": doc.get("id", caller.request_id),
+        "id": echo.get("id") or caller.request_id,
         "parameters": {
             "request_id": caller.request_id,
             "input_sha256": outcome.input_sha256,
@@ -414,20 +248,98 @@ async def _infer(request: Request, svc: ServicesDep, caller: Caller, entry: Mode
         },
         "outputs": outputs,
     }
-    head = orjson.dumps(answer)
-    headers = provenance_headers(entry, outcome.input_sha256)
-    warning = outcome.warning_header()
-    if warning is not None:
-        headers["Warning"] = warning
-    if blobs:
-        headers["Inference-Header-Content-Length"] = str(len(head))
-        return Response(
-            head + b"".join(blobs), media_type="application/octet-stream", headers=headers
-        )
-    return Response(head, media_type="application/json", headers=headers)
+    return orjson.dumps(answer), blobs
 
 
-@models.post("/models/{name}/infer", summary="Inference")
+_TENSOR_IN: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "datatype", "shape"],
+    "properties": {
+        "name": {"type": "string", "description": "`points` ([n, d]) or `bag_sizes` ([bags])"},
+        "datatype": {"type": "string", "enum": ["FP64", "FP32", "INT64", "INT32"]},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "markers": {"type": "array", "items": {"type": "string"}},
+                "binary_data_size": {"type": "integer", "minimum": 0},
+            },
+        },
+        "data": {"type": "array", "items": {}},
+    },
+}
+_INFER_DOC: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": (
+            "An Open Inference Protocol request: the tensor `points` ([n, d], the bags' "
+            "cells one after another) and, for several bags, `bag_sizes`; marker names in "
+            "the `markers` parameter. With the binary tensor extension the body is "
+            "`application/octet-stream`: the JSON header (Inference-Header-Content-Length "
+            "bytes) and then the tensors' bytes. `Content-Encoding: gzip` is accepted."
+        ),
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["inputs"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "inputs": {"type": "array", "minItems": 1, "items": _TENSOR_IN},
+                        "outputs": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["name"],
+                                "properties": {
+                                    "name": {"type": "string"},
+                                    "parameters": {"type": "object"},
+                                },
+                            },
+                        },
+                        "parameters": {"type": "object"},
+                    },
+                },
+                "example": {
+                    "id": "patient-17",
+                    "inputs": [
+                        {
+                            "name": "points",
+                            "datatype": "FP64",
+                            "shape": [3, 3],
+                            "parameters": {"markers": ["FSC-A", "SSC-A", "GFP"]},
+                            "data": [2.1, 1.0, 0.3, 1.7, 0.8, 1.9, 2.4, 1.3, 0.1],
+                        }
+                    ],
+                },
+            },
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    },
+}
+_INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the output tensors, with the domain report among the parameters",
+        "content": {"application/json": {}, "application/octet-stream": {}},
+    },
+    400: {"description": "a malformed inference request (JSON, tensors, unknown outputs)"},
+    **FORBIDDEN,
+    404: {"description": "unknown model or version"},
+    413: {"description": "over the body, decoded-size, cell or column limits"},
+    415: {"description": "unsupported Content-Encoding"},
+    422: {"description": "invalid bags or parameters (every problem listed)"},
+    503: {"description": "queue full, worker lost or database unreachable; see Retry-After"},
+    504: {"description": "prediction timed out"},
+}
+
+
+@models.post(
+    "/models/{name}/infer",
+    dependencies=[Depends(require(Role.PREDICT))],
+    summary="Inference",
+    openapi_extra=_INFER_DOC,
+    responses=_INFER_RESPONSES,
+)
 async def infer(
     request: Request, svc: ServicesDep, caller: CallerDep, entry: LatestEntry
 ) -> Response:
@@ -435,7 +347,13 @@ async def infer(
     return await _infer(request, svc, caller, entry)
 
 
-@models.post("/models/{name}/versions/{version}/infer", summary="Inference with one version")
+@models.post(
+    "/models/{name}/versions/{version}/infer",
+    dependencies=[Depends(require(Role.PREDICT))],
+    summary="Inference with one version",
+    openapi_extra=_INFER_DOC,
+    responses=_INFER_RESPONSES,
+)
 async def infer_version(
     request: Request, svc: ServicesDep, caller: CallerDep, entry: VersionEntry
 ) -> Response:

@@ -1,0 +1,118 @@
+"""The audit chain: key ids inside the hash, and heads kept elsewhere.
+
+The oracle of each test is an edit made with plain SQL, as someone with write access to
+the database could make it: the chain must name it.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+from bagserve.service.audit import AuditLog, verify
+from bagserve.service.database import Database
+
+from bagserve.cli import main
+
+
+@pytest.fixture
+def chain(tmp_path):
+    """A chain of six records by two keys and one anonymous caller."""
+    log = AuditLog(Database(None, tmp_path, pool_size=1))
+    for i, key in enumerate(["aaaaaaaaaaaa", "bbbbbbbbbbbb", None, "aaaaaaaaaaaa", None, "bbbb"]):
+        log.append(request_id=f"r{i}", api_key_id=key, route="/v1/x", status=200)
+    yield log
+    log.db.close()
+
+
+def sql(tmp_path, statement: str) -> None:
+    with sqlite3.connect(tmp_path / "bagserve.sqlite3") as conn:
+        conn.execute(statement)
+
+
+def cli(*args: str) -> int:
+    return main(["audit", *args])
+
+
+def test_a_record_moved_to_another_key_is_an_edit(chain, tmp_path, capsys):
+    assert chain.verify().ok
+    assert [r["request_id"] for r in chain.recent(10, "bbbbbbbbbbbb")] == ["r1"]
+    sql(tmp_path, "UPDATE audit SET api_key_id = 'bbbbbbbbbbbb' WHERE seq = 1")
+    result = chain.verify()
+    assert not result.ok and "record 1 was moved to another API key" in result.problem
+    # The listing of key b does not show a's record, whatever the column says.
+    assert [r["request_id"] for r in chain.recent(10, "bbbbbbbbbbbb")] == ["r1"]
+    assert cli("verify", "--data-dir", str(tmp_path)) == 1
+    assert "moved to another API key" in capsys.readouterr().err
+    # An anonymous record given a key is caught too (NULL column, null in the record).
+    sql(tmp_path, "UPDATE audit SET api_key_id = 'aaaaaaaaaaaa' WHERE seq = 1")
+    sql(tmp_path, "UPDATE audit SET api_key_id = 'aaaaaaaaaaaa' WHERE seq = 3")
+    assert "record 3 was moved" in chain.verify().problem
+
+
+def test_every_record_keeps_its_key_inside_the_hash(chain):
+    for record in chain.recent(10):
+        assert "api_key_id" in record
+    # An import record (no key) has a NULL column and verifies.
+    chain.append(event="import", source="old.jsonl", lines=0)
+    assert chain.verify().ok
+
+
+def test_a_head_kept_elsewhere_catches_a_cut_tail(chain, tmp_path, capsys):
+    head = tmp_path / "elsewhere" / "head.json"
+    head.parent.mkdir()
+    assert cli("head", "--data-dir", str(tmp_path), "--output", str(head)) == 0
+    taken = json.loads(head.read_text())
+    assert taken["lines"] == 6 and taken["last_hash"] == chain.verify().last_hash
+    chain.append(request_id="r6", api_key_id=None, route="/v1/x", status=200)
+    assert cli("verify", "--data-dir", str(tmp_path), "--head", str(head)) == 0
+    assert "holds the head" in capsys.readouterr().out
+    # Cut the last three records and move the head row back to match: the chain alone
+    # looks intact, the head taken earlier does not.
+    sql(tmp_path, "DELETE FROM audit WHERE seq >= 5")
+    with sqlite3.connect(tmp_path / "bagserve.sqlite3") as conn:
+        last = json.loads(conn.execute("SELECT record FROM audit WHERE seq = 4").fetchone()[0])
+        conn.execute("UPDATE audit_head SET seq = 4, last_hash = ?", (last["hash"],))
+    assert chain.verify().ok
+    assert cli("verify", "--data-dir", str(tmp_path)) == 0
+    capsys.readouterr()
+    assert cli("verify", "--data-dir", str(tmp_path), "--head", str(head)) == 1
+    err = capsys.readouterr().err
+    assert "a head taken earlier counted 6" in err and "removed from the end" in err
+
+
+def test_a_head_kept_elsewhere_catches_a_rewritten_history(chain, tmp_path):
+    earlier = chain.verify()
+    # Rebuild the whole chain with one record changed: every hash is consistent again.
+    records = [
+        json.loads(r)
+        for (r,) in sqlite3.connect(tmp_path / "bagserve.sqlite3").execute(
+            "SELECT record FROM audit ORDER BY seq"
+        )
+    ]
+    sql(tmp_path, "DELETE FROM audit")
+    sql(tmp_path, "UPDATE audit_head SET seq = 0, last_hash = '" + "0" * 64 + "'")
+    for r in records:
+        fields = {k: v for k, v in r.items() if k not in ("time", "prev", "hash")}
+        if fields.get("request_id") == "r2":
+            fields["status"] = 500
+        chain.append(**fields)
+    assert chain.verify().ok
+    result = chain.verify((earlier.lines, earlier.last_hash))
+    assert not result.ok and "record 6 is not the one the head taken earlier names" in (
+        result.problem
+    )
+
+
+def test_an_exported_file_is_checked_against_an_earlier_head(chain, tmp_path, capsys):
+    exported = tmp_path / "trail.jsonl"
+    assert chain.export(exported).ok
+    head = tmp_path / "kept.json"
+    head.write_text(json.dumps({"lines": 6, "last_hash": verify(exported).last_hash}))
+    lines = exported.read_text().splitlines(keepends=True)
+    exported.write_text("".join(lines[:4]))
+    (tmp_path / "trail.jsonl.head").unlink()  # the sidecar went with the cut
+    assert verify(exported).ok
+    assert cli("verify", str(exported), "--head", str(head)) == 1
+    assert "counted 6" in capsys.readouterr().err
