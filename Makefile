@@ -43,6 +43,7 @@ bench: $(BIN)/.dev-installed
 	$(BIN)/python bench/bench_gram.py
 	$(BIN)/python bench/bench_service.py
 	$(BIN)/python bench/bench_jobs.py
+	$(BIN)/python bench/bench_event_loop.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_density.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg_baselines.py
