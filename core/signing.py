@@ -12,12 +12,18 @@ signing fails verification (the reason names it). The artifact's own hashes
 (:func:`~core.artifacts.read_manifest`) are checked before signing: a tampered artifact
 is never signed.
 
+Trusted keys are read once (:func:`load_trusted_keys`, at a service's start-up) and
+pinned by fingerprint: a key file replaced or removed afterwards is refused when a
+model is verified with it, rather than silently trusted, so that changing who may
+release models takes a restart (and shows in the start-up log).
+
 The format's package is an optional extra (``pip install 'bagserve[signing]'``); it is
 imported only when something is signed or verified.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .artifacts import read_manifest
+from .atomic import atomic_write_bytes
 from .errors import ArtifactError
 
 __all__ = [
@@ -36,14 +43,18 @@ __all__ = [
     "SignatureError",
     "Signer",
     "TrustedKey",
+    "key_fingerprint",
     "load_trusted_keys",
     "sign_model",
+    "signature_key_sha256",
     "verify_model",
 ]
 
 #: The signature's name inside the artifact (the model-signing tools' default name).
 SIGNATURE_FILE = "model.sig"
 _KEY_SUFFIXES = (".pub", ".pem")
+#: The curves model-signing's elliptic-curve signer and verifier accept.
+_CURVES = ("secp256r1", "secp384r1", "secp521r1")
 
 
 class SignatureError(ArtifactError):
@@ -59,6 +70,7 @@ class Signer:
     key_sha256: str
 
     def to_json(self) -> dict[str, str]:
+        """As ``/v1/models`` and every answer's ``model`` carry it."""
         return {"signer": self.name, "key_sha256": self.key_sha256, "format": "model-signing"}
 
 
@@ -83,11 +95,39 @@ def _model_signing() -> Any:
     return model_signing
 
 
+def _check_curve(key: Any, what: str) -> None:
+    """Refuse a key model-signing cannot sign or verify with, saying which it needs.
+
+    Checked before model-signing sees the key: an RSA or secp256k1 public key would
+    otherwise be accepted at start-up and refuse every model later, and an RSA private
+    key fails inside model-signing with an AttributeError.
+    """
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    if isinstance(key, ec.EllipticCurvePublicKey | ec.EllipticCurvePrivateKey):
+        if key.curve.name in _CURVES:
+            return
+        kind = f"is on the curve {key.curve.name}"
+    else:
+        kind = f"is not an elliptic-curve key ({type(key).__name__})"
+    raise ValueError(f"{what} {kind}; model-signing needs {', '.join(_CURVES)}")
+
+
 def key_fingerprint(pem: bytes) -> str:
-    """sha256 of a public key in PEM (SubjectPublicKeyInfo), as signatures name it."""
+    """sha256 of a public key in PEM (SubjectPublicKeyInfo), as signatures name it.
+
+    Raises
+    ------
+    ValueError
+        Not a PEM public key, or not on a curve model-signing supports.
+    """
     from cryptography.hazmat.primitives import serialization
 
-    key = serialization.load_pem_public_key(pem)
+    try:
+        key = serialization.load_pem_public_key(pem)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"not a PEM public key ({exc})") from None
+    _check_curve(key, "the public key")
     spki = key.public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
@@ -99,14 +139,22 @@ def load_trusted_keys(entries: Sequence[str]) -> list[TrustedKey]:
     PEM public key, or a directory of them (``*.pub``, ``*.pem``); the name defaults to
     the file's stem.
 
+    A ``NAME=`` given to a directory of several keys is not used: each key is then
+    named by its file's stem, so that a failure names which key.
+
     Raises
     ------
     SignatureError
-        A key file that is missing, unreadable or not an elliptic-curve public key,
-        named; or no key at all in a directory.
+        A key file that is missing, unreadable or not an elliptic-curve public key on a
+        supported curve, named; no key at all in a directory; or the model-signing
+        package is missing (checked here, at start-up, rather than at the first model).
     """
     keys: list[TrustedKey] = []
+    if any(e.strip() for e in entries):
+        _model_signing()
     for entry in entries:
+        if not entry.strip():
+            continue
         name, sep, where = entry.partition("=")
         if not sep:
             name, where = "", entry
@@ -123,8 +171,8 @@ def load_trusted_keys(entries: Sequence[str]) -> list[TrustedKey]:
                 fingerprint = key_fingerprint(f.read_bytes())
             except OSError as exc:
                 raise SignatureError(f"trusted key {f}: {exc.strerror or exc}") from None
-            except (ValueError, TypeError) as exc:
-                raise SignatureError(f"trusted key {f}: not a PEM public key ({exc})") from None
+            except ValueError as exc:
+                raise SignatureError(f"trusted key {f}: {exc}") from None
             label = name.strip() if name.strip() and len(files) == 1 else f.stem
             keys.append(TrustedKey(label, f, fingerprint))
     return keys
@@ -134,107 +182,201 @@ def sign_model(
     model_dir: str | os.PathLike[str],
     private_key: str | os.PathLike[str],
     *,
-    password: str | None = None,
-) -> tuple[Path, str]:
-    """Sign an artifact with an elliptic-curve private key (PEM): writes
-    ``MODEL_DIR/model.sig`` atomically (a new signature replaces an old one).
+    password: str | bytes | None = None,
+) -> Path:
+    """Sign an artifact with an elliptic-curve private key (PEM), offline.
+
+    Writes ``MODEL_DIR/model.sig`` atomically: a new signature replaces an old one
+    whole, and a reader (a service reloading) sees one or the other. The signature is
+    not itself signed (it is model-signing's ignored path), and neither are Git's
+    files, as with model-signing's own CLI.
+
+    Parameters
+    ----------
+    model_dir : path
+        A bagserve artifact (``manifest.json`` and the files it lists).
+    private_key : path
+        PEM, on one of the curves secp256r1, secp384r1, secp521r1.
+    password : str or bytes, optional
+        The private key's password, if it is encrypted.
 
     Returns
     -------
-    signature : Path
-    key_sha256 : str
-        The fingerprint of the signing key's public half.
+    Path
+        The signature; :func:`signature_key_sha256` gives the fingerprint it records.
 
     Raises
     ------
     ArtifactError
         Not a bagserve artifact, or one that does not pass its own hashes.
     SignatureError
-        The key cannot be used.
+        The key cannot be read or used (wrong password, unsupported curve).
     """
     model_dir = Path(model_dir)
     read_manifest(model_dir, verify=True)
     ms = _model_signing()
     hashing = ms.hashing.Config().set_ignored_paths(paths=[SIGNATURE_FILE], ignore_git_paths=True)
-    target = model_dir / SIGNATURE_FILE
-    fd, tmp = tempfile.mkstemp(dir=model_dir.parent, prefix=f".{model_dir.name}.sig.")
-    os.close(fd)
+    from cryptography.hazmat.primitives import serialization
+
+    # model-signing's annotation says str; cryptography, which reads the key, takes bytes.
+    secret = password.encode() if isinstance(password, str) else password
     try:
-        try:
-            # Its annotation says str; cryptography, which reads the key, takes bytes.
-            secret = password.encode() if password is not None else None
-            signer = ms.signing.Config().use_elliptic_key_signer(
-                private_key=Path(private_key), password=secret
-            )
-        except (OSError, ValueError, TypeError) as exc:
-            raise SignatureError(f"signing key {private_key}: {exc}") from None
-        # Written beside the artifact, not in it: the directory is hashed while signing.
-        signer.set_hashing_config(hashing).sign(model_dir, Path(tmp))
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return target, _hint(target)
+        key = serialization.load_pem_private_key(Path(private_key).read_bytes(), secret)
+        _check_curve(key, "the private key")
+        signer = ms.signing.Config().use_elliptic_key_signer(
+            private_key=Path(private_key), password=secret
+        )
+    except OSError as exc:
+        raise SignatureError(f"signing key {private_key}: {exc.strerror or exc}") from None
+    except (ValueError, TypeError) as exc:  # wrong or missing password, not a key
+        raise SignatureError(f"signing key {private_key}: {exc}") from None
+    # Signed into a scratch directory outside the artifact (which is being hashed),
+    # then published into it with a durable atomic rename.
+    with tempfile.TemporaryDirectory(prefix="bagserve-sign-") as scratch:
+        tmp = Path(scratch) / SIGNATURE_FILE
+        signer.set_hashing_config(hashing).sign(model_dir, tmp)
+        return atomic_write_bytes(model_dir / SIGNATURE_FILE, tmp.read_bytes())
 
 
-def _hint(signature: Path) -> str:
-    """The signing key's fingerprint as the signature records it."""
+def signature_key_sha256(model_dir: str | os.PathLike[str]) -> str:
+    """The fingerprint (sha256 of the public key PEM) an artifact's signature records
+    as its signer's; ``""`` when it is unsigned or records none. Not verified."""
     try:
-        bundle = json.loads(signature.read_text())
-        return str(bundle["verificationMaterial"]["publicKey"]["hint"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return _hint(_bundle(Path(model_dir) / SIGNATURE_FILE))
+    except (OSError, ValueError):
         return ""
 
 
-# The messages come inside a list's repr, so their quotes may be escaped.
-_MISMATCH = re.compile(r"Hash mismatch for \\?'([^'\\]+)\\?'")
-_EXTRA = re.compile(r"Extra files found in model '[^']*': (.+?)['\"\]]*$")
-_MISSING = re.compile(r"Missing files in model '[^']*': (.+?)['\"\]]*$")
+def _bundle(signature: Path) -> dict[str, Any]:
+    """The signature file as JSON (a Sigstore bundle); ValueError if it is not one."""
+    bundle = json.loads(signature.read_bytes())
+    if not isinstance(bundle, dict) or "dsseEnvelope" not in bundle:
+        raise ValueError("not a Sigstore bundle")
+    return bundle
+
+
+def _hint(bundle: dict[str, Any]) -> str:
+    """The signing key's fingerprint as the signature records it."""
+    try:
+        return str(bundle["verificationMaterial"]["publicKey"]["hint"])
+    except (KeyError, TypeError):
+        return ""
+
+
+# model-signing reports a mismatch as "Signature mismatch: " and the repr of a list of
+# lines, one per kind of difference, digests included.
+_MISMATCH = re.compile(r"Hash mismatch for '(.+?)': .*", re.DOTALL)
+_EXTRA = re.compile(r"Extra files found in model '.*?': (.+)", re.DOTALL)
+_MISSING = re.compile(r"Missing files in model '.*?': (.+)", re.DOTALL)
 
 
 def _reason(message: str) -> str:
-    """model-signing's mismatch message, in words (files named, digests left out)."""
-    changed = _MISMATCH.findall(message)
-    parts = [f"{', '.join(changed)} changed since it was signed"] if changed else []
-    for pattern, what in ((_EXTRA, "added after signing"), (_MISSING, "missing")):
-        found = pattern.search(message)
-        if found:
-            parts.append(f"{found.group(1)} {what}")
-    return "; ".join(parts) or message[:300]
+    """model-signing's mismatch message, in words: the files named (relative to the
+    artifact), the digests left out; the message itself if it is of another kind."""
+    head, _, listed = message.partition("Signature mismatch: ")
+    try:
+        lines = ast.literal_eval(listed) if not head and listed else None
+    except (ValueError, SyntaxError):
+        lines = None
+    if not isinstance(lines, list) or not lines:
+        return message[:300]
+    changed, parts = [], []
+    for line in map(str, lines):
+        if m := _MISMATCH.fullmatch(line):
+            changed.append(m.group(1))
+        elif m := _EXTRA.fullmatch(line):
+            parts.append(f"{m.group(1)} added after signing")
+        elif m := _MISSING.fullmatch(line):
+            parts.append(f"{m.group(1)} missing since signing")
+        else:
+            parts.append(line[:200])
+    if changed:
+        parts.insert(0, f"{', '.join(changed)} changed since it was signed")
+    return "; ".join(parts)
 
 
-def verify_model(model_dir: str | os.PathLike[str], keys: Sequence[TrustedKey]) -> Signer:
+def verify_model(model_dir: str | os.PathLike[str], trusted_keys: Sequence[TrustedKey]) -> Signer:
     """Verify an artifact's signature against the trusted keys; who signed it.
+
+    The key tried is the one the signature names (its public-key hint, the sha256 of
+    the signer's public key); a signature naming none (model-signing's older format)
+    is tried against each trusted key. Unsigned files are not ignored: a file added to
+    the directory after signing fails verification like a changed one.
+
+    Parameters
+    ----------
+    model_dir : path
+        The artifact.
+    trusted_keys : sequence of TrustedKey
+        From :func:`load_trusted_keys`.
+
+    Returns
+    -------
+    Signer
+        The trusted key's name and fingerprint.
 
     Raises
     ------
     SignatureError
-        Unsigned, signed by a key that is not trusted, or not matching the files (the
-        reason names the files).
+        Naming the artifact and why: unsigned, an unreadable signature, signed by a
+        key that is not trusted, a signature that is not valid for its key, or files
+        that do not match it (named: changed, added or missing since signing); or a
+        trusted key's file changed since it was loaded.
     """
     model_dir = Path(model_dir)
     signature = model_dir / SIGNATURE_FILE
     if not signature.is_file():
-        raise SignatureError(f"unsigned: no {SIGNATURE_FILE} (sign it with `bagserve sign`)")
-    hint = _hint(signature)
-    candidates = [k for k in keys if k.sha256 == hint] or ([] if hint else list(keys))
+        raise SignatureError(
+            f"{model_dir}: unsigned (no {SIGNATURE_FILE}; a release is signed with `bagserve sign`)"
+        )
+    try:
+        hint = _hint(_bundle(signature))
+    except (OSError, ValueError) as exc:
+        raise SignatureError(
+            f"{model_dir}: {SIGNATURE_FILE} is not a readable signature ({exc})"
+        ) from None
+    candidates = [k for k in trusted_keys if k.sha256 == hint] or (
+        [] if hint else list(trusted_keys)
+    )
     if not candidates:
         raise SignatureError(
-            f"signed by a key that is not trusted (key sha256 {hint[:16]}...; trusted: "
-            f"{', '.join(k.name for k in keys) or 'none'})"
+            f"{model_dir}: signed by a key that is not trusted (key sha256 {hint[:16]}...; "
+            f"trusted: {', '.join(k.name for k in trusted_keys) or 'none'})"
         )
+    from cryptography.exceptions import InvalidSignature
+
     ms = _model_signing()
-    problem = "no trusted key"
+    problem = ""
     for key in candidates:
+        _check_pinned(key, model_dir)
         try:
             ms.verifying.Config().use_elliptic_key_verifier(public_key=key.path).verify(
                 model_dir, signature
             )
-        except ValueError as exc:
-            problem = str(exc)
+        except InvalidSignature:
+            problem = f"the signature is not valid for the key of {key.name} (forged or corrupted)"
             continue
-        except Exception as exc:  # a malformed bundle raises from protobuf, json, ...
-            raise SignatureError(f"unreadable signature ({type(exc).__name__}: {exc})") from None
+        except ValueError as exc:
+            problem = _reason(str(exc))
+            continue
+        except Exception as exc:  # a malformed bundle raises from protobuf, base64, ...
+            raise SignatureError(
+                f"{model_dir}: {SIGNATURE_FILE} is not a readable signature "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
         return Signer(key.name, key.sha256)
-    raise SignatureError(f"the signature does not verify: {_reason(problem)}")
+    raise SignatureError(f"{model_dir}: the signature does not verify: {problem}")
+
+
+def _check_pinned(key: TrustedKey, model_dir: Path) -> None:
+    """Refuse a trusted key whose file no longer holds the key loaded at start-up
+    (model-signing reads the key from its file at every verification)."""
+    try:
+        same = key_fingerprint(key.path.read_bytes()) == key.sha256
+    except (OSError, ValueError, TypeError):
+        same = False
+    if not same:
+        raise SignatureError(
+            f"{model_dir}: the file of trusted key {key.name} changed or went missing since "
+            "it was loaded; restart to trust the keys now on disk"
+        )

@@ -3,7 +3,8 @@
 Every artifact is verified (format and sha256 of every file) at start-up; a broken one
 is recorded with its reason and skipped, the others still serve. With trusted release
 keys (``BAGSERVE_TRUSTED_KEYS``), an artifact is served only if its signature verifies
-against one of them (:mod:`bagserve.core.signing`), at start-up and at every reload.
+against one of them (:mod:`bagserve.core.signing`), at start-up and at every reload,
+and only under the name and version its signed manifest records.
 Models are never uploaded over HTTP.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 from bagserve.core.artifacts import ArtifactError
 from bagserve.core.io import Panel
 from bagserve.core.runtime import ArtifactInfo, ModelKind
-from bagserve.core.signing import Signer, TrustedKey, verify_model
+from bagserve.core.signing import SignatureError, Signer, TrustedKey, verify_model
 
 __all__ = ["ModelEntry", "Registry"]
 
@@ -110,6 +111,25 @@ def _without_paths(reason: str, artifact: Path, key: str) -> str:
     return reason
 
 
+def _check_release_place(info: ArtifactInfo, key: str) -> None:
+    """Refuse a signed release served under another name or version than its manifest's.
+
+    A model-signing signature covers the files, not the directory's name; the name and
+    version the manifest records are signed with it. Without this check a signed
+    ``demo-dose/1`` copied to ``demo-dose/2`` (or to another model's name) would be
+    served, and named in every answer and FHIR ``Device``, as a release nobody signed.
+    An artifact whose manifest records no name or version is not checked for it.
+    """
+    meta = info.metadata
+    name, version = key.split("/", 1)
+    signed_as = f"{meta.get('name') or name}/{meta.get('version') or version}"
+    if signed_as != key:
+        raise SignatureError(
+            f"{key}: the signed release is {signed_as} (its manifest's name and version); "
+            "a signature vouches for the release it names, not for a copy under another name"
+        )
+
+
 class Registry:
     """Scan a models directory once; keep the valid artifacts and the reasons for the rest.
 
@@ -153,7 +173,10 @@ class Registry:
                 try:
                     info = ArtifactInfo.read(vdir)
                     info.check_servable()
-                    signer = verify_model(vdir, self.trusted_keys) if self.trusted_keys else None
+                    signer = None
+                    if self.trusted_keys:
+                        signer = verify_model(vdir, self.trusted_keys)
+                        _check_release_place(info, key)
                 except ArtifactError as exc:  # SignatureError included
                     failures[key] = _without_paths(str(exc), vdir, key)
                     continue

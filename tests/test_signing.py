@@ -6,10 +6,16 @@ must verify with it directly), and edits made with plain file writes after signi
 
 from __future__ import annotations
 
+import base64
+import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -20,10 +26,12 @@ from bagserve.core.signing import (
     SignatureError,
     load_trusted_keys,
     sign_model,
+    signature_key_sha256,
     verify_model,
 )
+from bagserve.service.registry import Registry
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from bagserve.cli import main
 
@@ -41,9 +49,11 @@ DOSE_BODY = {
 }
 
 
-def keypair(directory: Path, name: str, password: bytes | None = None) -> tuple[Path, Path]:
-    """An elliptic-curve key pair as PEM files: (private, public)."""
-    key = ec.generate_private_key(ec.SECP256R1())
+def keypair(
+    directory: Path, name: str, password: bytes | None = None, key: Any = None
+) -> tuple[Path, Path]:
+    """A key pair as PEM files, (private, public): ``key``, or a new P-256 key."""
+    key = key or ec.generate_private_key(ec.SECP256R1())
     encryption = (
         serialization.BestAvailableEncryption(password)
         if password
@@ -140,6 +150,129 @@ def test_cli_sign_and_verify_signature(tmp_path, capsys, monkeypatch):
     assert "manifest.json changed since it was signed" in capsys.readouterr().err
     monkeypatch.delenv("RELEASE_KEY_PASSWORD")
     assert main([*sign, "--password-env", "X_UNSET"]) == 1
+
+
+def test_keys_model_signing_cannot_use_are_refused_with_the_reason(tmp_path):
+    models = tmp_path / "models"
+    build_demo_models(models)
+    artifact = models / "demo-dose" / "1"
+    rsa_private, rsa_public = keypair(
+        tmp_path, "rsa", key=rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    )
+    _, k1_public = keypair(tmp_path, "k1", key=ec.generate_private_key(ec.SECP256K1()))
+    with pytest.raises(SignatureError, match=r"rsa\.pub: the public key is not an elliptic"):
+        load_trusted_keys([str(rsa_public)])
+    with pytest.raises(SignatureError, match=r"k1\.pub: the public key is on the curve secp256k1"):
+        load_trusted_keys([str(k1_public)])
+    with pytest.raises(SignatureError, match=r"rsa\.key: the private key is not an elliptic"):
+        sign_model(artifact, rsa_private)
+    locked, _ = keypair(tmp_path, "locked", password=b"right")
+    with pytest.raises(SignatureError, match=r"[Ii]ncorrect password"):
+        sign_model(artifact, locked, password="wrong")
+    with pytest.raises(SignatureError, match="not given"):
+        sign_model(artifact, locked)
+    assert not (artifact / SIGNATURE_FILE).exists()
+
+
+def test_forged_unreadable_resigned_and_replaced_keys(release, tmp_path):
+    models, qa_private, qa_public, other_private = release
+    artifact = models / "demo-dose" / "1"
+    keys = load_trusted_keys([str(qa_public)])
+    signature = artifact / SIGNATURE_FILE
+    good = signature.read_bytes()
+    assert signature_key_sha256(artifact) == keys[0].sha256
+    # One bit of the signature itself flipped: its key is trusted, the signature is not.
+    bundle = json.loads(good)
+    sig = bytearray(base64.b64decode(bundle["dsseEnvelope"]["signatures"][0]["sig"]))
+    sig[-1] ^= 1
+    bundle["dsseEnvelope"]["signatures"][0]["sig"] = base64.b64encode(bytes(sig)).decode()
+    signature.write_text(json.dumps(bundle))
+    with pytest.raises(SignatureError, match="not valid for the key of lab-qa"):
+        verify_model(artifact, keys)
+    signature.write_text("not a signature")
+    with pytest.raises(SignatureError, match=r"model\.sig is not a readable signature"):
+        verify_model(artifact, keys)
+    signature.write_bytes(good)
+    # A file removed after signing (the CLI sees it; the service's own hashes first).
+    array = sorted((artifact / "arrays").glob("*.npy"))[-1]
+    content = array.read_bytes()
+    array.unlink()
+    with pytest.raises(SignatureError, match=f"arrays/{array.name} missing since signing"):
+        verify_model(artifact, keys)
+    array.write_bytes(content)
+    # Re-signing replaces the signature whole: the new signer, no leftover file.
+    listing = sorted(p.name for p in artifact.iterdir())
+    sign_model(artifact, other_private)
+    assert sorted(p.name for p in artifact.iterdir()) == listing
+    with pytest.raises(SignatureError, match="not trusted"):
+        verify_model(artifact, keys)
+    sign_model(artifact, qa_private)
+    assert verify_model(artifact, keys).name == "lab-qa"
+    # The trusted key's file replaced after it was loaded: refused, not silently trusted.
+    _, intruder_public = keypair(tmp_path, "swap")
+    qa_public.write_bytes(intruder_public.read_bytes())
+    with pytest.raises(SignatureError, match="trusted key lab-qa changed or went missing"):
+        verify_model(artifact, keys)
+
+
+def test_registry_binds_a_release_to_its_name_and_version(release):
+    models, _, qa_public, _ = release
+    keys = load_trusted_keys([str(qa_public)])
+    # A signed release copied under another version: its files verify, its place not.
+    shutil.copytree(models / "demo-dose" / "1", models / "demo-dose" / "2")
+    registry = Registry(models, keys)
+    assert [e.key for e in registry.all()] == ["demo-dose/1"]
+    assert registry.all()[0].signer is not None
+    assert "the signed release is demo-dose/1" in registry.failures["demo-dose/2"]
+    assert registry.failures["demo-gating/1"].startswith("demo-gating/1: unsigned")
+    assert str(models) not in str(registry.failures)
+    # Reloads (plans) apply the same rules.
+    plan = registry.plan("demo-dose")
+    assert [e.key for e in plan.all()] == ["demo-dose/1"] and "demo-dose/2" in plan.failures
+    # Without trusted keys nothing is verified or shown: today's behaviour.
+    plain = Registry(models)
+    assert {e.key for e in plain.all()} == {"demo-dose/1", "demo-dose/2", "demo-gating/1"}
+    assert all(e.signer is None and "signature" not in e.describe() for e in plain.all())
+    assert "## Signature" not in plain.get("demo-dose", "1").card()
+
+
+def test_model_signing_is_imported_only_when_needed(tmp_path, monkeypatch):
+    code = (
+        "import sys\n"
+        "from bagserve.service.app import create_app\n"
+        "from bagserve.service.settings import Settings\n"
+        f"create_app(Settings(models_dir={str(tmp_path)!r}))\n"
+        "assert 'model_signing' not in sys.modules, 'imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    version = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "bagserve", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "model_signing" not in version.stderr
+    # Without the package, trusted keys stop the start-up and say what to install.
+    monkeypatch.setitem(sys.modules, "model_signing", None)
+    with pytest.raises(SignatureError, match=r"pip install 'bagserve\[signing\]'"):
+        load_trusted_keys([str(tmp_path / "any.pub")])
+
+
+def test_cli_trusted_key_forms(release, capsys):
+    models, _, qa_public, _ = release
+    artifact = str(models / "demo-dose" / "1")
+    _, unrelated = keypair(qa_public.parent.parent, "unrelated")
+    many = ["--trusted-key", str(unrelated), "--trusted-key", f"QA={qa_public}"]
+    assert main(["verify-signature", artifact, *many]) == 0
+    assert "signed by QA" in capsys.readouterr().out
+    as_json = json.dumps([str(unrelated), f"QA={qa_public}"])
+    assert main(["verify-signature", artifact, "--trusted-keys", as_json]) == 0
+    capsys.readouterr()
+    assert main(["verify-signature", artifact, "--trusted-key", str(unrelated)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {artifact}: signed by a key that is not trusted")
+    assert main(["verify-signature", artifact, "--trusted-key", artifact]) == 1
+    assert "no *.pub or *.pem file" in capsys.readouterr().err
 
 
 def test_the_service_serves_only_signed_models_and_names_the_signer(release, validator):  # noqa: F811
