@@ -55,48 +55,59 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def predict_files(
-    model_path: str | Path, files: Sequence[str | Path], *, compensated: bool = False
+    model_path: str | Path,
+    files: Sequence[str | Path],
+    *,
+    compensated: bool = False,
+    coverage: float | None = 0.9,
+    cells: bool = False,
 ) -> dict[str, Any]:
-    """Predictions of a saved model for sample files, with the model's provenance.
+    """Predictions of a saved model for sample files, as the service answers them.
+
+    Every result carries the same trust fields as the service's JSON answer: the
+    status under the model's out-of-domain policy, the domain report, the interval
+    (or prediction set) of ``coverage`` where the model has one, the file's sha256
+    (``input_sha256``); the model's sha256 heads the answer.
 
     ``compensated``: the files hold compensated cells already; the model's own
-    compensation (if it has one) is skipped.
+    compensation (if it has one) is skipped. ``cells``: a per-cell model's label of
+    every cell besides its population summary.
     """
+    from .core.hashing import file_sha256
     from .core.io import read_sample
-    from .core.runtime import CellPrediction, ModelRuntime
+    from .core.policy import review_warnings
+    from .core.runtime import ModelRuntime
+    from .service.encoders import encode_document
 
     runtime = ModelRuntime.open(model_path)
     info = runtime.info
+    if coverage is not None and info.interval_problem(coverage) is not None:
+        coverage = None  # the model has no interval: answer without one, as it can
+    names = [str(f) for f in files]
     samples = [read_sample(f) for f in files]
-    result = runtime.predict(runtime.align(samples, compensated=compensated))
-    out: dict[str, Any] = {
+    result = runtime.predict(runtime.align(samples, compensated=compensated), coverage=coverage)
+    meta = {
         "model": {
             "name": info.metadata.get("name"),
             "version": info.metadata.get("version"),
-            "class": info.estimator,
+            "sha256": info.sha256,
+            "estimator": info.estimator,
             "kind": str(info.kind),
-            "manifest_sha256": info.sha256,
         },
-        "results": [],
+        "warnings": review_warnings(result, names),
     }
-    for i, f in enumerate(files):
-        row: dict[str, Any] = {"file": str(f)}
-        if isinstance(result, CellPrediction):
-            assert result.domain is not None
-            if result.population(i) is not None:
-                row["population"] = result.population(i)
-            row.update(
-                predictions=result.labels_of(i).tolist(),
-                out_of_range=bool(result.domain.out_of_range[i]),
-                nearest_training_tasks=result.domain.nearest_of(i),
-                similarities=result.domain.similarities_of(i),
-            )
-        else:
-            row["prediction"] = result.estimate[i].tolist()
-        if result.domain is not None:
-            row["domain"] = info.domain_of(result.domain, i)
-        out["results"].append(row)
-    return out
+    doc = encode_document(
+        result, names, meta, info, inputs=[file_sha256(f) for f in files], cells=cells
+    )
+    return _as_results(doc, names)
+
+
+def _as_results(answer: dict[str, Any], files: Sequence[str]) -> dict[str, Any]:
+    """A predict answer (the service's or its local twin) keyed by the files asked for:
+    ``results`` in the order of ``files``, each with its ``file``."""
+    head = {k: v for k, v in answer.items() if k != "predictions"}
+    results = [{"file": f, **p} for f, p in zip(files, answer["predictions"], strict=True)]
+    return {**head, "results": results}
 
 
 def _remote_predict(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,12 +120,21 @@ def _remote_predict(args: argparse.Namespace) -> dict[str, Any]:
     key = args.api_key or os.environ.get("BAGSERVE_API_KEY")
     try:
         with Client(args.url, api_key=key) as client:
-            answer = client.predict_files(
-                name,
-                args.files,
-                version=version or None,
-                params={"compensated": "true"} if args.compensated else None,
+            # Ask for what the model gives: an interval where it is calibrated, the
+            # population summary (or every cell) where it labels cells.
+            described = client.model(name)
+            wanted = version or described.get("latest")
+            about = next(
+                (v for v in described.get("versions", []) if v.get("version") == wanted), {}
             )
+            params: dict[str, str] = {}
+            if about.get("kind") == "cell":
+                params["cells"] = "true" if args.cells else "false"
+            elif about.get("calibrated") and args.interval is not None:
+                params["interval"] = str(args.interval)
+            if args.compensated:
+                params["compensated"] = "true"
+            answer = client.predict_files(name, args.files, version=version or None, params=params)
     except BagserveError as exc:
         if exc.status == 404:
             # Say what is missing, and what the service has instead.
@@ -122,24 +142,82 @@ def _remote_predict(args: argparse.Namespace) -> dict[str, Any]:
                 f"unknown model {args.model!r} at {args.url}: {exc.problem.get('detail', exc)}"
             ) from exc
         raise ValueError(str(exc)) from exc
-    results = []
-    for f, p in zip(args.files, answer["predictions"], strict=True):
-        row: dict[str, Any] = {"file": str(f)}
-        if "labels" in p:
-            if "population" in p:
-                row["population"] = p["population"]
-            row.update(predictions=p["labels"], out_of_range=p["report"]["out_of_range"])
+    return _as_results(answer, [str(f) for f in args.files])
+
+
+def results_table(result: dict[str, Any]) -> list[list[Any]]:
+    """The CSV of :func:`predict_files` (or of a service's answer): one row per file
+    (per file and population for per-cell models, per cell with ``cells``), each with
+    its trust fields: interval, out_of_range, domain score, status, the file's and the
+    model's sha256, and why a withheld value is absent."""
+    rows = result["results"]
+    model_sha = result["model"].get("sha256", "")
+    per_cell = any("report" in r for r in rows)
+    with_cells = per_cell and any("labels" in r for r in rows)
+    width = max(
+        (len(r["prediction"]) for r in rows if isinstance(r.get("prediction"), list)), default=0
+    )
+    if with_cells:
+        values = ["cell", "label"]
+    elif per_cell:
+        values = ["class", "count", "percent"]
+    elif width:
+        values = [f"prediction_{j}" for j in range(width)]
+    else:
+        values = ["prediction"]
+    interval = any("interval" in r for r in rows)
+    sets = any("set" in r for r in rows)
+    trust = [
+        *(["interval_lo", "interval_hi"] if interval else []),
+        *(["set"] if sets else []),
+        "out_of_range",
+        "domain_score",
+        "status",
+        "file_sha256",
+        "model_sha256",
+        "withheld",
+    ]
+    table: list[list[Any]] = [["file", *values, *trust]]
+    for r in rows:
+        domain = r.get("domain") or {}
+        report = r.get("report") or {}
+        flag = domain.get("out_of_range", report.get("out_of_range"))
+        tail = [
+            *(list(r.get("interval") or ["", ""]) if interval else []),
+            *(["|".join(str(c) for c in r["set"]) if "set" in r else ""] if sets else []),
+            "" if flag is None else int(bool(flag)),
+            domain.get("score", ""),
+            r.get("status", ""),
+            r.get("input_sha256", ""),
+            model_sha,
+            r.get("withheld", ""),
+        ]
+        if with_cells:
+            body = [[j, label] for j, label in enumerate(r.get("labels") or [])] or [["", ""]]
+        elif per_cell:
+            body = [[p["class"], p["count"], p["percent"]] for p in r.get("population") or []] or [
+                ["", "", ""]
+            ]
+        elif width:
+            body = [list(r["prediction"]) if r.get("prediction") is not None else [""] * width]
         else:
-            row["prediction"] = p["prediction"]
-        results.append(row)
-    return {"model": answer["model"], "request_id": answer["request_id"], "results": results}
+            p = r.get("prediction")
+            body = [["" if p is None else p]]
+        table += [[r["file"], *b, *tail] for b in body]
+    return table
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
     result = (
         _remote_predict(args)
         if args.url
-        else predict_files(args.model, args.files, compensated=args.compensated)
+        else predict_files(
+            args.model,
+            args.files,
+            compensated=args.compensated,
+            coverage=args.interval,
+            cells=args.cells,
+        )
     )
     if args.format == "json":
         text = json.dumps(result, default=str)
@@ -147,17 +225,11 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         from .core.io.spreadsheet import SafeWriter
 
         buf = io.StringIO()
-        writer = SafeWriter(buf, lineterminator="\n")
-        if result["results"] and "predictions" in result["results"][0]:
-            writer.writerow(["file", "cell", "prediction"])
-            for r in result["results"]:
-                for i, p in enumerate(r["predictions"]):
-                    writer.writerow([r["file"], i, p])
-        else:
-            writer.writerow(["file", "prediction"])
-            for r in result["results"]:
-                writer.writerow([r["file"], r["prediction"]])
+        SafeWriter(buf, lineterminator="\n").writerows(results_table(result))
         text = buf.getvalue().rstrip("\n")
+    # Flags reach whoever runs the command, not only the file it writes.
+    for warning in result.get("warnings") or []:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.output:
         Path(args.output).write_text(text + "\n")
     else:
@@ -428,6 +500,17 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("model")
     pr.add_argument("files", nargs="+")
     pr.add_argument("--format", choices=("json", "csv"), default="json")
+    pr.add_argument(
+        "--interval",
+        type=float,
+        default=0.9,
+        help="coverage of the prediction interval or set, where the model has one (default 0.9)",
+    )
+    pr.add_argument(
+        "--cells",
+        action="store_true",
+        help="per-cell models: every cell's label (default: the population summary)",
+    )
     pr.add_argument("--output", help="write here instead of stdout")
     pr.add_argument("--url", help="use a running service (MODEL is then name or name/version)")
     pr.add_argument("--api-key", help="service API key (default: BAGSERVE_API_KEY)")

@@ -88,6 +88,62 @@ def estimator_class(name: str) -> type:
     return cls
 
 
+# ----------------------------------------------------------------------- alignment
+#: Every array a model computes with sits at a multiple of this many bytes: BLAS and
+#: numpy's vector loops round differently at different alignments (the last bit of a
+#: sum moves), so a model only predicts bit for bit alike in memory, loaded, and
+#: memory-mapped (where the NPY format puts data at multiples of 64) if all three
+#: agree on it.
+ALIGNMENT = 64
+
+
+def aligned(a: np.ndarray) -> np.ndarray:
+    """``a`` itself if it starts at a multiple of :data:`ALIGNMENT` bytes, else a copy
+    that does (same values, dtype, shape and writeability, C order)."""
+    if a.ctypes.data % ALIGNMENT == 0 and a.flags.c_contiguous:
+        return a
+    buf = np.empty(a.nbytes + ALIGNMENT, dtype=np.uint8)
+    start = (-buf.ctypes.data) % ALIGNMENT
+    out = buf[start : start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    out.flags.writeable = a.flags.writeable
+    return out
+
+
+def canonical_alignment(obj: Any) -> Any:
+    """Move every array of a fitted model (its estimators, representations, embeddings
+    and bags) to :func:`aligned` memory, in place, dropping what was cached from the
+    old copies; returns ``obj`` (or its aligned copy, for an array)."""
+    if isinstance(obj, np.ndarray):
+        return aligned(obj)
+    if isinstance(obj, list):
+        obj[:] = [canonical_alignment(v) for v in obj]
+    elif isinstance(obj, tuple):
+        return tuple(canonical_alignment(v) for v in obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            obj[k] = canonical_alignment(v)
+    elif isinstance(obj, Bags):
+        obj._points = aligned(obj._points)
+        obj._offsets = aligned(obj._offsets)
+        if obj._weights is not None:
+            obj._weights = aligned(obj._weights)
+    elif isinstance(obj, FeatureEmbedding):
+        obj.features = aligned(obj.features)
+        obj._sqnorms = None
+    elif isinstance(obj, SetKernelEmbedding):
+        canonical_alignment(obj.bags)
+        if obj._self is not None:
+            obj._self = aligned(obj._self)
+    elif isinstance(obj, BaseEstimator):
+        for k, v in list(vars(obj).items()):
+            if k == "_last_distances":
+                setattr(obj, k, None)  # distances computed with the old copies
+            elif not k.startswith("__"):
+                setattr(obj, k, canonical_alignment(v))
+    return obj
+
+
 # ----------------------------------------------------------------------- encoding
 class _Encoder:
     """Turns fitted objects into JSON plus named arrays (and back)."""
@@ -204,9 +260,7 @@ class _Decoder:
             raise ArtifactError("malformed manifest: estimator without parameters")
         if tag == "__bags__":
             w = None if body["weights"] is None else self.decode(body["weights"])
-            return Bags(
-                self.decode(body["points"]), self.decode(body["offsets"]), w, validate=False
-            )
+            return Bags.from_stored(self.decode(body["points"]), self.decode(body["offsets"]), w)
         if tag == "__feature_embedding__":
             return FeatureEmbedding(self.decode(body["features"]), body["geometry"])
         if tag == "__set_kernel_embedding__":
@@ -365,6 +419,9 @@ def save(
         (tmp / MANIFEST).write_text(
             json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8"
         )
+    if not pickle:
+        # The model in memory and every loaded copy then compute bit for bit alike.
+        canonical_alignment(model)
     return path
 
 
@@ -449,8 +506,11 @@ def load(
         if rel not in files:
             raise ArtifactError(f"{path}: manifest refers to an unlisted array {name!r}")
         try:
-            return np.load(path / rel, allow_pickle=False, mmap_mode="r" if mmap else None)
+            array = np.load(path / rel, allow_pickle=False, mmap_mode="r" if mmap else None)
         except ValueError as exc:
             raise ArtifactError(f"{path}: array {rel} is unreadable ({exc})") from exc
+        # A memory map starts at a multiple of 64 (the NPY header's padding); a read
+        # array wherever the allocator put it.
+        return array if mmap else aligned(array)
 
     return _Decoder(load_array).estimator(manifest["model"])

@@ -148,6 +148,23 @@ class Bags:
 
     # ------------------------------------------------------------------ building
     @classmethod
+    def from_stored(
+        cls,
+        points: NDArray[np.float64],
+        offsets: NDArray[np.int64],
+        weights: NDArray[np.float64] | None,
+    ) -> Bags:
+        """Bags as :attr:`points`, :attr:`offsets` and :attr:`weights` held them, kept as
+        they are: the weights are normalised already, and normalising them again would
+        move their last bits (a stored model must compute as it did when saved)."""
+        bags = cls(points, offsets, None, validate=False)
+        if weights is not None:
+            w = np.asarray(weights, dtype=np.float64)
+            w.flags.writeable = False
+            bags._weights = w
+        return bags
+
+    @classmethod
     def from_arrays(
         cls,
         arrays: Sequence[ArrayLike] | NDArray[Any],

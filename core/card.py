@@ -18,6 +18,17 @@ from typing import Any
 __all__ = ["render_card"]
 
 #: Metrics shown in the card's table (the others stay in report/metrics.json).
+#: What each out-of-domain policy (:mod:`core.policy`) does, for the card's readers.
+_POLICY_TEXT = {
+    "flag": "Out-of-domain policy `flag`: such answers are released as final, flagged.",
+    "preliminary": "Out-of-domain policy `preliminary`: such answers are released as "
+    "preliminary, for a person to confirm.",
+    "withhold": "Out-of-domain policy `withhold`: such answers carry no value, only why.",
+}
+_CALIBRATION_TEXT = {
+    "cv+": "conformal CV+ (the hyperparameter search repeated inside every calibration fold)",
+    "jackknife+": "conformal jackknife+ (closed-form leave-one-out residuals)",
+}
 _SHOWN = ("scheme", "n_folds", "accuracy", "macro_f1", "rmse", "mae", "r2", "spearman")
 
 
@@ -68,9 +79,11 @@ def render_card(
     ]
     if model_cfg.get("limitations"):
         lines += ["## Limitations", "", str(model_cfg["limitations"]), ""]
+    policy = (metadata.get("serving") or {}).get("out_of_domain", "preliminary")
     lines += [
         "Every answer carries an applicability-domain report: a bag unlike the training "
-        "bags is flagged `out_of_range` and should not be trusted without review.",
+        "bags is flagged `out_of_range` and should not be trusted without review. "
+        + _POLICY_TEXT.get(str(policy), f"Out-of-domain policy: `{policy}`."),
         "",
         "## Model",
         "",
@@ -108,6 +121,24 @@ def render_card(
         lines.append(f"- Labels: one per {metadata['label_level']}")
     if metadata.get("training_data_sha256"):
         lines.append(f"- Data sha256: `{metadata['training_data_sha256']}`")
+    grouping = metadata.get("grouping") or {}
+    if grouping.get("by") == "groups":
+        lines.append(
+            f"- Subjects: {grouping.get('n_groups')} (`{grouping.get('table')}`, column "
+            f"`{grouping.get('column')}`; up to {grouping.get('bags_per_group_max')} bags "
+            "each): folds, calibration and the domain check leave whole subjects out"
+        )
+    elif grouping:
+        repeats = grouping.get("suspected_repeats") or {}
+        lines.append(
+            "- Subjects: not given; every bag counts as a subject of its own"
+            + (
+                f" (the file names suggest repeated subjects: {', '.join(list(repeats)[:5])}; "
+                "the metrics and intervals below may be optimistic)"
+                if repeats
+                else ""
+            )
+        )
     metrics = metadata.get("metrics") or {}
     shown = {k: metrics[k] for k in _SHOWN if k in metrics}
     if shown:
@@ -117,6 +148,14 @@ def render_card(
     other = {k: v for k, v in metrics.items() if k not in shown and isinstance(v, int | float)}
     for k, v in other.items():
         lines.append(f"- {k}: {_fmt(v)}")
+    cal = metadata.get("calibration")
+    if isinstance(cal, dict):
+        lines.append(
+            "- Intervals: "
+            + _CALIBRATION_TEXT.get(str(cal.get("method")), str(cal.get("method")))
+            + (" by leave-subject-out" if cal.get("groups") else "")
+            + ("; widened with the domain score" if cal.get("scaling") == "domain" else "")
+        )
     calibration = metadata.get("probability_calibration")
     if calibration:
         lines.append(

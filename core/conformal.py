@@ -66,6 +66,9 @@ def jackknife_plus_interval(
     loo_predictions: NDArray[np.float64],
     loo_residuals: NDArray[np.float64],
     coverage: float,
+    *,
+    scale: NDArray[np.float64] | None = None,
+    train_scale: NDArray[np.float64] | None = None,
 ) -> NDArray[np.float64]:
     """Jackknife+ prediction intervals (Barber et al. 2021, eq. 6).
 
@@ -90,6 +93,11 @@ def jackknife_plus_interval(
         Signed or absolute leave-one-out residuals (their absolute value is used).
     coverage : float in (0, 1)
         ``1 - α``.
+    scale, train_scale : ndarray of shape (m,) and (n,), optional
+        Normalised (locally weighted) scores: each residual is divided by its training
+        point's scale ``σ_i`` and multiplied by the new input's ``σ(x)``, so that the
+        interval is ``μ̂_{-i}(x) ∓ σ(x)·R_i/σ_i`` (Lei et al., JASA 2018, §5.2). Both or
+        neither.
 
     Returns
     -------
@@ -105,6 +113,8 @@ def jackknife_plus_interval(
         out[..., 1] = np.inf
         return out
     R = np.abs(loo_residuals)[None, :, :]
+    if scale is not None and train_scale is not None:
+        R = R / train_scale[None, :, None] * scale[:, None, None]
     # np.partition puts the (k-1)-th order statistic in place along the model axis.
     out[..., 0] = np.partition(loo_predictions - R, k_lo - 1, axis=1)[:, k_lo - 1, :]
     out[..., 1] = np.partition(loo_predictions + R, k_hi - 1, axis=1)[:, k_hi - 1, :]
@@ -115,6 +125,9 @@ def jackknife_plus_set(
     new_scores: NDArray[np.float64],
     loo_scores: NDArray[np.float64],
     coverage: float,
+    *,
+    scale: NDArray[np.float64] | None = None,
+    train_scale: NDArray[np.float64] | None = None,
 ) -> NDArray[np.bool_]:
     """Jackknife+ prediction sets from nonconformity scores (larger = stranger).
 
@@ -139,6 +152,9 @@ def jackknife_plus_set(
     loo_scores : ndarray of shape (n,)
         ``E_i``.
     coverage : float in (0, 1)
+    scale, train_scale : ndarray of shape (m,) and (n,), optional
+        Normalised scores ``E/σ``: the new input's scores are divided by ``σ(x)``, the
+        training points' by ``σ_i`` (both or neither).
 
     Returns
     -------
@@ -148,6 +164,9 @@ def jackknife_plus_set(
     """
     n = new_scores.shape[1]
     _, k_hi = jackknife_plus_ranks(n, coverage)
+    if scale is not None and train_scale is not None:
+        new_scores = new_scores / scale[:, None, None]
+        loo_scores = loo_scores / train_scale
     # For an integer count, count < (1-α)(n+1) ⇔ count < ⌈(1-α)(n+1)⌉.
     beaten = np.count_nonzero(loo_scores[None, :, None] < new_scores, axis=1)
     return beaten < k_hi

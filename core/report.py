@@ -227,16 +227,26 @@ def tables(
             }
             for b in range(n_bags)
         ]
-    elif classifier:
-        out["per_sample"] = [
-            {"file": n, "label": str(t), "prediction": str(p), "correct": bool(t == p)}
-            for n, t, p in zip(names, y.tolist(), pred.tolist(), strict=True)
-        ]
     else:
-        out["per_sample"] = [
-            {"file": n, "label": float(t), "prediction": float(p), "residual": float(t - p)}
-            for n, t, p in zip(names, y.tolist(), pred.tolist(), strict=True)
-        ]
+        # Which fold held each bag out (the last repeat's): whole subjects per fold when
+        # the data name them, checkable here.
+        fold_of = np.full(n_bags, -1)
+        for index, val in _last_partition(folds, n_bags):
+            fold_of[val] = index
+        if classifier:
+            out["per_sample"] = [
+                {"file": n, "fold": int(f), "label": str(t), "prediction": str(p),
+                 "correct": bool(t == p)}
+                for n, f, t, p in zip(names, fold_of.tolist(), y.tolist(), pred.tolist(),
+                                      strict=True)
+            ]  # fmt: skip
+        else:
+            out["per_sample"] = [
+                {"file": n, "fold": int(f), "label": float(t), "prediction": float(p),
+                 "residual": float(t - p)}
+                for n, f, t, p in zip(names, fold_of.tolist(), y.tolist(), pred.tolist(),
+                                      strict=True)
+            ]  # fmt: skip
     rows = []
     for index, val in _last_partition(folds, n_bags):
         idx = cells(val)
@@ -322,6 +332,20 @@ def html(
             "Chosen parameters",
         ),
     ]
+    grouping = summary.get("grouping")
+    if grouping:
+        row = {k: v for k, v in grouping.items() if not isinstance(v, dict)}
+        if grouping.get("suspected_repeats"):
+            row["suspected_repeats"] = ", ".join(
+                f"{k} ({n})" for k, n in grouping["suspected_repeats"].items()
+            )
+        parts.append(
+            table(
+                [row],
+                "How the folds were grouped (by groups: whole subjects left out; by bags: "
+                "every bag a subject of its own)",
+            )
+        )
     edges = summary.get("grid_edges") or []
     if edges:
         items = "".join(f"<li>{esc.escape(describe_edge(e))}</li>" for e in edges)

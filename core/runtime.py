@@ -40,6 +40,7 @@ from .estimators import ConditionalMeanEmbedding
 from .estimators.transfer import _MarginalTransfer
 from .fhir_coding import OutputCoding
 from .io import Panel, Preprocessing, Sample
+from .policy import DEFAULT_POLICY, FINAL, POLICIES, WITHHELD, statuses, withheld_reason
 
 __all__ = [
     "ArtifactInfo",
@@ -102,6 +103,9 @@ class Prediction(abc.ABC):
     clipped : ndarray of int, shape (n_bags,), or None
         Points of each bag that lay outside the training range and were clipped into
         it (representations with a bounded domain).
+    status : ndarray of str, shape (n_bags,), or None
+        ``"final"``, ``"preliminary"`` or ``"withheld"`` per bag, from the model's
+        out-of-domain policy (:mod:`core.policy`); ``None`` reads as final.
     """
 
     kind: ClassVar[ModelKind]
@@ -110,10 +114,19 @@ class Prediction(abc.ABC):
     domain: DomainReport | None = field(default=None, kw_only=True)
     interval: NDArray[np.float64] | None = field(default=None, kw_only=True)
     clipped: NDArray[np.int64] | None = field(default=None, kw_only=True)
+    status: NDArray[Any] | None = field(default=None, kw_only=True)
 
     @property
     def n_bags(self) -> int:
         return int(self.sizes.shape[0])
+
+    def status_of(self, i: int) -> str:
+        """Bag ``i``'s status (:mod:`core.policy`)."""
+        return FINAL if self.status is None else str(self.status[i])
+
+    def released(self, i: int) -> bool:
+        """Whether bag ``i``'s value may be shown (not withheld by the policy)."""
+        return self.status_of(i) != WITHHELD
 
     @property
     @abc.abstractmethod
@@ -349,7 +362,10 @@ class ArtifactInfo:
         """Names of the training bags (file names), in the model's order; empty for a
         model trained from arrays or before names were recorded."""
         bags = self.metadata.get("training_bags") or []
-        return [str(b.get("name", "")) if isinstance(b, Mapping) else str(b) for b in bags]
+        names = [str(b.get("name", "")) if isinstance(b, Mapping) else str(b) for b in bags]
+        # Models trained before names were stable recorded paths relative to the
+        # configuration: the file name is all an answer should show of them.
+        return [n.replace("\\", "/").rsplit("/", 1)[-1] for n in names]
 
     def nearest_names(self, domain: DomainReport, i: int) -> list[str]:
         """The nearest training bags of bag ``i`` of a domain report, by name (file
@@ -372,6 +388,23 @@ class ArtifactInfo:
     @property
     def metadata(self) -> dict[str, Any]:
         return dict(self.manifest.get("metadata") or {})
+
+    @property
+    def out_of_domain_policy(self) -> str:
+        """What answers do for a bag outside the applicability domain (:mod:`core.policy`):
+        the training configuration's ``[serving] out_of_domain``, else the default."""
+        policy = (self.metadata.get("serving") or {}).get("out_of_domain", DEFAULT_POLICY)
+        # A policy this version does not know (a newer bagserve's) fails safe.
+        return policy if policy in POLICIES else "withhold"
+
+    def withheld_reason(self, domain: DomainReport, i: int) -> str:
+        """Why bag ``i``'s answer was withheld, with its nearest training samples."""
+        threshold = self._state.get("domain_threshold_")
+        nearest = ", ".join(self.nearest_names(domain, i)) or "not recorded"
+        return (
+            withheld_reason(float(domain.score[i]), None if threshold is None else float(threshold))
+            + f"; nearest training samples: {nearest}"
+        )
 
     @property
     def sha256(self) -> str:
@@ -452,8 +485,10 @@ class ArtifactInfo:
     @property
     def calibrated(self) -> bool:
         """The model stores what intervals, prediction sets and calibrated probabilities
-        need (the leave-one-bag-out residuals of bag-level ridge models)."""
-        return "loo_residuals_" in self._state or self.kind is ModelKind.CONDITIONAL
+        need (the held-out residuals of bag-level ridge models)."""
+        state = self._state
+        held_out = "loo_residuals_" in state or "cv_residuals_" in state
+        return held_out or self.kind is ModelKind.CONDITIONAL
 
     def interval_problem(self, coverage: float) -> str | None:
         """Why an interval (or set) of ``coverage`` cannot be asked of this model
@@ -517,6 +552,8 @@ class ArtifactInfo:
             "created": self.manifest.get("created"),
             "training_data_sha256": meta.get("training_data_sha256"),
             "sha256": self.sha256,
+            "calibrated": self.calibrated,
+            "out_of_domain": self.out_of_domain_policy,
         }
 
 
@@ -627,6 +664,24 @@ class ModelRuntime:
             raise ValueError(problem)
         if not preprocessed:
             bags = self.preprocess(bags)
+        result = self._predict(bags, quantiles, exceed, coverage, probabilities)
+        # The one place the out-of-domain policy is applied: every door reads status.
+        domain = result.domain
+        status = statuses(
+            self.info.out_of_domain_policy,
+            None if domain is None else domain.out_of_range,
+            result.n_bags,
+        )
+        return dataclasses.replace(result, status=status)
+
+    def _predict(
+        self,
+        bags: Bags,
+        quantiles: Sequence[float],
+        exceed: Sequence[float],
+        coverage: float | None,
+        probabilities: bool,
+    ) -> Prediction:
         sizes = np.asarray(bags.sizes, dtype=np.int64)
         if self.kind is ModelKind.CELL:
             return self._predict_cells(bags, sizes, probabilities)

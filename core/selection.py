@@ -10,7 +10,7 @@ per ``λ`` after the ``O(T³)`` decomposition. One distance matrix serves every
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -21,14 +21,28 @@ from .kernels import DistanceKernel
 
 __all__ = [
     "DEFAULT_ALPHA_GRID",
+    "GridEdgeWarning",
+    "GroupBlocks",
     "gamma_grid",
     "grid_edge",
+    "group_folds",
+    "group_out_residuals",
     "leave_one_group_out_folds",
     "leave_tasks_out_folds",
     "median_heuristic_gamma",
     "ridge_selection_scores",
     "widen_grid",
 ]
+
+
+class GridEdgeWarning(UserWarning):
+    """A hyperparameter was chosen at the first or last value of its grid.
+
+    The optimum may lie beyond the grid; the message names the parameter, the grid and
+    the value (and, from training, what widening the grid found: see "Grid edges" in
+    :mod:`core.training`).
+    """
+
 
 #: ``λ`` grid of paper 000 Appendix F: 25 log-spaced values from 1e-8 to 1e2.
 DEFAULT_ALPHA_GRID = np.logspace(-8, 2, 25)
@@ -78,6 +92,153 @@ def as_grid(
     return grid
 
 
+class GroupBlocks:
+    """The bags of each group, batched by group size for vectorised block algebra.
+
+    Leaving a whole group out needs, per group ``G``, a solve with the ``|G| x |G|``
+    block of ``I - H``; groups of one size are stacked and solved together.
+
+    Parameters
+    ----------
+    groups : array-like of shape (T,)
+        The group of every bag (any hashable labels).
+
+    Attributes
+    ----------
+    codes : ndarray of int, shape (T,)
+        Each bag's group as an index into the distinct groups.
+    n_groups : int
+    batches : list of ndarray of int, shape (g, m)
+        For each group size ``m``, the bag indices of the ``g`` groups of that size.
+    """
+
+    def __init__(self, groups: ArrayLike) -> None:
+        labels = np.asarray(groups)
+        if labels.ndim != 1:
+            raise ValueError(f"groups must be 1-D, got shape {labels.shape}")
+        _, self.codes = np.unique(labels, return_inverse=True)
+        self.n_groups = int(self.codes.max()) + 1 if self.codes.size else 0
+        order = np.argsort(self.codes, kind="stable")
+        sizes = np.bincount(self.codes, minlength=self.n_groups)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        self.batches: list[NDArray[np.int64]] = []
+        for m in np.unique(sizes):
+            which = np.flatnonzero(sizes == m)
+            self.batches.append(order[starts[which][:, None] + np.arange(m)[None, :]])
+
+    @property
+    def singletons(self) -> bool:
+        """Every group holds one bag (leaving a group out is leaving one bag out)."""
+        return self.n_groups == self.codes.size
+
+    def group_sums(self, values: NDArray[np.float64]) -> NDArray[np.float64]:
+        """Sums of ``values`` (..., T, k) over each group's bags: (..., n_groups, k)."""
+        out = np.zeros((*values.shape[:-2], self.n_groups, values.shape[-1]))
+        for idx in self.batches:
+            out[..., self.codes[idx[:, 0]], :] = values[..., idx, :].sum(axis=-2)
+        return out
+
+
+def group_out_residuals(
+    blocks: GroupBlocks,
+    block_of: Callable[[NDArray[np.int64]], NDArray[np.float64]],
+    resid_y: NDArray[np.float64],
+    resid_1: NDArray[np.float64] | None,
+    Y: NDArray[np.float64],
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Residuals of a linear smoother refitted without each group, in closed form.
+
+    For any targets ``v``, the fit on every bag outside ``G`` equals the fit on all
+    bags with ``v_G`` replaced by that refit's own predictions ``ṽ_G`` (the refit
+    makes the errors on ``G`` zero and minimises the rest: it minimises the full
+    objective, whose minimiser is unique). Hence ``(I - H)v`` at ``G`` is
+    ``(I - H)_{GG}(v_G - ṽ_G)``, and the leave-group-out residual is
+
+        e_G = (I - H)_{GG}⁻¹ ((I - H) v)_G.
+
+    With an intercept the refit centres on the mean of the remaining targets,
+    ``c_{-G}``: ``v = y - c_{-G}·1``, so ``((I - H)v)_G = r_G - c_{-G}·r¹_G`` with
+    ``r = (I - H)y`` and ``r¹ = (I - H)1``. One group per bag gives the
+    leave-one-out residuals (Sherman-Morrison, ``(I - H)_{ii} = 1 - h_i``).
+
+    Parameters
+    ----------
+    blocks : GroupBlocks
+    block_of : callable
+        ``(g, m)`` bag indices to the ``(g, m, m)`` blocks of ``I - H`` (or a common
+        positive multiple of ``I - H`` and of ``resid_y``, ``resid_1``).
+    resid_y : ndarray of shape (T, k)
+        ``(I - H) y`` (the same multiple).
+    resid_1 : ndarray of shape (T,) or None
+        ``(I - H) 1``; ``None`` without an intercept.
+    Y : ndarray of shape (T, k)
+        The raw targets (for ``c_{-G}``).
+
+    Returns
+    -------
+    e : ndarray of shape (T, k)
+        ``y_i - μ̂_{-G(i)}(x_i)``; ``inf`` where a block is singular (the smoother
+        interpolates the group).
+    shift : ndarray of shape (T, k)
+        ``c_{-G(i)} - c``, how the intercept moves when bag ``i``'s group is left out
+        (zeros without an intercept).
+    """
+    T = Y.shape[0]
+    e = np.empty_like(resid_y)
+    shift = np.zeros_like(Y)
+    if resid_1 is not None:
+        total = Y.sum(axis=0)
+        group_total = blocks.group_sums(Y)
+        sizes = np.bincount(blocks.codes, minlength=blocks.n_groups)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            c_minus = (total[None, :] - group_total) / (T - sizes)[:, None]
+        shift = c_minus[blocks.codes] - Y.mean(axis=0)[None, :]
+    for idx in blocks.batches:
+        rhs = resid_y[idx]  # (g, m, k)
+        if resid_1 is not None:
+            rhs = (
+                rhs
+                - (Y.mean(axis=0)[None, :] + shift[idx[:, 0]])[:, None, :]
+                * resid_1[idx][:, :, None]
+            )
+        try:
+            e[idx] = np.linalg.solve(block_of(idx), rhs)
+        except np.linalg.LinAlgError:
+            # One singular block spoils the batched solve: solve the batch group by group.
+            for row, (g_idx, g_rhs) in enumerate(zip(idx, rhs, strict=True)):
+                try:
+                    e[g_idx] = np.linalg.solve(block_of(idx[row : row + 1])[0], g_rhs)
+                except np.linalg.LinAlgError:
+                    e[g_idx] = np.inf
+    return e, shift
+
+
+def group_folds(
+    groups: ArrayLike | None, n_bags: int, n_folds: int, random_state: Any = None
+) -> NDArray[np.int64]:
+    """The fold of every bag: whole groups go together, groups shuffled into
+    ``min(n_folds, n_groups)`` folds of near-equal numbers of groups; without groups
+    every bag is its own group.
+
+    Returns
+    -------
+    ndarray of int, shape (n_bags,)
+        Fold indices ``0 .. K-1``.
+    """
+    codes = (
+        np.arange(n_bags)
+        if groups is None
+        else np.unique(np.asarray(groups), return_inverse=True)[1]
+    )
+    n_groups = int(codes.max()) + 1
+    k = max(2, min(int(n_folds), n_groups))
+    perm = check_generator(random_state).permutation(n_groups)
+    fold_of_group = np.empty(n_groups, dtype=np.int64)
+    for f, part in enumerate(np.array_split(perm, k)):
+        fold_of_group[part] = f
+    return fold_of_group[codes]
+
+
 def ridge_selection_scores(
     eigvals: NDArray[np.float64],
     eigvecs: NDArray[np.float64],
@@ -86,6 +247,7 @@ def ridge_selection_scores(
     *,
     fit_intercept: bool,
     criterion: Literal["loo", "gcv"] = "loo",
+    groups: GroupBlocks | None = None,
 ) -> NDArray[np.float64]:
     """Mean squared leave-one-out (or GCV) error of kernel ridge for each ``λ``.
 
@@ -108,6 +270,10 @@ def ridge_selection_scores(
         ``"loo"``: exact leave-one-out with the effective ridge ``λT`` held fixed.
         ``"gcv"``: generalised cross-validation,
         ``mean(r²) / (1 - df/T)²`` with ``df = tr(H) (+1 for the intercept)``.
+    groups : GroupBlocks, optional
+        Leave whole groups out instead of single bags (exact, with ``λT`` fixed;
+        :func:`group_out_residuals`): bags of one subject must not vouch for each
+        other. Only with ``criterion="loo"``.
 
     Returns
     -------
@@ -124,6 +290,26 @@ def ridge_selection_scores(
     UtY = U.T @ Yc
     Ut1 = U.T @ np.ones(T)
     scores = np.empty(alphas.shape[0])
+    if groups is not None and not groups.singletons:
+        if criterion != "loo":
+            raise ValueError("GCV cannot leave groups out: use criterion='loo' with groups")
+        for a, lam in enumerate(alphas):
+            f = s / (s + lam * T)
+            fitted = U @ (f[:, None] * UtY)
+            H1 = U @ (f * Ut1)
+            # (I - H) y on the raw targets, and (I - H) 1 for the intercept.
+            # HY = H(Yc) + H1·mean with an intercept (Yc = Y - mean), = H(Yc) without.
+            resid_y = Y - fitted - (H1[:, None] * mean[None, :] if fit_intercept else 0.0)
+            resid_1 = (1.0 - H1) if fit_intercept else None
+
+            def block(idx: NDArray[np.int64], f: NDArray[np.float64] = f) -> NDArray[np.float64]:
+                Ug = U[idx]  # (g, m, r)
+                eye = np.eye(idx.shape[1])[None, :, :]
+                return eye - np.einsum("gar,r,gbr->gab", Ug, f, Ug, optimize=True)
+
+            resid, _ = group_out_residuals(groups, block, resid_y, resid_1, Y)
+            scores[a] = np.mean(resid**2) if np.all(np.isfinite(resid)) else np.inf
+        return scores
     for a, lam in enumerate(alphas):
         f = s / (s + lam * T)
         h = U2 @ f

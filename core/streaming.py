@@ -46,10 +46,11 @@ from typing import Any
 import joblib
 import numpy as np
 from numpy.typing import NDArray
-from sklearn.base import BaseEstimator, clone
+from sklearn.base import BaseEstimator
 
 from .bags import Bags
-from .hashing import bytes_sha256
+from .estimators._ridge_calibration import for_point_predictions
+from .hashing import points_sha256
 from .io import BagMoments, Panel, Preprocessing, read_file
 from .representations.base import BagRepresentation, FeatureEmbedding
 
@@ -101,11 +102,6 @@ def _read_bag(
     """One file's cells, compensated, in panel order, and the sha256 of its bytes."""
     sample, digest = read_file(path)
     return panel.select(preprocessing.compensate(sample)), digest
-
-
-def points_sha256(points: NDArray[np.float64]) -> str:
-    """sha256 of one bag's cells as C-ordered float64 bytes (a view when they already are)."""
-    return bytes_sha256(memoryview(np.ascontiguousarray(points, dtype=np.float64)).cast("B"))
 
 
 def bag_summary(path: str, panel: Panel, preprocessing: Preprocessing) -> BagSummary:
@@ -401,14 +397,17 @@ class FoldTask:
     train: NDArray[np.int64]
     val: NDArray[np.int64]
     y_train: NDArray[Any]
+    #: The subjects of the training bags (their fit leaves whole subjects out), if any.
+    groups_train: NDArray[Any] | None = None
 
 
 def fold_predictions(task: FoldTask, features: StreamedFeatures) -> NDArray[Any]:
     """Predictions for the fold's validation bags by a model fitted on its training bags."""
-    model = clone(task.estimator).fit_embedded(
+    model = for_point_predictions(task.estimator).fit_embedded(
         task.representation,
         features.embedding(task.block, task.scaling, task.train),
         task.y_train,
+        task.groups_train,
     )
     return model.predict_embedded(features.embedding(task.block, task.scaling, task.val))
 
@@ -422,11 +421,19 @@ def cross_validate(
     y: NDArray[Any],
     folds: Sequence[tuple[NDArray[np.int64], NDArray[np.int64]]],
     progress: bool = False,
+    groups: NDArray[Any] | None = None,
 ) -> list[NDArray[Any]]:
     """Out-of-fold predictions of every estimator, its folds fitted in parallel by the
-    executor; fold ``f`` uses the features under scaling ``f``."""
+    executor; fold ``f`` uses the features under scaling ``f``. ``groups`` (one per bag)
+    go to each fold's fit where its training side holds two groups or more."""
+
+    def fold_groups(train: NDArray[np.int64]) -> NDArray[Any] | None:
+        if groups is None or np.unique(groups[train]).size < 2:
+            return None
+        return groups[train]
+
     tasks = [
-        FoldTask(est, representations[r], r, f, train, val, y[train])
+        FoldTask(est, representations[r], r, f, train, val, y[train], fold_groups(train))
         for est, r in zip(estimators, blocks, strict=True)
         for f, (train, val) in enumerate(folds)
     ]

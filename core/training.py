@@ -9,7 +9,10 @@ A configuration (see ``examples/``) has these tables; paths are relative to the 
                      one label per cell; batches (CSV: file_column + batch_column,
                      default "batch"; per-cell models are then cross-validated
                      leave-one-batch-out and choose their fallback for new batches
-                     that way); n_jobs (parallel reading)
+                     that way); groups (CSV: file_column + group_column, default
+                     "group": the subject, patient or donor of each file; the folds,
+                     the estimator's own search and calibration and the domain check
+                     then leave whole subjects out); n_jobs (parallel reading)
     [panel]          markers (names, in model order), aliases (name -> other names)
     [preprocessing]  compensation ("none" | "file" | a spillover CSV), transform
                      ("none" | "arcsinh" | "log" | "logicle" | "hyperlog"), cofactor,
@@ -26,6 +29,9 @@ A configuration (see ``examples/``) has these tables; paths are relative to the 
     [fhir]           optional: the code system, code, unit, class codings and reference
                      range of the model's output in FHIR answers; see
                      :mod:`core.fhir_coding`
+    [serving]        out_of_domain ("flag" | "preliminary" | "withhold", default
+                     "preliminary"): what every answer does for a bag outside the
+                     applicability domain; see :mod:`core.policy`
 
 Training reads the data, fits the preprocessing on the training cells, runs the
 cross-validation (leave-bags-out for one label per bag, leave-tasks-out for one label
@@ -83,7 +89,7 @@ from __future__ import annotations
 
 import glob
 import json
-import os
+import re
 import tomllib
 import warnings
 from collections.abc import Mapping, Sequence
@@ -103,12 +109,13 @@ from .calibration import fit_temperature
 from .card import render_card
 from .errors import ConfigError, CoreError, DataError
 from .estimators import (
-    ConditionalMeanEmbedding,
     DistributionRidge,
     DistributionRidgeClassifier,
     MarginalTransferClassifier,
     MarginalTransferRegressor,
 )
+from .estimators._grid_choices import GridChoice
+from .estimators._ridge_calibration import for_point_predictions
 from .fhir_coding import OutputCoding
 from .hashing import file_sha256
 from .io import (
@@ -122,11 +129,13 @@ from .io import (
     read_file,
     read_file_table,
 )
+from .policy import DEFAULT_POLICY, POLICIES
 from .progress import progress_enabled
 from .representations import DensityFeatures, HistogramEmbedding, MeanEmbedding, SlicedWasserstein
 from .selection import (
-    as_grid,
+    GridEdgeWarning,
     grid_edge,
+    group_folds,
     leave_one_group_out_folds,
     leave_tasks_out_folds,
     widen_grid,
@@ -167,15 +176,6 @@ CELL_LEVEL = (MarginalTransferClassifier, MarginalTransferRegressor)
 WIDEN_EDGES_DEFAULT = True
 
 
-class GridEdgeWarning(UserWarning):
-    """A hyperparameter was chosen at the first or last value of its grid.
-
-    The optimum may lie beyond the grid; the message names the parameter, the grid,
-    the value, and what widening the grid found (see "Grid edges" in
-    :mod:`core.training`).
-    """
-
-
 class EvaluationOverlapError(DataError):
     """Every evaluated bag was one of the model's training bags: there is nothing
     unseen to evaluate on (``include_training=True`` evaluates on them anyway)."""
@@ -199,6 +199,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
         "cv",
         "compute",
         "fhir",
+        "serving",
     }
     unknown = set(config) - known
     if unknown:
@@ -269,9 +270,10 @@ def read_data(
             rel = cell_files.format(stem=stem, name=f.name, digits=digits)
             cell_map[str(f)] = str(base / rel)
     label_map = data.pop("label_map", None)
-    # Batches are read by training (config_batches), not here.
-    data.pop("batches", None)
-    data.pop("batch_column", None)
+    # Batches, groups and sample ids are read by training (config_batches,
+    # config_groups, _bag_names), not here.
+    for key in ("batches", "batch_column", "groups", "group_column", "sample_column"):
+        data.pop(key, None)
     known = {"file_column", "label_column", "cell_label_column", "n_jobs"}
     if set(data) - known:
         raise ConfigError(f"[data] unknown key(s) {sorted(set(data) - known)}")
@@ -294,6 +296,36 @@ def read_data(
     return dataset
 
 
+def _file_column(
+    config: Mapping[str, Any], files: Sequence[str], key: str, column_key: str, default: str
+) -> np.ndarray | None:
+    """The value of every data file in the CSV named by ``[data] <key>`` (the file name in
+    ``file_column``, the value in the column ``[data] <column_key>``, default
+    ``default``), or ``None`` without one.
+
+    Raises
+    ------
+    ConfigError
+        The table cannot be read, or a data file has no value in it.
+    """
+    data = config.get("data", {})
+    if data.get(key) is None:
+        return None
+    path = Path(config["_base"]) / data[key]
+    column = data.get(column_key, default)
+    try:
+        table = read_file_table(path, data.get("file_column", "file"), column)
+    except DataError as exc:
+        raise ConfigError(f"[data] {key}: {exc}") from exc
+    missing = [Path(f).name for f in files if table.get(Path(f).name, "") == ""]
+    if missing:
+        raise ConfigError(
+            f"[data] {key}: {path.name} gives no {column!r} for {len(missing)} data "
+            f"file(s): {missing[:5]}"
+        )
+    return np.array([table[Path(f).name] for f in files])
+
+
 def config_batches(config: Mapping[str, Any], files: Sequence[str]) -> np.ndarray | None:
     """The batch of every data file, from ``[data] batches`` (a CSV with the file name
     in ``file_column`` and the batch in ``batch_column``, default ``"batch"``), or
@@ -304,22 +336,54 @@ def config_batches(config: Mapping[str, Any], files: Sequence[str]) -> np.ndarra
     ConfigError
         The table cannot be read, or a data file has no batch in it.
     """
-    data = config.get("data", {})
-    if data.get("batches") is None:
-        return None
-    path = Path(config["_base"]) / data["batches"]
-    column = data.get("batch_column", "batch")
-    try:
-        table = read_file_table(path, data.get("file_column", "file"), column)
-    except DataError as exc:
-        raise ConfigError(f"[data] batches: {exc}") from exc
-    missing = [Path(f).name for f in files if table.get(Path(f).name, "") == ""]
-    if missing:
-        raise ConfigError(
-            f"[data] batches: {path.name} gives no {column!r} for {len(missing)} data "
-            f"file(s): {missing[:5]}"
-        )
-    return np.array([table[Path(f).name] for f in files])
+    return _file_column(config, files, "batches", "batch_column", "batch")
+
+
+def config_groups(config: Mapping[str, Any], files: Sequence[str]) -> np.ndarray | None:
+    """The group (subject, patient, donor) of every data file, from ``[data] groups``
+    (a CSV with the file name in ``file_column`` and the group in ``group_column``,
+    default ``"group"``), or ``None`` when the configuration names no groups.
+
+    Raises
+    ------
+    ConfigError
+        The table cannot be read, a data file has no group in it, or every file is
+        in one group.
+    """
+    groups = _file_column(config, files, "groups", "group_column", "group")
+    if groups is not None and np.unique(groups).size < 2:
+        raise ConfigError("[data] groups: every file is in one group; leaving a group out needs 2")
+    return groups
+
+
+#: Tokens of a file name (extensions dropped) split on these characters.
+_NAME_TOKENS = re.compile(r"[_\-\s.]+")
+
+
+def repeated_subjects(files: Sequence[str]) -> dict[str, int]:
+    """Subjects that file names suggest appear more than once, with their file counts.
+
+    For each prefix length, files are grouped by their first name tokens (``P01`` of
+    ``P01_t1.fcs`` and ``P01_t2.fcs``); the shortest prefix that splits the files into
+    several groups, some of them with several files, names the suspected subjects.
+    Empty when the names give no such hint (every name unique at every prefix, or one
+    prefix shared by all).
+    """
+    stems = [Path(f).name.split(".")[0] for f in files]
+    tokens = [[t for t in _NAME_TOKENS.split(stem) if t] for stem in stems]
+    longest = max((len(t) for t in tokens), default=0)
+    for length in range(1, longest):
+        keys = ["_".join(t[:length]) for t in tokens if len(t) > length]
+        if len(keys) < len(tokens):
+            break
+        counts: dict[str, int] = {}
+        for k in keys:
+            counts[k] = counts.get(k, 0) + 1
+        if len(counts) > 1 and max(counts.values()) > 1:
+            return {k: n for k, n in counts.items() if n > 1}
+        if len(counts) == len(keys):
+            break
+    return {}
 
 
 def _apply_label_map(label_map: Mapping[str, Any] | None, y: np.ndarray) -> np.ndarray:
@@ -369,10 +433,13 @@ def _cv_predictions(
     markers: list[str],
     progress: bool = False,
     scores_out: dict[str, np.ndarray] | None = None,
-    batches: np.ndarray | None = None,
+    fit_groups: np.ndarray | None = None,
 ) -> np.ndarray:
     """Out-of-fold predictions: each bag (or cell) is predicted by a model, preprocessing
     included, that never saw it (a progress bar over the folds with ``progress``).
+
+    ``fit_groups`` (one per bag) go to each fold's fit as ``groups``: the batches of a
+    per-cell model, the subjects of a bag-level one.
 
     For a per-cell classifier the out-of-fold scores (``decision_function``) also go
     into ``scores_out`` under the estimator's key (:func:`_params_key`): they calibrate
@@ -386,14 +453,11 @@ def _cv_predictions(
     for train, val in tqdm(folds, desc="folds", unit="fold", disable=not progress, leave=False):
         pre = Preprocessing(**pre_spec).fit(raw[train], markers)
         bags_tr, bags_va = pre.apply(raw[train], markers), pre.apply(raw[val], markers)
-        model = clone(est)
+        model = for_point_predictions(est)
         if cell_level:
             y_tr = np.concatenate([y[raw.offsets[t] : raw.offsets[t + 1]] for t in train])
             rows = np.concatenate([np.arange(raw.offsets[t], raw.offsets[t + 1]) for t in val])
-            if batches is None:
-                model.fit(bags_tr, y_tr)
-            else:
-                model.fit(bags_tr, y_tr, groups=batches[train])
+            model.fit(bags_tr, y_tr, **_groups_kw(fit_groups, train))
             if keep_scores:
                 s = model.decision_function(bags_va)
                 if scores is None:
@@ -403,11 +467,20 @@ def _cv_predictions(
             else:
                 pred[rows] = model.predict(bags_va)
         else:
-            pred[val] = model.fit(bags_tr, y[train]).predict(bags_va)
+            model.fit(bags_tr, y[train], **_groups_kw(fit_groups, train))
+            pred[val] = model.predict(bags_va)
     if keep_scores and scores is not None:
         assert scores_out is not None
         scores_out[_params_key(est)] = scores
     return pred
+
+
+def _groups_kw(groups: np.ndarray | None, rows: np.ndarray) -> dict[str, Any]:
+    """``{"groups": ...}`` for a fit on ``rows``, or nothing where fewer than two groups
+    are among them (a fold that leaves one group to train on has nothing to hold out)."""
+    if groups is None or np.unique(groups[rows]).size < 2:
+        return {}
+    return {"groups": groups[rows]}
 
 
 def _params_key(est: BaseEstimator) -> str:
@@ -422,6 +495,7 @@ def _folds(
     classifier: bool,
     cell_level: bool,
     batches: np.ndarray | None = None,
+    subjects: np.ndarray | None = None,
 ):
     if batches is not None and np.unique(batches).size > 1:
         # A model for new batches is judged on batches it has not seen.
@@ -430,6 +504,19 @@ def _folds(
     n_splits = int(cv.get("n_splits", 5))
     repeats = int(cv.get("repeats", 1))
     seed = int(cv.get("seed", 0))
+    if subjects is not None:
+        # Whole subjects per fold: a subject's other bags must not vouch for it.
+        n_subjects = np.unique(subjects).size
+        if n_splits < 2:
+            raise ConfigError(f"[cv] n_splits must be 2 or more, got {n_splits}")
+        folds = []
+        for r in range(repeats):
+            fold = group_folds(subjects, n_bags, min(n_splits, n_subjects), seed + r)
+            folds += [
+                (np.flatnonzero(fold != f), np.flatnonzero(fold == f))
+                for f in range(int(fold.max()) + 1)
+            ]
+        return folds
     if n_splits < 2 or n_splits > n_bags:
         raise ConfigError(
             f"[cv] n_splits must be between 2 and the number of bags ({n_bags}), got {n_splits}"
@@ -449,154 +536,16 @@ def _folds(
 
 
 # ------------------------------------------------------------------ grid choices
-@dataclass(frozen=True)
-class GridChoice:
-    """One hyperparameter a fitted estimator chose from a grid it searched itself.
-
-    Attributes
-    ----------
-    parameter : str
-        The name the choice is reported under: the estimator parameter that sets the
-        grid when there is one (``"gamma"``, ``"alpha"``, ``"point_bandwidth"``, ...).
-    grid : list of float
-        The values searched, absolute (relative grids are resolved on the training
-        data, as the final fit resolved them).
-    chosen : float
-        The value chosen.
-    widen_as : str or None
-        The estimator parameter that accepts an explicit grid for this choice; ``None``
-        when no parameter does (the grid cannot be widened from outside).
-    lower, upper : float or None
-        Bounds of the parameter's domain, if any.
-    note : str or None
-        Why the grid cannot be widened, when ``widen_as`` is ``None``.
-    """
-
-    parameter: str
-    grid: list[float]
-    chosen: float
-    widen_as: str | None
-    lower: float | None = None
-    upper: float | None = None
-    note: str | None = None
-
-
-def _float_list(values: Any) -> list[float]:
-    return [float(v) for v in np.asarray(values, dtype=np.float64).ravel()]
-
-
 def estimator_grid_choices(model: BaseEstimator) -> list[GridChoice]:
-    """The hyperparameters ``model`` chose from a grid of more than one value.
+    """The hyperparameters ``model`` chose from a grid of more than one value (its
+    :meth:`grid_choices`; none for an estimator that searches nothing itself).
 
     Read from what the fitted model records of its own search: ``selection_`` (grids
     and scores) and the chosen ``gamma_``, ``alpha_``, ... attributes. Values fixed by
     the caller (a one-point grid) are not choices and are left out.
-
-    Parameters
-    ----------
-    model : estimator
-        A fitted :class:`~core.DistributionRidge`,
-        :class:`~core.DistributionRidgeClassifier`,
-        :class:`~core.ConditionalMeanEmbedding`, or marginal-transfer model; any other
-        estimator has no recorded choices (empty list).
-
-    Returns
-    -------
-    list of GridChoice
     """
-    if isinstance(model, DistributionRidge | DistributionRidgeClassifier):
-        return _ridge_choices(model)
-    if isinstance(model, ConditionalMeanEmbedding):
-        return _cme_choices(model)
-    if isinstance(model, CELL_LEVEL):
-        return _transfer_choices(model)
-    return []
-
-
-def _ridge_choices(model: BaseEstimator) -> list[GridChoice]:
-    sel = getattr(model, "selection_", None) or {}
-    out = []
-    for name in ("gamma", "alpha"):
-        grid = np.asarray(sel.get(name, []), dtype=np.float64).ravel()
-        chosen = getattr(model, f"{name}_", None)
-        # A NaN grid is the linear kernel's "no gamma".
-        if grid.size > 1 and np.all(np.isfinite(grid)) and chosen is not None:
-            out.append(GridChoice(name, _float_list(grid), float(chosen), name))
-    return out
-
-
-def _cme_choices(model: BaseEstimator) -> list[GridChoice]:
-    from .estimators.cme import CME_ALPHA_GRID
-
-    sel = getattr(model, "selection_", None)
-    scores = getattr(model, "cv_scores_", None)
-    if isinstance(sel, Mapping) and "alpha" in sel:
-        grids = {name: sel.get(name) for name in ("gamma", "alpha")}
-    elif scores is not None and np.isfinite(np.asarray(scores, dtype=np.float64)).any():
-        # No record of the grids: they are the parameters' (gamma=None searches no
-        # gamma, only the median heuristic; alpha=None searches CME_ALPHA_GRID).
-        grids = {
-            "gamma": None if model.gamma is None else as_grid(model.gamma, np.ones(1), "gamma"),
-            "alpha": as_grid(model.alpha, CME_ALPHA_GRID, "alpha"),
-        }
-    else:
-        return []
-    out = []
-    for name, grid in grids.items():
-        chosen = getattr(model, f"{name}_", None)
-        if grid is None or chosen is None:
-            continue
-        values = np.asarray(grid, dtype=np.float64).ravel()
-        if values.size > 1 and np.all(np.isfinite(values)):
-            out.append(GridChoice(name, _float_list(values), float(chosen), name))
-    return out
-
-
-def _transfer_choices(model: BaseEstimator) -> list[GridChoice]:
-    """Marginal transfer's coordinate search (``selection_``: every configuration it
-    evaluated and the best one); each coordinate's grid is the set of values it
-    evaluated, since the search visits every value of every coordinate once."""
-    sel = getattr(model, "selection_", None) or {}
-    evaluated = sel.get("evaluated") or []
-    best = sel.get("best") or {}
-    if not evaluated or not best:
-        return []
-    out: list[GridChoice] = []
-    pooled = best.get("tau") == 1.0
-
-    def specs(key: str, task_kernel_only: bool) -> list[Any]:
-        seen: list[Any] = []
-        for entry in evaluated:
-            # A pooled entry (tau = 1) is recorded with gamma None and emb 1.0: those
-            # coordinates were not visited there.
-            if task_kernel_only and entry["tau"] == 1.0:
-                continue
-            if entry[key] is not None and entry[key] not in seen:
-                seen.append(entry[key])
-        return seen
-
-    def resolved(key: str, fitted: float | None, name: str, task_kernel_only: bool) -> None:
-        values = specs(key, task_kernel_only)
-        chosen = best.get(key)
-        if len(values) < 2 or chosen is None or fitted is None:
-            return
-        kind, factor = chosen
-        # Relative specs are factors of a median resolved on the tasks at hand; the
-        # final fit's value divided by its factor is that median on all tasks.
-        scale = float(fitted) / float(factor) if kind == "relative" else 1.0
-        grid = sorted(float(v) * scale for _, v in values)
-        out.append(GridChoice(name, grid, float(fitted), name))
-
-    resolved("sigma", getattr(model, "point_bandwidth_", None), "point_bandwidth", False)
-    taus = sorted({float(e["tau"]) for e in evaluated})
-    if len(taus) > 1:
-        out.append(GridChoice("tau", taus, float(best["tau"]), "tau", lower=0.0, upper=1.0))
-    if not pooled:
-        resolved("gamma", getattr(model, "task_gamma_", None), "task_gamma", True)
-    alphas = np.asarray(sel.get("alpha_grid", []), dtype=np.float64).ravel()
-    if alphas.size > 1:
-        out.append(GridChoice("alpha", _float_list(alphas), float(best["alpha"]), "alpha"))
-    return out
+    choices = getattr(model, "grid_choices", None)
+    return list(choices()) if choices is not None else []
 
 
 # ------------------------------------------------------------------ bag fingerprints
@@ -631,9 +580,66 @@ def bag_fingerprints(
     ]
 
 
-def _bag_names(files: Sequence[str], base: Path) -> list[str]:
-    """File paths relative to the configuration's directory, as its patterns name them."""
-    return [os.path.relpath(f, base) for f in files]
+def _bag_names(config: Mapping[str, Any], files: Sequence[str]) -> list[str]:
+    """A stable name per training bag, as answers name the nearest training samples:
+    the ``[data] sample_column`` of the labels table when given (a sample id), else the
+    file's name. Never a path: where the files lay on the training machine says nothing
+    to a lab reading an answer (and is nobody's business)."""
+    ids = None
+    if config.get("data", {}).get("sample_column") and config["data"].get("labels"):
+        ids = _file_column(config, files, "labels", "sample_column", "sample")
+    return [str(v) for v in ids] if ids is not None else [Path(f).name for f in files]
+
+
+class GroupingWarning(UserWarning):
+    """The data file names suggest several bags per subject, and no ``[data] groups``
+    says which: the cross-validated metrics and the model's own calibration are then
+    optimistic (bags of one subject vouch for each other)."""
+
+
+def _calibration_record(model: Any) -> dict[str, Any] | None:
+    """How the model's intervals were calibrated (for the card), or None without."""
+    method = getattr(model, "calibration_", None)
+    if method is None:
+        return None
+    return {
+        "method": method,
+        "scaling": getattr(model, "interval_scaling", "none"),
+        "groups": getattr(model, "calibration_groups_", None) is not None,
+    }
+
+
+def _grouping(
+    config: Mapping[str, Any], files: Sequence[str]
+) -> tuple[np.ndarray | None, dict[str, Any]]:
+    """The subject of every file (``[data] groups``) and the report's record of how the
+    folds were grouped; warns (:class:`GroupingWarning`) where the names suggest
+    repeated subjects and no groups were given."""
+    subjects = config_groups(config, files)
+    if subjects is not None:
+        counts = np.unique(subjects, return_counts=True)[1]
+        return subjects, {
+            "by": "groups",
+            "table": str(config["data"]["groups"]),
+            "column": str(config["data"].get("group_column", "group")),
+            "n_groups": int(counts.size),
+            "bags_per_group_max": int(counts.max()),
+        }
+    repeats = repeated_subjects(files)
+    record: dict[str, Any] = {"by": "bags", "n_groups": None}
+    if repeats:
+        shown = ", ".join(f"{k} ({n} files)" for k, n in list(repeats.items())[:5])
+        warnings.warn(
+            f"the data file names suggest several bags per subject ({shown}"
+            f"{' ...' if len(repeats) > 5 else ''}) but [data] groups names no subjects: "
+            "the folds, the model's calibration and its domain check treat every bag as "
+            "a subject of its own, which is optimistic when a subject's bags resemble "
+            "each other; give [data] groups (a CSV of file and group)",
+            GroupingWarning,
+            stacklevel=4,
+        )
+        record["suspected_repeats"] = repeats
+    return None, record
 
 
 def _overlap(
@@ -950,6 +956,8 @@ class _Fitted:
     sizes: np.ndarray | None = None
     #: Per-cell classifiers: the temperature of their class probabilities.
     calibration: dict[str, Any] | None = None
+    #: How the folds were grouped (:func:`_grouping`).
+    grouping: dict[str, Any] = field(default_factory=dict)
 
 
 def _compute_options(
@@ -1022,8 +1030,12 @@ def train(
     _output_coding(config)
     grid, widen = _search_table(config)
     candidates = _candidates(estimator, list(ParameterGrid(grid)) or [{}])
-    # Bars inside the estimators' own searches too (core.progress), unless quiet.
-    with progress_enabled(progress):
+    serving = _serving(config)
+    # Bars inside the estimators' own searches too (core.progress), unless quiet. The
+    # estimators' own grid-edge warnings (one per fold) are left to the search, which
+    # widens those grids and reports each edge once below.
+    with progress_enabled(progress), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=GridEdgeWarning)
         if stream:
             fitted = _train_streaming(
                 config, estimator, candidates, grid, widen, pre_spec, scheduler, progress
@@ -1033,7 +1045,21 @@ def train(
                 config, estimator, candidates, grid, widen, pre_spec, progress
             )
     _warn_edges(fitted.edges)
-    return _save(fitted, config, out_dir / name / version, name, version, overwrite)
+    return _save(fitted, config, out_dir / name / version, name, version, overwrite, serving)
+
+
+def _serving(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The checked ``[serving]`` table as stored in the manifest."""
+    table = dict(config.get("serving", {}))
+    unknown = set(table) - {"out_of_domain"}
+    if unknown:
+        raise ConfigError(f"[serving] unknown key(s) {sorted(unknown)}; expected out_of_domain")
+    policy = table.get("out_of_domain", DEFAULT_POLICY)
+    if policy not in POLICIES:
+        raise ConfigError(
+            f"[serving] out_of_domain must be one of {list(POLICIES)}, got {policy!r}"
+        )
+    return {"out_of_domain": policy}
 
 
 def _output_coding(config: Mapping[str, Any], classes: Any = None) -> dict[str, Any] | None:
@@ -1060,10 +1086,10 @@ class _InMemorySearch:
         pre_spec: dict[str, Any],
         markers: list[str],
         progress: bool,
-        batches: np.ndarray | None = None,
+        fit_groups: np.ndarray | None = None,
     ) -> None:
         self.bags, self.y, self.folds = bags, y, folds
-        self.batches = batches
+        self.fit_groups = fit_groups
         self.cell_level, self.pre_spec, self.markers = cell_level, pre_spec, markers
         self.progress = progress
         self.preprocessing = Preprocessing(**pre_spec).fit(bags, markers)
@@ -1086,7 +1112,7 @@ class _InMemorySearch:
                 self.markers,
                 per_fold,
                 self.oof_scores,
-                self.batches,
+                self.fit_groups,
             )
             for est, _ in tqdm(
                 candidates,
@@ -1098,9 +1124,8 @@ class _InMemorySearch:
 
     def fit_final(self, estimator: BaseEstimator) -> BaseEstimator:
         bags = self.preprocessing.apply(self.bags, self.markers)
-        if self.batches is None:
-            return estimator.fit(bags, self.y)
-        return estimator.fit(bags, self.y, groups=self.batches)
+        every = np.arange(len(self.bags))
+        return estimator.fit(bags, self.y, **_groups_kw(self.fit_groups, every))
 
 
 def _train_in_memory(
@@ -1137,11 +1162,21 @@ def _train_in_memory(
             "[data] batches: batch-aware selection is for per-cell models "
             "(MarginalTransferClassifier, MarginalTransferRegressor)"
         )
+    subjects, grouping = _grouping(config, data.files)
     folds = _folds(
-        config, len(data.bags), None if cell_level else y, classifier, cell_level, batches
+        config,
+        len(data.bags),
+        None if cell_level else y,
+        classifier,
+        cell_level,
+        batches,
+        subjects,
     )
+    # A per-cell model's fit takes the batches (its fallback for new batches); a
+    # bag-level model's, the subjects (its search, calibration and domain check).
+    fit_groups = batches if cell_level else subjects
     searcher = _InMemorySearch(
-        data.bags, y, folds, cell_level, pre_spec, markers, progress, batches
+        data.bags, y, folds, cell_level, pre_spec, markers, progress, fit_groups
     )
     outcome = _run_search(candidates, estimator, grid, widen, searcher, y, classifier)
     calibration = None
@@ -1151,7 +1186,7 @@ def _train_in_memory(
     # The file digests are not kept by load_dataset; reading the files' bytes once more
     # costs far less than parsing them did.
     training_bags = bag_fingerprints(
-        _bag_names(data.files, Path(config["_base"])),
+        _bag_names(config, data.files),
         [file_sha256(f) for f in data.files],
         [data.bags[t] for t in range(len(data.bags))],
     )
@@ -1176,6 +1211,7 @@ def _train_in_memory(
         folds,
         np.asarray(data.bags.sizes),
         calibration,
+        grouping,
     )
 
 
@@ -1193,9 +1229,11 @@ class _StreamingSearch:
         y: np.ndarray,
         folds: list[tuple[np.ndarray, np.ndarray]],
         progress: bool,
+        subjects: np.ndarray | None = None,
     ) -> None:
         self.executor, self.names, self.panel, self.preps = executor, names, panel, preps
         self.y, self.folds, self.progress = y, folds, progress
+        self.subjects = subjects
         self.estimators: list[BaseEstimator] = []
         self.reps: list[Any] = []
         self.features: Any = None
@@ -1232,13 +1270,27 @@ class _StreamingSearch:
         ests = [est for est, _ in candidates]
         which = self._blocks(ests)
         return streaming.cross_validate(
-            self.executor, ests, which, self.reps, self.features, self.y, self.folds, self.progress
+            self.executor,
+            ests,
+            which,
+            self.reps,
+            self.features,
+            self.y,
+            self.folds,
+            self.progress,
+            self.subjects,
         )
 
     def fit_final(self, estimator: BaseEstimator) -> BaseEstimator:
         r = self._blocks([estimator])[0]
         full = len(self.folds)  # the last scaling is the one fitted on every bag
-        return estimator.fit_embedded(self.reps[r], self.features.embedding(r, full), self.y)
+        every = np.arange(len(self.y))
+        return estimator.fit_embedded(
+            self.reps[r],
+            self.features.embedding(r, full),
+            self.y,
+            **_groups_kw(self.subjects, every),
+        )
 
 
 def _train_streaming(
@@ -1264,7 +1316,17 @@ def _train_streaming(
     data_cfg = dict(config["data"])
     if data_cfg.get("labels") is None:
         raise ConfigError("[data] streaming training needs labels (one per bag)")
-    known = {"files", "labels", "file_column", "label_column", "label_map", "n_jobs"}
+    known = {
+        "files",
+        "labels",
+        "file_column",
+        "label_column",
+        "label_map",
+        "n_jobs",
+        "groups",
+        "group_column",
+        "sample_column",
+    }
     if set(data_cfg) - known:
         raise ConfigError(
             f"[data] streaming training takes one label per bag; unsupported key(s) "
@@ -1287,8 +1349,9 @@ def _train_streaming(
         streaming.fitted_representations([est for est, _ in candidates], len(panel.markers))
     except ValueError as exc:
         raise ConfigError(f"[estimator] {exc}") from exc
-    folds = _folds(config, len(paths), y, classifier, False)
     names = [str(p) for p in paths]
+    subjects, grouping = _grouping(config, names)
+    folds = _folds(config, len(paths), y, classifier, False, None, subjects)
     if scheduler is not None:
         executor: streaming.Executor = streaming.DaskExecutor(scheduler)
         workers = len(executor.client.scheduler_info().get("workers", {}))
@@ -1301,12 +1364,12 @@ def _train_streaming(
         summaries = streaming.stream_summaries(executor, names, panel, stream_pre, progress)
         everything = np.arange(len(paths))
         preps = streaming.scalings(pre_spec, summaries, [t for t, _ in folds] + [everything])
-        searcher = _StreamingSearch(executor, names, panel, preps, y, folds, progress)
+        searcher = _StreamingSearch(executor, names, panel, preps, y, folds, progress, subjects)
         outcome = _run_search(candidates, estimator, grid, widen, searcher, y, classifier)
     sha = dataset_fingerprint(paths, [s.sha256 for s in summaries], labels)
     training_bags = [
         {"name": n, "sha256": s.sha256, "points_sha256": s.points_sha256}
-        for n, s in zip(_bag_names(names, base), summaries, strict=True)
+        for n, s in zip(_bag_names(config, names), summaries, strict=True)
     ]
     return _Fitted(
         outcome.final,
@@ -1326,6 +1389,8 @@ def _train_streaming(
         outcome.widening,
         folds,
         np.array([s.n_cells for s in summaries]),
+        None,
+        grouping,
     )
 
 
@@ -1342,16 +1407,20 @@ def _save(
     name: str,
     version: str,
     overwrite: bool,
+    serving: dict[str, Any],
 ) -> TrainingResult:
     classifier = is_classifier(fitted.final)
     key = "accuracy" if classifier else "rmse"
     best_metrics, best_pred, best_params = fitted.scores[fitted.best]
     cell_level = fitted.level == "cell"
+    grouped = fitted.grouping.get("by") == "groups"
     metrics = {
         "cv": {
             "scheme": (
                 "leave-one-batch-out"
                 if len(fitted.compute.get("batches", [])) > 1
+                else "k-fold over groups (whole subjects per fold)"
+                if grouped
                 else "leave-tasks-out"
                 if cell_level
                 else "k-fold over bags"
@@ -1369,6 +1438,7 @@ def _save(
         "compute": fitted.compute,
         "grid_edges": fitted.edges,
         "widening": fitted.widening,
+        "grouping": fitted.grouping,
     }
     if fitted.calibration is not None:
         metrics["probability_calibration"] = fitted.calibration
@@ -1376,7 +1446,7 @@ def _save(
         fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
     )
     tables = report.tables(
-        [Path(f).name for f in fitted.files],
+        _bag_names(config, fitted.files),
         fitted.y,
         best_pred,
         classifier,
@@ -1386,7 +1456,11 @@ def _save(
     metrics["per_fold"] = tables["per_fold"]
     if not classifier and not cell_level:
         files.update(report.residual_plot(tables))
-    files["report/metrics.json"] = json.dumps(metrics, indent=2, default=str).encode()
+    # The report's file keeps every sample's out-of-fold answer and fold (the manifest
+    # keeps the summary).
+    files["report/metrics.json"] = json.dumps(
+        {**metrics, "per_sample": tables.get("per_sample", [])}, indent=2, default=str
+    ).encode()
     files["report/report.html"] = report.html(name, version, metrics, tables, files).encode()
     model_cfg = config.get("model", {})
     metadata = {
@@ -1402,6 +1476,9 @@ def _save(
         "label_level": fitted.level,
         "probability_calibration": fitted.calibration,
         "fhir": _output_coding(config, getattr(fitted.final, "classes_", None)),
+        "grouping": fitted.grouping,
+        "serving": serving,
+        "calibration": _calibration_record(fitted.final),
         "metrics": json.loads(json.dumps(metrics["cv"], default=str)),
         "config": {k: v for k, v in config.items() if not k.startswith("_")},
     }
@@ -1478,7 +1555,7 @@ def evaluate(
     y = data.y if classifier else data.y.astype(np.float64)
     pred = runtime.predict(data.bags).estimate
     T = len(data.bags)
-    names = _bag_names(data.files, Path(config["_base"]))
+    names = _bag_names(config, data.files)
     seen = _overlap(
         runtime.info.metadata,
         bag_fingerprints(

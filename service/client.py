@@ -150,6 +150,11 @@ class Client:
         """Every served model with its versions (``GET /v1/models``)."""
         return _raise_for(self._send("GET", "/v1/models"))
 
+    def model(self, name: str) -> dict[str, Any]:
+        """One model: its latest version and every version's description
+        (``GET /v1/models/{name}``)."""
+        return _raise_for(self._send("GET", f"/v1/models/{name}"))
+
     def predict(
         self,
         model: str,
@@ -255,6 +260,11 @@ class AsyncClient:
     async def models(self) -> dict[str, Any]:
         """Every served model with its versions (``GET /v1/models``)."""
         return _raise_for(await self._send("GET", "/v1/models"))
+
+    async def model(self, name: str) -> dict[str, Any]:
+        """One model: its latest version and every version's description
+        (``GET /v1/models/{name}``)."""
+        return _raise_for(await self._send("GET", f"/v1/models/{name}"))
 
     async def predict(
         self,

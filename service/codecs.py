@@ -39,6 +39,7 @@ import numpy as np
 import orjson
 import simdjson
 from bagserve.core.errors import SizeLimitError
+from bagserve.core.hashing import bytes_sha256, points_sha256
 from bagserve.core.io import DataError, read_sample
 from bagserve.core.io.readers import GZIP_MAGIC, ReadLimits, gunzip
 
@@ -93,6 +94,11 @@ class IncomingBag:
     finite: bool = False
     #: An FCS file's spillover keyword, for models that compensate with it.
     spillover: str | None = None
+    #: sha256 of the sample as it came: its file's bytes (undone from the request's
+    #: Content-Encoding, as uploaded otherwise), or its cells as float64 when they came
+    #: as numbers; ``None``: the request body itself is the file (its hash is the
+    #: request's, computed beside the worker).
+    input_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,8 +145,10 @@ class BodySpec:
         The ``Content-Encoding`` header (``gzip``, ``deflate``; empty: none).
     markers : list of str, optional
         Column names of an NPY body (the ``markers`` query parameter).
-    default_id : str
-        The id of a single bag that names none (the ``id`` query parameter).
+    default_id : str, optional
+        The id of a single bag that names none (the ``id`` query parameter); without
+        one, a file body is known by the name it gives itself (FCS ``$FIL``), else as
+        ``bag-0``.
     protocol : {"v1", "v2"}
         A native body, or an Open Inference Protocol document (:mod:`.tensors`).
     header_length : str, optional
@@ -150,7 +158,7 @@ class BodySpec:
     content_type: str
     content_encoding: str = ""
     markers: list[str] | None = None
-    default_id: str = "bag-0"
+    default_id: str | None = None
     protocol: str = "v1"
     header_length: str | None = None
 
@@ -386,27 +394,37 @@ def _general_json_bags(body: bytes | memoryview) -> tuple[list[IncomingBag], lis
 
 def decode_file(
     data: bytes | memoryview,
-    name: str,
+    name: str | None,
     kind: str | None,
     markers: list[str] | None,
     limits: ReadLimits | None = None,
+    *,
+    digest: bool = True,
 ) -> IncomingBag:
     """One bag from a file's bytes (``kind``: one of :data:`FILE_KINDS`, or None to
-    infer it); 413 beyond ``limits``, 422 for an unreadable file."""
+    infer it); 413 beyond ``limits``, 422 for an unreadable file.
+
+    ``name`` is the bag's id; without one the file's own name (FCS ``$FIL``) or
+    ``bag-0``. ``digest``: hash the bytes (a file of a multipart body, or a body whose
+    Content-Encoding was undone); otherwise the request's hash stands for the file's.
+    """
     try:
-        sample = read_sample(data, format=kind, name=name, markers=markers, limits=limits)
+        sample = read_sample(
+            data, format=kind, name=name or "the body", markers=markers, limits=limits
+        )
     except SizeLimitError as exc:
         raise Problem(413, str(exc), errors=[str(exc)], slug="too-large") from exc
     except DataError as exc:
         raise Problem(422, str(exc), errors=[str(exc)], slug="invalid-file") from exc
     has_names = kind != "npy" or markers is not None
     return IncomingBag(
-        name,
+        name or sample.file_name or "bag-0",
         sample.points,
         sample.names if has_names else None,
         sample.alt_names if has_names else None,
         finite=True,
         spillover=sample.spillover,
+        input_sha256=bytes_sha256(data) if digest else None,
     )
 
 
@@ -421,21 +439,25 @@ def decode_body(
         413 beyond the limits, 400/415/422 for a body that cannot be decoded.
     """
     ctype = media_type(spec.content_type)
+    encoded = spec.content_encoding.strip().lower() not in ("", "identity")
     body = inflate(body, spec.content_encoding, limits)
     reading = limits.reading()
     if ctype == MULTIPART:
         return _multipart_bags(spec, body, limits)
     if ctype == JSON:
         check_json_values(body, limits)
-        return _json_bags(body)
+        bags, problems = _json_bags(body)
+        for bag in bags:  # cells sent as numbers are known by their cells
+            bag.input_sha256 = points_sha256(bag.points)
+        return bags, problems
     name = spec.default_id
     kinds = {NPY: "npy", CSV: "csv", TSV: "tsv", PARQUET: "parquet", HDF5: "h5ad"}
     if ctype in kinds:
-        return [decode_file(body, name, kinds[ctype], spec.markers, reading)], []
+        return [decode_file(body, name, kinds[ctype], spec.markers, reading, digest=encoded)], []
     if ctype in (FCS, OCTET):
         head = bytes(body[:8])
         if head.startswith(GZIP_MAGIC):
-            return [decode_file(body, name, None, spec.markers, reading)], []
+            return [decode_file(body, name, None, spec.markers, reading, digest=encoded)], []
         kind = next((k for magic, k in MAGIC if head.startswith(magic)), None)
         if kind is None:
             raise Problem(
@@ -443,7 +465,7 @@ def decode_body(
                 "application/octet-stream bodies must be FCS, NPY, Parquet or AnnData files",
                 slug="unsupported-media-type",
             )
-        return [decode_file(body, name, kind, spec.markers, reading)], []
+        return [decode_file(body, name, kind, spec.markers, reading, digest=encoded)], []
     raise Problem(
         415,
         f"unsupported content type {ctype or '(none)'!r}; expected one of {list(ACCEPTED)}",

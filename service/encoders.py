@@ -90,6 +90,7 @@ def encode(
     meta: dict[str, Any],
     info: ArtifactInfo,
     *,
+    inputs: list[str] | None = None,
     cells: bool = True,
     plots: list[dict[str, Any]] | None = None,
     coverage: float | None = None,
@@ -97,21 +98,27 @@ def encode(
 ) -> bytes:
     """The answer in ``fmt`` (one of :data:`FORMATS`); ``meta`` heads a JSON answer.
 
-    ``info`` is the model's: it names the training bags of the domain report.
-    ``cells=False`` leaves out a per-cell model's label of every cell (its population
-    summary stays). Per-cell classifiers in NPY: every cell's class probabilities
-    when they were asked for, else the population counts per bag with
-    ``cells=False``, else the labels; columns follow the model's classes. FHIR
-    (:mod:`.fhir`): ``meta`` is the provenance, ``coverage`` that of the interval asked
-    for, ``refs`` the subject and specimen references.
+    ``info`` is the model's: it names the training bags of the domain report and holds
+    the out-of-domain policy whose status each bag carries (a withheld bag's value,
+    interval and set are left out of every format: NaN in NPY tables). ``inputs``: the
+    sha256 of each bag's input (its file, or its cells). ``cells=False`` leaves out a
+    per-cell model's label of every cell (its population summary stays). Per-cell
+    classifiers in NPY: every cell's class probabilities when they were asked for, else
+    the population counts per bag with ``cells=False``, else the labels; columns follow
+    the model's classes. FHIR (:mod:`.fhir`): ``meta`` is the provenance, ``coverage``
+    that of the interval asked for, ``refs`` the subject and specimen references.
     """
     if fmt == FHIR_JSON:
-        return orjson.dumps(bundle(result, ids, meta, info, coverage=coverage, refs=refs))
+        return orjson.dumps(
+            bundle(result, ids, meta, info, inputs=inputs, coverage=coverage, refs=refs)
+        )
     if fmt == NPY:
         return npy_bytes(np.asarray(_table(result, cells)))
     if fmt == CSV_OUT:
-        return _csv(result, ids, cells)
-    return orjson.dumps(encode_document(result, ids, meta, info, cells=cells, plots=plots))
+        return _csv(result, ids, cells, inputs, str(meta["model"]["sha256"]))
+    return orjson.dumps(
+        encode_document(result, ids, meta, info, inputs=inputs, cells=cells, plots=plots)
+    )
 
 
 def encode_document(
@@ -120,26 +127,51 @@ def encode_document(
     meta: dict[str, Any],
     info: ArtifactInfo,
     *,
+    inputs: list[str] | None = None,
     cells: bool = True,
     plots: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The JSON answer as a document: ``meta`` and one entry per bag under
     ``predictions`` (stored as such for jobs); ``plots``: per bag, cells for a
     scatter plot (``?plot=N``)."""
-    answers = [
-        {**_bag(result, i, bag_id, cells), **_trust(result, i, info)}
-        for i, bag_id in enumerate(ids)
-    ]
-    for answer, plot in zip(answers, plots or [], strict=False):
-        answer["plot"] = plot
+    answers = []
+    for i, bag_id in enumerate(ids):
+        answer: dict[str, Any] = {"id": bag_id}
+        if inputs is not None:
+            answer["input_sha256"] = inputs[i]
+        answer["status"] = result.status_of(i)
+        if result.released(i):
+            answer.update(_bag(result, i, cells))
+        else:
+            answer.update(_withheld(result, i, info))
+        answer.update(_trust(result, i, info))
+        answers.append(answer)
+    for answer, plot, i in zip(answers, plots or [], range(len(ids)), strict=False):
+        if result.released(i):
+            answer["plot"] = plot
     return {**meta, "predictions": answers}
 
 
+def _withheld(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
+    """What a withheld bag's answer holds instead of its value: why."""
+    assert result.domain is not None  # only an out-of-range bag is withheld
+    out: dict[str, Any] = {"withheld": info.withheld_reason(result.domain, i)}
+    if isinstance(result, CellPrediction):
+        out["n_points"] = int(result.sizes[i])
+        out["report"] = _cell_report(result, i)
+    else:
+        out["prediction"] = None
+    return out
+
+
 def _trust(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
-    """How far to trust bag ``i``'s answer: its domain report and interval, if any."""
+    """How far to trust bag ``i``'s answer: its domain report and, where released, its
+    interval or set."""
     out: dict[str, Any] = {}
     if result.domain is not None:
         out["domain"] = info.domain_of(result.domain, i)
+    if not result.released(i):
+        return out
     if result.interval is not None:
         out["interval"] = result.interval[i].tolist()
     if isinstance(result, ClassificationPrediction) and result.sets is not None:
@@ -147,11 +179,26 @@ def _trust(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
     return out
 
 
-def _bag(result: Prediction, i: int, bag_id: str, cells: bool = True) -> dict[str, Any]:
+def _cell_report(result: CellPrediction, i: int) -> dict[str, Any]:
+    domain = result.domain
+    assert domain is not None
+    return {
+        "out_of_range": bool(domain.out_of_range[i]),
+        "distance_to_nearest": float(domain.distance[i]),
+        "nearest_training_tasks": domain.nearest_of(i),
+        "similarities": domain.similarities_of(i),
+        # Answered by the invariant fallback (per-sample standardised), out of range.
+        "fallback": bool(domain.fallback[i]),
+        "disagreement": domain.disagreement_of(i),
+        # Labels changed by the mixture fitted to this bag's own cells.
+        "relabelled": domain.relabelled_of(i),
+    }
+
+
+def _bag(result: Prediction, i: int, cells: bool = True) -> dict[str, Any]:
+    """Bag ``i``'s released answer (its id, status and trust fields are added apart)."""
     if isinstance(result, CellPrediction):
-        domain = result.domain
-        assert domain is not None
-        cell: dict[str, Any] = {"id": bag_id, "n_points": int(result.sizes[i])}
+        cell: dict[str, Any] = {"n_points": int(result.sizes[i])}
         population = result.population(i)
         if population is not None:
             cell["population"] = population
@@ -164,29 +211,18 @@ def _bag(result: Prediction, i: int, bag_id: str, cells: bool = True) -> dict[st
                 "classes": result.classes.tolist(),
                 "cells": probabilities.tolist(),
             }
-        cell["report"] = {
-            "out_of_range": bool(domain.out_of_range[i]),
-            "distance_to_nearest": float(domain.distance[i]),
-            "nearest_training_tasks": domain.nearest_of(i),
-            "similarities": domain.similarities_of(i),
-            # Answered by the invariant fallback (per-sample standardised), out of range.
-            "fallback": bool(domain.fallback[i]),
-            "disagreement": domain.disagreement_of(i),
-            # Labels changed by the mixture fitted to this bag's own cells.
-            "relabelled": domain.relabelled_of(i),
-        }
+        cell["report"] = _cell_report(result, i)
         return cell
     if isinstance(result, ClassificationPrediction):
         classes = [str(c) for c in result.classes.tolist()]
         out = {
-            "id": bag_id,
             "prediction": result.labels[i].item(),
             "scores": dict(zip(classes, result.scores[i].tolist(), strict=True)),
         }
         if result.probabilities is not None:
             out["probabilities"] = dict(zip(classes, result.probabilities[i].tolist(), strict=True))
         return out
-    out: dict[str, Any] = {"id": bag_id, "prediction": result.estimate[i].tolist()}
+    out: dict[str, Any] = {"prediction": result.estimate[i].tolist()}
     if isinstance(result, ConditionalPrediction):
         if result.levels.size:
             out["quantiles"] = dict(
@@ -206,22 +242,36 @@ def _names(values: np.ndarray) -> list[str]:
 def _table(result: Prediction, cells: bool = True) -> np.ndarray:
     """The NPY answer: the estimate; for conditional models the mean, then the
     quantiles, then the exceedance probabilities, as columns (per-cell classifiers:
-    see :func:`encode`)."""
+    see :func:`encode`). A withheld bag's rows are NaN (empty strings for labels)."""
     if isinstance(result, CellPrediction):
         if result.probabilities is not None:
-            return result.probabilities
-        if not cells and result.counts is not None:
-            return result.counts
-    if isinstance(result, ConditionalPrediction):
+            table, per = result.probabilities, "point"
+        elif not cells and result.counts is not None:
+            table, per = result.counts.astype(np.float64), "bag"
+        else:
+            table, per = result.labels, "point"
+    elif isinstance(result, ConditionalPrediction):
         extra = np.hstack([result.quantiles, result.exceedance])
-        return np.column_stack([result.mean, extra]) if extra.shape[1] else result.mean
-    return result.estimate
+        table = np.column_stack([result.mean, extra]) if extra.shape[1] else result.mean
+        per = "bag"
+    else:
+        table, per = result.estimate, "bag"
+    withheld = np.array([not result.released(i) for i in range(result.n_bags)], dtype=bool)
+    if not withheld.any():
+        return table
+    rows = withheld if per == "bag" else np.repeat(withheld, result.sizes)
+    table = np.array(table, copy=True)
+    table[rows] = "" if table.dtype.kind in "US" else np.nan
+    return table
 
 
-def _trust_columns(result: Prediction) -> tuple[list[str], list[list[Any]]]:
-    """CSV columns of the domain report and interval, and their values per bag."""
+def _trust_columns(
+    result: Prediction, inputs: list[str] | None, model_sha256: str
+) -> tuple[list[str], list[list[Any]]]:
+    """CSV columns of the domain report, interval, status and provenance, per bag."""
     header: list[str] = []
     rows: list[list[Any]] = [[] for _ in range(result.n_bags)]
+    released = [result.released(i) for i in range(result.n_bags)]
     if result.domain is not None:
         header += ["domain_score", "out_of_range"]
         for row, score, flag in zip(
@@ -230,23 +280,35 @@ def _trust_columns(result: Prediction) -> tuple[list[str], list[list[Any]]]:
             row += [score, int(flag)]
     if result.interval is not None:
         header += ["interval_lo", "interval_hi"]
-        for row, bounds in zip(rows, result.interval.tolist(), strict=True):
-            row += bounds
+        for row, bounds, shown in zip(rows, result.interval.tolist(), released, strict=True):
+            row += bounds if shown else ["", ""]
     if isinstance(result, ClassificationPrediction) and result.sets is not None:
         header.append("set")
         for i, row in enumerate(rows):
-            row.append("|".join(str(c) for c in result.set_of(i)))
+            row.append("|".join(str(c) for c in result.set_of(i)) if released[i] else "")
+    header += ["status", "input_sha256", "model_sha256"]
+    for i, row in enumerate(rows):
+        row += [result.status_of(i), "" if inputs is None else inputs[i], model_sha256]
     return header, rows
 
 
-def _csv(result: Prediction, ids: list[str], cells: bool = True) -> bytes:
+def _csv(
+    result: Prediction,
+    ids: list[str],
+    cells: bool = True,
+    inputs: list[str] | None = None,
+    model_sha256: str = "",
+) -> bytes:
     buf = io.StringIO()
-    trust_header, trust = _trust_columns(result)
+    trust_header, trust = _trust_columns(result, inputs, model_sha256)
     w = _TrustWriter(SafeWriter(buf, lineterminator="\n"), trust_header, trust)
     if isinstance(result, CellPrediction) and not cells and result.population(0) is not None:
         # The population summary: one row per bag and class.
         w.header(["id", "class", "count", "percent", "mean_probability"])
         for i, bag_id in enumerate(ids):
+            if not result.released(i):
+                w.row(i, [bag_id, "", "", "", ""])
+                continue
             for row in result.population(i) or []:
                 w.row(
                     i,
@@ -263,23 +325,30 @@ def _csv(result: Prediction, ids: list[str], cells: bool = True) -> bytes:
         classes = [] if probs is None or result.classes is None else result.classes.tolist()
         w.header(["id", "cell", "label", *[f"p_{c}" for c in classes]])
         for i, bag_id in enumerate(ids):
+            if not result.released(i):
+                w.row(i, [bag_id, "", "", *[""] * len(classes)])
+                continue
             p = result.probabilities_of(i)
             for j, label in enumerate(result.labels_of(i).tolist()):
                 w.row(i, [bag_id, j, label, *([] if p is None else p[j].tolist())])
     elif isinstance(result, ClassificationPrediction):
-        w.header(["id", "prediction", *[f"score_{c}" for c in result.classes.tolist()]])
+        classes = result.classes.tolist()
+        w.header(["id", "prediction", *[f"score_{c}" for c in classes]])
         for i, bag_id in enumerate(ids):
+            if not result.released(i):
+                w.row(i, [bag_id, "", *[""] * len(classes)])
+                continue
             w.row(i, [bag_id, result.labels[i], *result.scores[i].tolist()])
     elif isinstance(result, ConditionalPrediction):
-        w.header(
-            [
-                "id",
-                "prediction",
-                *[f"q_{v}" for v in _names(result.levels)],
-                *[f"p_gt_{t}" for t in _names(result.thresholds)],
-            ]
-        )
+        columns = [
+            *[f"q_{v}" for v in _names(result.levels)],
+            *[f"p_gt_{t}" for t in _names(result.thresholds)],
+        ]
+        w.header(["id", "prediction", *columns])
         for i, bag_id in enumerate(ids):
+            if not result.released(i):
+                w.row(i, [bag_id, "", *[""] * len(columns)])
+                continue
             w.row(
                 i,
                 [
@@ -295,12 +364,16 @@ def _csv(result: Prediction, ids: list[str], cells: bool = True) -> bytes:
         columns = [f"prediction_{j}" for j in range(values.shape[1])] if multi else ["prediction"]
         w.header(["id", *columns])
         for i, bag_id in enumerate(ids):
+            if not result.released(i):
+                w.row(i, [bag_id, *[""] * len(columns)])
+                continue
             w.row(i, [bag_id, *(values[i].tolist() if multi else [values[i].item()])])
     return buf.getvalue().encode()
 
 
 class _TrustWriter:
-    """A CSV writer that ends every row with its bag's domain and interval columns."""
+    """A CSV writer that ends every row with its bag's domain, interval, status and
+    provenance columns."""
 
     def __init__(self, writer: Any, header: list[str], rows: list[list[Any]]) -> None:
         self.writer = writer

@@ -56,6 +56,11 @@ _SHA256 = "urn:bagserve:sha256"
 #: The sha256 of the public key that signed the model release (OpenSSF model-signing).
 _SIGNER_KEY = "urn:bagserve:signer-key-sha256"
 _REQUEST = "urn:bagserve:request-id"
+#: The sha256 of a request body (several samples may share one).
+_REQUEST_SHA256 = "urn:bagserve:request-sha256"
+_ABSENT = "http://terminology.hl7.org/CodeSystem/data-absent-reason"
+#: Observation.status by the status of an answer (:mod:`bagserve.core.policy`).
+_STATUS = {"final": "final", "preliminary": "preliminary", "withheld": "cancelled"}
 _PREDICTION = "urn:bagserve:prediction"
 _CATEGORY = "http://terminology.hl7.org/CodeSystem/observation-category"
 _INTERPRETATION = "http://terminology.hl7.org/CodeSystem/v3-ObservationInterpretation"
@@ -97,11 +102,18 @@ def bundle(
     provenance: Mapping[str, Any],
     info: ArtifactInfo,
     *,
+    inputs: list[str] | None = None,
     coverage: float | None = None,
     refs: Mapping[str, str] | None = None,
     issued: datetime | None = None,
 ) -> dict[str, Any]:
     """The answer as a FHIR R4 ``collection`` Bundle of one Observation per bag.
+
+    Each Observation's ``status`` is the bag's status under the model's out-of-domain
+    policy (:mod:`core.policy`): ``final``, ``preliminary``, or, for a withheld answer,
+    ``cancelled`` with no value and a ``dataAbsentReason`` that says why. A bag outside
+    the applicability domain is interpreted ``EX`` only: never ``N``, ``H`` or ``L``
+    beside it, which a report showing the first interpretation would file as normal.
 
     Parameters
     ----------
@@ -110,10 +122,12 @@ def bundle(
     ids : list of str
         Bag ids, in request order.
     provenance : mapping
-        ``model`` (name, version, sha256), ``request_id``, ``input_sha256``,
+        ``model`` (name, version, sha256), ``request_id``, ``request_sha256``,
         ``warnings``, as heads every bagserve answer.
     info : ArtifactInfo
         The model's artifact: its output coding, estimator, training bag names.
+    inputs : list of str, optional
+        The sha256 of each bag's input: its file as uploaded, or its cells.
     coverage : float, optional
         The coverage of the interval or prediction set, when one was asked for.
     refs : mapping, optional
@@ -126,7 +140,7 @@ def bundle(
     # Deterministic entry URLs: the same request (an idempotent replay) names its
     # observations the same way.
     space = uuid.uuid5(uuid.NAMESPACE_URL, f"{_REQUEST}:{request_id}")
-    builder = _Observations(result, provenance, info, coverage, dict(refs or {}), when)
+    builder = _Observations(result, provenance, info, coverage, dict(refs or {}), when, inputs)
     return {
         "resourceType": "Bundle",
         "identifier": {"system": _REQUEST, "value": request_id},
@@ -150,11 +164,13 @@ class _Observations:
         coverage: float | None,
         refs: dict[str, str],
         issued: str,
+        inputs: list[str] | None = None,
     ) -> None:
         self.result, self.info, self.coverage, self.issued = result, info, coverage, issued
         self.model = dict(provenance["model"])
         self.request_id = str(provenance["request_id"])
-        self.input_sha256 = str(provenance["input_sha256"])
+        self.request_sha256 = str(provenance.get("request_sha256", ""))
+        self.inputs = inputs
         self.warnings = [str(w) for w in provenance.get("warnings") or []]
         self.coding: OutputCoding = info.output_coding
         self.refs = refs
@@ -167,7 +183,7 @@ class _Observations:
             "resourceType": "Observation",
             "contained": [self.device, self._input(bag_id)],
             "identifier": [{"system": _REQUEST, "value": f"{self.request_id}/{bag_id}"}],
-            "status": "final",
+            "status": _STATUS[self.result.status_of(i)],
             "category": [
                 {
                     "coding": [
@@ -184,7 +200,10 @@ class _Observations:
         if "subject" in self.refs:
             obs["subject"] = {"reference": self.refs["subject"]}
         obs["issued"] = self.issued
-        value, components = self._value(i)
+        if self.result.released(i):
+            value, components = self._value(i)
+        else:
+            value, components = self._withheld(i), []
         obs.update(value)
         flags, notes = self._interpretation(i, value)
         if flags:
@@ -201,21 +220,39 @@ class _Observations:
         if c.reference_range is not None and "valueQuantity" in value:
             obs["referenceRange"] = [self._reference_range()]
         obs["derivedFrom"] = [{"reference": "#input", "display": f"bag {bag_id}"}]
+        obs["contained"][1] = self._input(bag_id, i)
         if components:
             obs["component"] = components
         return obs
 
-    def _input(self, bag_id: str) -> dict[str, Any]:
-        """The uploaded sample, by the sha256 of the request body."""
-        return {
+    def _input(self, bag_id: str, i: int = 0) -> dict[str, Any]:
+        """The sample the bag came from, by the sha256 of its file (or of its cells, for
+        cells sent as numbers); the request body's sha256 beside it."""
+        digest = self.inputs[i] if self.inputs is not None else self.request_sha256
+        doc: dict[str, Any] = {
             "resourceType": "DocumentReference",
             "id": "input",
-            "masterIdentifier": {"system": _SHA256, "value": self.input_sha256},
+            "masterIdentifier": {"system": _SHA256, "value": digest},
             "status": "current",
             "description": (
-                f"bag {bag_id} of the request body whose sha256 is the master identifier"
+                f"sample {bag_id}: the master identifier is the sha256 of its file as "
+                "uploaded (of its cells, for cells sent as numbers)"
             ),
             "content": [{"attachment": {"title": bag_id}}],
+        }
+        if self.request_sha256:
+            doc["identifier"] = [{"system": _REQUEST_SHA256, "value": self.request_sha256}]
+        return doc
+
+    def _withheld(self, i: int) -> dict[str, Any]:
+        """No value, and why (the model's out-of-domain policy withheld it)."""
+        domain = self.result.domain
+        assert domain is not None
+        return {
+            "dataAbsentReason": {
+                "coding": [{"system": _ABSENT, "code": "unsupported", "display": "Unsupported"}],
+                "text": self.info.withheld_reason(domain, i),
+            }
         }
 
     # ------------------------------------------------------------------ values
@@ -319,7 +356,10 @@ class _Observations:
         flags: list[dict[str, Any]] = []
         notes: list[str] = []
         rng = self.coding.reference_range
-        if rng is not None and "valueQuantity" in value:
+        domain = self.result.domain
+        outside = domain is not None and bool(domain.out_of_range[i])
+        # Outside the domain the value is not judged against the normal range: EX only.
+        if rng is not None and "valueQuantity" in value and not outside:
             v = value["valueQuantity"]["value"]
             low, high = rng
             code = (
@@ -330,7 +370,6 @@ class _Observations:
                 else "N"
             )
             flags.append(_flag(code))
-        domain = self.result.domain
         if domain is not None:
             nearest = ", ".join(self.info.nearest_names(domain, i)) or "not recorded"
             if bool(domain.out_of_range[i]):
@@ -351,7 +390,7 @@ class _Observations:
                     f"{float(domain.score[i]):.4g}); nearest training samples: {nearest}."
                 )
         r = self.result
-        if isinstance(r, ClassificationPrediction) and r.sets is not None:
+        if isinstance(r, ClassificationPrediction) and r.sets is not None and r.released(i):
             level = f"{100 * self.coverage:g}% " if self.coverage is not None else ""
             members = ", ".join(str(c) for c in r.set_of(i)) or "empty"
             notes.append(f"{level}prediction set: {members}.")

@@ -39,6 +39,9 @@ _KEPT_HEADERS = (
     "x-model-version",
     "x-model-sha256",
     "x-input-sha256",
+    "x-request-sha256",
+    "bagserve-status",
+    "bagserve-classes",
     "location",
 )
 

@@ -53,13 +53,13 @@ class JobRunner:
             content_type=meta["content_type"],
             content_encoding=meta.get("content_encoding", ""),
             markers=markers_param(meta.get("markers")),
-            default_id=meta.get("bag_id", "bag-0"),
+            default_id=meta.get("bag_id"),
         )
         try:
             # A body that breaks a limit fails here with its problem, in a worker: the
             # job is failed once and the replica goes on.
             outcome = await self.predictor.run(
-                caller, entry, body, spec, options, input_sha256=meta["input_sha256"]
+                caller, entry, body, spec, options, request_sha256=meta["input_sha256"]
             )
         except Problem as exc:
             problem = {"status": exc.status, "detail": exc.detail, "errors": exc.errors}
@@ -72,6 +72,7 @@ class JobRunner:
             outcome.ids,
             outcome.provenance(meta["request_id"]),
             entry.info,
+            inputs=outcome.inputs,
             cells=options.cells,
             plots=outcome.plots,
         )

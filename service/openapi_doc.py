@@ -91,9 +91,25 @@ _PREDICTION: dict[str, Any] = {
         "and available. Per-cell models: `population`, `labels` (unless cells=false), "
         "`probabilities` (on request) and `report`."
     ),
-    "required": ["id"],
+    "required": ["id", "status"],
     "properties": {
         "id": {"type": "string"},
+        "input_sha256": {
+            "type": "string",
+            "description": "sha256 of the bag's own file as uploaded (each multipart part "
+            "on its own), or of its cells for cells sent as numbers",
+        },
+        "status": {
+            "type": "string",
+            "enum": ["final", "preliminary", "withheld"],
+            "description": "the answer's status under the model's out-of-domain policy: "
+            "`final` in domain; out of domain `final` (policy flag), `preliminary` "
+            "(the default) or `withheld` (no value, interval or set; `withheld` says why)",
+        },
+        "withheld": {
+            "type": "string",
+            "description": "why the value was withheld (only with status `withheld`)",
+        },
         "prediction": {},
         "interval": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2},
         "set": {"type": "array", "items": {}},
@@ -118,12 +134,26 @@ _MODEL_REF: dict[str, Any] = {
 }
 _PREDICT_ANSWER: dict[str, Any] = {
     "type": "object",
-    "required": ["model", "request_id", "input_sha256", "predictions"],
+    "required": ["model", "request_id", "request_sha256", "predictions"],
     "properties": {
         "model": {"$ref": "#/components/schemas/ModelRef"},
         "request_id": {"type": "string"},
-        "input_sha256": {"type": "string"},
-        "warnings": {"type": "array", "items": {"type": "string"}},
+        "request_sha256": {
+            "type": "string",
+            "description": "sha256 of the request body as received (each bag's own file "
+            "hash is its `input_sha256`)",
+        },
+        "warnings": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "what should change a reviewer's reading of the answer",
+        },
+        "notes": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "routine facts about the input (channels ignored, "
+            "compensation applied); kept apart from the warnings",
+        },
         "predictions": {"type": "array", "items": {"$ref": "#/components/schemas/Prediction"}},
     },
 }

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 from bagserve.core.hashing import bytes_sha256
+from bagserve.core.policy import review_warnings
 from bagserve.core.runtime import CellPrediction, ModelKind, Prediction, prediction_from_arrays
 
 from .audit import AuditLog
@@ -79,9 +80,10 @@ class Outcome:
     result : Prediction
         The runtime's typed answer (:mod:`bagserve.core.runtime`).
     warnings : list of str
-        Things the caller should know (ignored markers, clipped points).
-    input_sha256 : str
-        sha256 of the request body.
+        What should change a reviewer's decision (out of the applicability domain,
+        cells clipped into the training range).
+    request_sha256 : str
+        sha256 of the request body as received.
     timings : dict
         Seconds per stage (read, parse, validate, queue, transfer, compute, encode).
     options : PredictOptions
@@ -91,17 +93,25 @@ class Outcome:
         (:func:`~.validation.plot_samples`).
     echo : dict, optional
         ``/v2``: what the answer needs of the request (:mod:`.tensors`).
+    inputs : list of str
+        Per bag, the sha256 of its input: its file as uploaded, or its cells sent as
+        numbers (:attr:`~.codecs.IncomingBag.input_sha256`).
+    notes : list of str
+        Routine facts (channels the model does not use, compensation applied): shown
+        apart from the warnings, never in a report's notes.
     """
 
     entry: ModelEntry
     ids: list[str]
     result: Prediction
     warnings: list[str]
-    input_sha256: str
+    request_sha256: str
     timings: dict[str, float] = field(default_factory=dict)
     options: PredictOptions = field(default_factory=PredictOptions)
     plots: list[dict[str, Any]] | None = None
     echo: dict[str, Any] | None = None
+    inputs: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def sizes(self) -> list[int]:
@@ -119,43 +129,54 @@ class Outcome:
         return f'299 bagserve "{text}"'
 
     def provenance(self, request_id: str) -> dict[str, Any]:
-        """What heads every answer: model, request id, input hash, warnings."""
+        """What heads every answer: model, request id, request hash, warnings, notes."""
         return {
             "model": self.entry.provenance(),
             "request_id": request_id,
-            "input_sha256": self.input_sha256,
+            "request_sha256": self.request_sha256,
             "warnings": self.warnings,
+            "notes": self.notes,
         }
 
-    def summary(self) -> dict[str, Any]:
-        """What the audit trail keeps of the output: no values per cell."""
-        estimate = self.result.estimate
-        if self.result.kind in (ModelKind.REGRESSION, ModelKind.CONDITIONAL):
-            v = np.asarray(estimate, dtype=np.float64)
-            return {
-                "n_bags": len(self.ids),
-                "mean": float(v.mean()),
-                "min": float(v.min()),
-                "max": float(v.max()),
-            }
-        labels, counts = np.unique(np.asarray(estimate).astype(str), return_counts=True)
+    def summary(self, values: bool = False) -> dict[str, Any]:
+        """What the audit trail keeps of the output: per bag its status, domain score
+        and flag, and no patient value unless ``values`` (``BAGSERVE_AUDIT_VALUES``):
+        then the bags' values (bag-level models) or class counts (per-cell models)."""
+        r = self.result
         out: dict[str, Any] = {
             "n_bags": len(self.ids),
-            "label_counts": dict(zip(labels.tolist(), counts.tolist(), strict=True)),
+            "status": [r.status_of(i) for i in range(r.n_bags)],
         }
-        if isinstance(self.result, CellPrediction) and self.result.domain is not None:
-            out["out_of_range_bags"] = int(np.sum(self.result.domain.out_of_range))
+        if r.domain is not None:
+            out["out_of_range"] = [bool(v) for v in r.domain.out_of_range.tolist()]
+            out["domain_score"] = [round(float(v), 6) for v in r.domain.score.tolist()]
+        if not values:
+            return out
+        if isinstance(r, CellPrediction):
+            if r.counts is not None and r.classes is not None:
+                names = [str(c) for c in r.classes.tolist()]
+                out["class_counts"] = [
+                    dict(zip(names, row, strict=True)) for row in r.counts.tolist()
+                ]
+        elif r.kind in (ModelKind.REGRESSION, ModelKind.CONDITIONAL):
+            out["values"] = np.asarray(r.estimate, dtype=np.float64).tolist()
+        else:
+            out["values"] = [str(v) for v in np.asarray(r.estimate).tolist()]
         return out
 
 
-def provenance_headers(entry: ModelEntry, input_sha: str) -> dict[str, str]:
-    """Provenance of an answer, as response headers."""
-    return {
+def provenance_headers(entry: ModelEntry, outcome: Outcome) -> dict[str, str]:
+    """Provenance of an answer, as response headers: the model, the request body's
+    sha256, and for a single bag the sha256 of its input (its file, or its cells)."""
+    headers = {
         "X-Model-Name": entry.name,
         "X-Model-Version": entry.version,
         "X-Model-SHA256": entry.sha256,
-        "X-Input-SHA256": input_sha,
+        "X-Request-SHA256": outcome.request_sha256,
     }
+    if len(outcome.inputs) == 1:
+        headers["X-Input-SHA256"] = outcome.inputs[0]
+    return headers
 
 
 class Predictor:
@@ -196,7 +217,7 @@ class Predictor:
         options: PredictOptions | None = None,
         *,
         lent: SharedBuffer | None = None,
-        input_sha256: str | None = None,
+        request_sha256: str | None = None,
         timings: dict[str, float] | None = None,
     ) -> Outcome:
         """Decode, validate and compute on a worker, and audit, one prediction.
@@ -214,7 +235,7 @@ class Predictor:
             them (``/v2``: the worker parses them from the document).
         lent : SharedBuffer, optional
             The shared buffer ``body`` views: the worker reads it in place.
-        input_sha256 : str, optional
+        request_sha256 : str, optional
             The body's sha256 when already known (a stored job).
         timings : dict, optional
             Stages timed so far (``read``); the others are added.
@@ -225,7 +246,7 @@ class Predictor:
             Every failure, with its HTTP status; it is audited before it is raised.
         """
         timings = dict(timings or {})
-        digest: list[str] = [] if input_sha256 is None else [input_sha256]
+        digest: list[str] = [] if request_sha256 is None else [request_sha256]
 
         def hash_input() -> str:
             digest.append(bytes_sha256(body))
@@ -240,7 +261,9 @@ class Predictor:
             outcome = await self.compute(
                 entry, body, spec, options, timings, lent, None if digest else hash_input
             )
-            outcome.input_sha256 = await input_hash()
+            outcome.request_sha256 = await input_hash()
+            # A bag whose file is the body itself has the body's hash.
+            outcome.inputs = [h or outcome.request_sha256 for h in outcome.inputs]
             used = outcome.options
             status = 200
             return outcome
@@ -325,26 +348,7 @@ class Predictor:
         for n in result.sizes.tolist():
             self.metrics.points.observe(n)
         self._observe_domain(entry, result)
-        warnings = list(out_header["warnings"])
-        if result.domain is not None:
-            for bag_id, score, flag in zip(
-                ids, result.domain.score.tolist(), result.domain.out_of_range.tolist(), strict=True
-            ):
-                if flag:
-                    warnings.append(
-                        f"bag {bag_id!r} lies outside the model's applicability domain (domain "
-                        f"score {score:.3g}; the training bags score about 1): do not trust "
-                        "this answer without review"
-                    )
-        if result.clipped is not None:
-            for bag_id, n, size in zip(
-                ids, result.clipped.tolist(), result.sizes.tolist(), strict=True
-            ):
-                if n:
-                    warnings.append(
-                        f"bag {bag_id!r}: {n} of {size} cell(s) lie outside the "
-                        "model's training range and were clipped into it"
-                    )
+        warnings = review_warnings(result, ids)
         return Outcome(
             entry,
             ids,
@@ -355,6 +359,8 @@ class Predictor:
             PredictOptions.from_json(out_header["options"]),
             out_header["plots"],
             out_header["echo"],
+            list(out_header["inputs"]),
+            list(out_header["notes"]),
         )
 
     def _observe_domain(self, entry: ModelEntry, result: Prediction) -> None:
@@ -389,12 +395,13 @@ class Predictor:
             "api_key_id": caller.key_id,
             "route": caller.route,
             "model": {"name": entry.name, "version": entry.version, "sha256": entry.sha256},
-            "input_sha256": input_sha,
+            "request_sha256": input_sha,
             "status": status,
         }
         if outcome is not None and status == 200:
+            fields["inputs"] = outcome.inputs
             fields["bag_sizes"] = outcome.sizes
-            fields["output"] = outcome.summary()
+            fields["output"] = outcome.summary(self.settings.audit_values)
         if options is not None and options.compensated:
             fields["compensated_by_caller"] = True
         if caller.files and self.settings.audit_file_names:

@@ -108,6 +108,13 @@ class Settings(BaseSettings):
         description="a pre-database audit file to import once; default: DATA_DIR/audit.jsonl",
     )
     audit_file_names: bool = Field(False, description="keep uploaded file names in the audit trail")
+    audit_values: bool = Field(
+        False,
+        description=(
+            "keep the answers' values (bag values, classes, class counts) in the audit "
+            "trail; by default it keeps statuses, flags and domain scores only"
+        ),
+    )
     jobs_ttl: float = Field(86400.0, gt=0, description="seconds a finished job's result is kept")
     idempotency_ttl: float = Field(86400.0, gt=0, description="seconds a stored answer is replayed")
     log_format: Literal["json", "text"] = "json"

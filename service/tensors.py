@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
+from bagserve.core.hashing import points_sha256
 from bagserve.core.runtime import ModelKind
 
 from .codecs import BodySpec, IncomingBag, RequestLimits, check_json_values, inflate
@@ -39,10 +40,12 @@ _NUMPY = {
     "BOOL": np.bool_,
 }  # fmt: skip
 
-#: Every model's applicability domain, one value per bag.
+#: Every model's applicability domain, one value per bag, and each bag's status under
+#: the model's out-of-domain policy (final, preliminary, withheld).
 _DOMAIN_OUTPUTS = [
     {"name": "out_of_range", "datatype": "BOOL", "shape": [-1]},
     {"name": "domain_score", "datatype": "FP64", "shape": [-1]},
+    {"name": "status", "datatype": "BYTES", "shape": [-1]},
 ]
 #: With the request parameter ``interval`` (a coverage): the interval of each bag.
 _INTERVAL = {"name": "interval", "datatype": "FP64", "shape": [-1, 2]}
@@ -241,10 +244,13 @@ def _bags(doc: dict[str, Any], tensors: dict[str, np.ndarray]) -> list[IncomingB
             f"'markers' must name the {points.shape[1]} columns of 'points'", "invalid-request"
         )
     starts = np.concatenate([[0], np.cumsum(sizes)])
-    return [
-        IncomingBag(f"bag-{i}", points[starts[i] : starts[i + 1]], markers, markers)
-        for i in range(sizes.size)
-    ]
+    bags = []
+    for i in range(sizes.size):
+        cells = points[starts[i] : starts[i + 1]]
+        bag = IncomingBag(f"bag-{i}", cells, markers, markers)
+        bag.input_sha256 = points_sha256(cells)  # cells sent as numbers: their hash
+        bags.append(bag)
+    return bags
 
 
 def decode_inference(

@@ -64,7 +64,7 @@ def body_spec(request: Request, *, protocol: str = "v1") -> BodySpec:
         content_type=request.headers.get("content-type", ""),
         content_encoding=request.headers.get("content-encoding", ""),
         markers=markers_param(qp.get("markers")),
-        default_id=qp.get("id") or "bag-0",
+        default_id=qp.get("id") or None,
         protocol=protocol,
         header_length=request.headers.get("inference-header-content-length"),
     )

@@ -31,9 +31,15 @@ def validate_bags(
     options: PredictOptions,
 ) -> tuple[list[np.ndarray], list[np.ndarray | None], list[str]]:
     """Compensate and align every bag to the model's panel; collect every problem
-    before answering."""
+    before answering.
+
+    Returns the bags' points and weights, and *notes*: routine facts about the request
+    (channels the model does not use, compensation applied) that a reviewer may read
+    but need not act on. What should change a reviewer's decision (out of the domain,
+    clipped cells) is a warning, raised where the prediction is known.
+    """
     errors = list(errors)
-    warnings: list[str] = []
+    notes: list[str] = []
     panel = entry.panel
     compensation = entry.info.preprocessing.compensation
     compensate = compensation.active and not options.compensated
@@ -80,15 +86,17 @@ def validate_bags(
             except DataError as exc:
                 errors.append(f"{exc} (cells compensated already: compensated=true)")
                 continue
+            notes.append(f"{where}: compensated ({compensation.describe()})")
         if b.names is not None and panel is not None:
             try:
                 cols = panel.columns(b.names, b.alt_names, source=where)
             except DataError as exc:
                 errors.append(str(exc))
                 continue
-            extra = [b.names[j] for j in range(len(b.names)) if j not in set(cols.tolist())]
+            used = set(cols.tolist())
+            extra = [name for j, name in enumerate(b.names) if j not in used]
             if extra:
-                warnings.append(f"{where}: ignored marker(s) {extra}")
+                notes.append(f"{where}: channels the model does not use: {extra}")
             if not np.array_equal(cols, np.arange(pts.shape[1])):
                 pts = pts[:, cols]
         elif pts.shape[1] != entry.n_features:
@@ -123,7 +131,7 @@ def validate_bags(
         raise Problem(
             422, f"{len(errors)} problem(s) in the request", errors=errors, slug="invalid-bags"
         )
-    return arrays, weights, warnings
+    return arrays, weights, notes
 
 
 def plot_samples(

@@ -45,8 +45,9 @@ def predict_message(
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """One request: its body decoded and validated, the typed prediction out as arrays.
 
-    Returns the answer's header (``kind``, bag ``ids``, ``warnings``, ``plots``, the
-    options applied, ``/v2``'s ``echo``, seconds per stage) and the runtime's arrays.
+    Returns the answer's header (``kind``, bag ``ids``, each bag's ``inputs`` hash,
+    ``notes``, ``plots``, the options applied, ``/v2``'s ``echo``, seconds per stage)
+    and the runtime's arrays.
     """
     from bagserve.core.bags import Bags
 
@@ -66,7 +67,7 @@ def predict_message(
         bags, problems = decode_body(spec, body, limits)
         options = PredictOptions.from_json(header.get("options"))
     t1 = time.perf_counter()
-    points, weights, warnings = validate_bags(bags, entry, limits, problems, options)
+    points, weights, notes = validate_bags(bags, entry, limits, problems, options)
     sizes = [a.shape[0] for a in points]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     stacked = np.concatenate(points) if len(points) > 1 else points[0]
@@ -88,7 +89,8 @@ def predict_message(
     answer = {
         "kind": str(result.kind),
         "ids": [b.id for b in bags],
-        "warnings": warnings,
+        "inputs": [b.input_sha256 for b in bags],
+        "notes": notes,
         "plots": plots,
         "options": options.to_json(),
         "echo": echo,

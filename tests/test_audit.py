@@ -116,3 +116,39 @@ def test_an_exported_file_is_checked_against_an_earlier_head(chain, tmp_path, ca
     assert verify(exported).ok
     assert cli("verify", str(exported), "--head", str(head)) == 1
     assert "counted 6" in capsys.readouterr().err
+
+
+def test_audit_output_keeps_flags_and_statuses_and_values_only_when_asked(monkeypatch):
+    """What an audit record keeps of an answer: per bag its status, domain flag and
+    score; the patient's values (or class counts) only with BAGSERVE_AUDIT_VALUES."""
+    import numpy as np
+    from bagserve.core.domain import DomainReport
+    from bagserve.core.policy import statuses
+    from bagserve.core.runtime import RegressionPrediction
+    from bagserve.service.prediction import Outcome
+    from bagserve.service.settings import Settings
+
+    flags = np.array([False, True])
+    domain = DomainReport(
+        score=np.array([0.5, 7.25]),
+        out_of_range=flags,
+        nearest=np.array([[0], [1]]),
+        similarities=np.array([[0.9], [0.01]]),
+        distance=np.array([0.1, 3.0]),
+    )
+    result = RegressionPrediction(
+        np.array([100, 200]),
+        values=np.array([0.25, -1.5]),
+        domain=domain,
+        status=statuses("withhold", flags, 2),
+    )
+    outcome = Outcome(None, ["a", "b"], result, [], "0" * 64)  # type: ignore[arg-type]
+    kept = outcome.summary(Settings().audit_values)
+    assert kept == {
+        "n_bags": 2,
+        "status": ["final", "withheld"],
+        "out_of_range": [False, True],
+        "domain_score": [0.5, 7.25],
+    }
+    monkeypatch.setenv("BAGSERVE_AUDIT_VALUES", "true")
+    assert outcome.summary(Settings().audit_values) == {**kept, "values": [0.25, -1.5]}

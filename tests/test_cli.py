@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import re
@@ -100,12 +101,15 @@ def test_train_yeast_example_on_real_fcs(tmp_path, capsys):
     report = json.loads((path / "report" / "metrics.json").read_text())
     number = r"(-?[0-9.]+(?:e-?[0-9]+)?)"
     rows = re.findall(
-        rf"<tr><td>(Yeast_\w+\.fcs)</td><td>{number}</td><td>{number}</td><td>{number}</td></tr>",
+        rf"<tr><td>(Yeast_\w+\.fcs)</td><td>([0-6])</td><td>{number}</td><td>{number}</td>"
+        rf"<td>{number}</td></tr>",
         page,
     )
-    assert len(rows) == 21  # one per training well: label, CV prediction, residual
-    for _, label, pred, residual in rows:  # shown to 4 significant digits
+    assert len(rows) == 21  # one per training well: fold, label, CV prediction, residual
+    for _, _, label, pred, residual in rows:  # shown to 4 significant digits
         assert float(label) - float(pred) == pytest.approx(float(residual), abs=2e-3)
+    # Every well in the fold that held it out: 7 folds of 3 wells.
+    assert sorted(int(r[1]) for r in rows) == sorted(list(range(7)) * 3)
     # Per-fold RMSEs recombine into the cross-validated RMSE (7 folds of 3 bags).
     folds = report["per_fold"]
     assert [f["bags"] for f in folds] == [3] * 7
@@ -128,10 +132,35 @@ def test_train_yeast_example_on_real_fcs(tmp_path, capsys):
     for r in result["results"]:
         # These two files are training bags: in range, nearest to themselves, by name.
         assert r["domain"]["out_of_range"] is False
-        assert r["domain"]["nearest"][0].endswith(Path(r["file"]).name)
-    code, out, _ = run(capsys, "predict", str(path), *files, "--format", "csv")
-    rows = list(csv.reader(io.StringIO(out)))
-    assert rows[0] == ["file", "prediction"] and len(rows) == 3
+        # Training samples are named as stored at training: the file's name, no path.
+        assert r["domain"]["nearest"][0] == Path(r["file"]).name
+        assert r["status"] == "final"
+        assert r["input_sha256"] == hashlib.sha256(Path(r["file"]).read_bytes()).hexdigest()
+    # The CSV a lab scripts carries every trust field, the same as the JSON.
+    code, out, err = run(capsys, "predict", str(path), *files, "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert list(rows[0]) == [
+        "file",
+        "prediction",
+        "interval_lo",
+        "interval_hi",
+        "out_of_range",
+        "domain_score",
+        "status",
+        "file_sha256",
+        "model_sha256",
+        "withheld",
+    ]
+    assert code == 0 and err == "" and len(rows) == 2
+    for row, r in zip(rows, result["results"], strict=True):
+        assert row["file"] == r["file"] and float(row["prediction"]) == r["prediction"]
+        assert [float(row["interval_lo"]), float(row["interval_hi"])] == r["interval"]
+        assert float(row["interval_lo"]) <= r["prediction"] <= float(row["interval_hi"])
+        assert (row["out_of_range"], row["status"]) == ("0", "final")
+        assert float(row["domain_score"]) == r["domain"]["score"]
+        assert row["file_sha256"] == r["input_sha256"]
+        assert row["model_sha256"] == read_manifest(path)["manifest_sha256"]
+        assert row["model_sha256"] == result["model"]["sha256"]
 
 
 def test_train_gvhd_example_cell_level(tmp_path, capsys):
@@ -173,8 +202,18 @@ def test_train_gvhd_example_cell_level(tmp_path, capsys):
     code, out, _ = run(
         capsys, "predict", str(path), str(GVHD / "sample5.csv.gz"), "--format", "csv"
     )
+    rows = list(csv.DictReader(io.StringIO(out)))
+    # The population summary per file, with the trust fields; every cell with --cells.
+    assert list(rows[0])[:4] == ["file", "class", "count", "percent"]
+    assert {r["class"] for r in rows} <= {"gate 1", "gate 3", "gate 4", "other"}
+    n_cells = sum(int(r["count"]) for r in rows)
+    assert sum(float(r["percent"]) for r in rows) == pytest.approx(100)
+    assert {r["status"] for r in rows} <= {"final", "preliminary"} and rows[0]["file_sha256"]
+    code, out, _ = run(
+        capsys, "predict", str(path), str(GVHD / "sample5.csv.gz"), "--format", "csv", "--cells"
+    )
     rows = list(csv.reader(io.StringIO(out)))
-    assert rows[0] == ["file", "cell", "prediction"] and len(rows) > 10_000
+    assert rows[0][:3] == ["file", "cell", "label"] and len(rows) == 1 + n_cells > 10_000
 
 
 def test_demo_models_and_list(tmp_path, capsys):

@@ -20,7 +20,7 @@ from bagserve.core import (
 from bagserve.core.conformal import jackknife_plus_ranks, jackknife_plus_set, softmax
 from bagserve.core.datasets import make_entropy_bags, make_gmm_modes
 from bagserve.core.representations.base import FeatureEmbedding
-from bagserve.core.selection import ridge_selection_scores
+from bagserve.core.selection import GridEdgeWarning, ridge_selection_scores
 from sklearn.exceptions import NotFittedError
 
 from .conftest import random_bags
@@ -104,8 +104,12 @@ def test_loo_residuals_are_those_the_selection_averages(rng, fit_intercept):
     train = random_bags(rng, n_bags=25)
     y = _targets(train)
     alphas = np.logspace(-4, 0, 5)
-    model = DistributionRidge(_sw(), gamma=0.4, alpha=alphas, fit_intercept=fit_intercept)
-    model.fit(train, y)
+    # jackknife+ chosen explicitly: with a searched alpha the default calibration is CV+.
+    model = DistributionRidge(
+        _sw(), gamma=0.4, alpha=alphas, fit_intercept=fit_intercept, calibration="jackknife+"
+    )
+    with pytest.warns(GridEdgeWarning):
+        model.fit(train, y)
     ai = int(np.flatnonzero(alphas == model.alpha_)[0])
     np.testing.assert_allclose(
         np.mean(model.loo_residuals_**2), model.selection_["score"][0, ai], rtol=1e-8
@@ -119,14 +123,24 @@ def test_loo_residuals_are_those_the_selection_averages(rng, fit_intercept):
     np.testing.assert_allclose(np.mean(model.loo_residuals_**2), score, rtol=1e-8)
 
 
-def _jackknife_plus_oracle(loo: np.ndarray, resid: np.ndarray, coverage: str) -> np.ndarray:
-    """Barber et al. (2021) eq. 6 read literally: sort, index with exact rationals."""
+def _jackknife_plus_oracle(
+    loo: np.ndarray,
+    resid: np.ndarray,
+    coverage: str,
+    new_scale: np.ndarray | None = None,
+    train_scale: np.ndarray | None = None,
+) -> np.ndarray:
+    """Barber et al. (2021) eq. 6 read literally: sort, index with exact rationals; with
+    scales, the locally weighted residuals σ(x)·R_i/σ_i (Lei et al. 2018, §5.2)."""
     T = loo.shape[1]
     alpha = 1 - Fraction(coverage)
     k_lo = math.floor(alpha * (T + 1))
     k_hi = math.ceil((1 - alpha) * (T + 1))
-    lo = np.sort(loo - np.abs(resid)[None, :], axis=1)
-    hi = np.sort(loo + np.abs(resid)[None, :], axis=1)
+    R = np.abs(resid)[None, :]
+    if new_scale is not None:
+        R = R / train_scale[None, :] * new_scale[:, None]
+    lo = np.sort(loo - R, axis=1)
+    hi = np.sort(loo + R, axis=1)
     lower = lo[:, k_lo - 1] if k_lo >= 1 else np.full(len(loo), -np.inf)
     upper = hi[:, k_hi - 1] if k_hi <= T else np.full(len(loo), np.inf)
     return np.stack([lower, upper], axis=1)
@@ -139,9 +153,18 @@ def test_interval_is_the_jackknife_plus_order_statistic(rng, n_bags, coverage):
     new = random_bags(rng, n_bags=6)
     model = DistributionRidge(_sw(), gamma=0.4, alpha=1e-3).fit(train, _targets(train))
     got = model.predict_interval(new, coverage=float(coverage))
-    ref = _jackknife_plus_oracle(model.loo_predict(new), model.loo_residuals_[:, 0], coverage)
+    # The residuals are scaled by max(1, domain score): the new bags' against all
+    # training bags, each training bag's against the others.
+    new_scale = np.maximum(1.0, model.domain_check(new).score)
+    train_scale = np.maximum(1.0, model.domain_scores_)
+    resid = model.loo_residuals_[:, 0]
+    ref = _jackknife_plus_oracle(model.loo_predict(new), resid, coverage, new_scale, train_scale)
     np.testing.assert_array_equal(got, ref)
     assert got.shape == (6, 2)
+    plain = DistributionRidge(_sw(), gamma=0.4, alpha=1e-3, interval_scaling="none")
+    plain.fit(train, _targets(train))
+    ref = _jackknife_plus_oracle(plain.loo_predict(new), resid, coverage)
+    np.testing.assert_array_equal(plain.predict_interval(new, coverage=float(coverage)), ref)
 
 
 def test_ranks_survive_floating_point_coverage():
@@ -329,8 +352,10 @@ def test_prediction_sets_are_the_jackknife_plus_count_rule(rng):
     at_train = _brute_force_loo(reg, train, onehot, train)
     E = 1.0 - at_train[np.arange(30), np.arange(30), labels]
     np.testing.assert_allclose(model.loo_nonconformity_, E, rtol=1e-8, atol=1e-10)
+    new_scale = np.maximum(1.0, model.domain_check(new).score)[:, None, None]
+    train_scale = np.maximum(1.0, model.domain_scores_)[None, :, None]
     for cov in (0.7, 0.9):
-        count = (E[None, :, None] < 1.0 - loo).sum(axis=1)
+        count = (E[None, :, None] / train_scale < (1.0 - loo) / new_scale).sum(axis=1)
         np.testing.assert_array_equal(model.predict_set(new, cov), count < cov * 31)
     sets = model.predict_set(new, 0.9)
     assert [list(s) for s in model.set_labels(sets)] == [list(np.flatnonzero(r)) for r in sets]
@@ -390,7 +415,8 @@ def test_saved_models_give_identical_intervals_sets_and_probabilities(
     clf.fit(train, labels)
     for name, model in (("reg", reg), ("clf", clf)):
         again = load(save(model, tmp_path / f"{name}{mmap}"), mmap=mmap)
-        for attr in ("loo_smoother_", "loo_residuals_", "loo_intercept_shift_"):
+        assert model.calibration_ == again.calibration_ == "cv+"  # gamma and alpha searched
+        for attr in ("cv_fold_", "cv_gamma_", "cv_alpha_", "cv_coef_", "cv_residuals_"):
             a, b = getattr(model, attr), getattr(again, attr)
             assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
         if name == "reg":

@@ -128,6 +128,27 @@ def test_the_console_predicts_a_sample_in_a_real_browser(url, browser, shots):
     text = browser.evaluate("document.querySelector('#results').textContent")
     assert "90 % interval" in text and "within the applicability domain" in text
     assert_not_blank(browser.screenshot(shots / "console-prediction.png"))
+    status = browser.evaluate("document.querySelector('#results .status').textContent")
+    assert status == api["status"] == "final"
+    assert f"file sha256 {api['input_sha256'][:16]}" in text
+    # A sample far from the training bags, with a channel the model does not use: the
+    # flag is the one warning and the answer is preliminary; the channel is a note.
+    far = 40 * np.asarray(bags[0])
+    extra = np.hstack([far, np.arange(far.shape[0], dtype=float)[:, None]])
+    predict_in_page(browser, csv_of(extra, [*markers, "Time"]), "far.csv")
+    browser.wait_for("document.querySelector('#results .status.preliminary')")
+    warnings = browser.evaluate(
+        "[...document.querySelectorAll('#results .warning')].map(e => e.textContent)"
+    )
+    notes = browser.evaluate(
+        "[...document.querySelectorAll('#results .note')].map(e => e.textContent)"
+    )
+    assert len(warnings) == 1 and "'far.csv'" in warnings[0] and "preliminary" in warnings[0]
+    assert notes == ["bag 'far.csv': channels the model does not use: ['Time']"]
+    assert "outside the applicability domain" in browser.evaluate(
+        "document.querySelector('#results').textContent"
+    )
+    assert_not_blank(browser.screenshot(shots / "console-preliminary.png"))
 
     # A per-cell model: the population summary and the scatter of cells by label.
     browser.evaluate("window.bagserve.selectModel('demo-gating')")

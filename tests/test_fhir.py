@@ -9,9 +9,14 @@ reference range, a classifier with class codings).
 from __future__ import annotations
 
 import copy
+import csv
 import gzip
 import hashlib
+import io
 import json
+import subprocess
+import sys
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +24,17 @@ from typing import Any
 
 import httpx
 import jsonschema
+import numpy as np
 import pytest
 from bagserve.core import read_manifest
 from bagserve.core.demo import build_demo_models
 from bagserve.core.errors import ConfigError
 from bagserve.core.fhir_coding import OutputCoding
+from bagserve.core.io import read_sample
+from bagserve.core.runtime import ArtifactInfo
 from bagserve.core.training import GridEdgeWarning, train
+
+from bagserve.cli import predict_files
 
 from .conftest import SHARED_DATA
 from .service_harness import running_service
@@ -33,6 +43,8 @@ from .test_cli import example
 ROOT = Path(__file__).resolve().parents[1]
 FHIR = "application/fhir+json"
 YEAST = SHARED_DATA / "cytoflow_yeast" / "dose_response"
+#: The issue's foreign sample: mouse bone marrow (FlowSOM's example) for the yeast model.
+MOUSE = SHARED_DATA / "flowsom_example" / "not_preprocessed.fcs"
 DOSE_BAG = json.loads((ROOT / "examples" / "requests" / "dose_bag.json").read_text())
 GATING_CSV = (ROOT / "examples" / "requests" / "gating_sample.csv").read_bytes()
 INTERPRETATION = "http://terminology.hl7.org/CodeSystem/v3-ObservationInterpretation"
@@ -80,9 +92,20 @@ def models(tmp_path_factory) -> Path:
         search={"representation__p": [2]},
         fhir=DOSE_FHIR,
     )
+    # The same model under the policy that withholds out-of-domain answers.
+    (tmp / "withhold").mkdir()
+    withhold = example(
+        "yeast_dose",
+        tmp / "withhold",
+        model={"name": "withheld-dose", "output": str(directory)},
+        search={"representation__p": [2]},
+        fhir=DOSE_FHIR,
+        serving={"out_of_domain": "withhold"},
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GridEdgeWarning)  # reported in test_training_honesty
         train(cfg, progress=False)
+        train(withhold, progress=False)
     # A bag classifier from the same files: the upper half of the doses is "high".
     rows = (ROOT / "examples" / "yeast_dose" / "doses.csv").read_text().splitlines()[1:]
     doses = {r.split(",")[0]: float(r.split(",")[2]) for r in rows}
@@ -155,8 +178,12 @@ def contained(obs: dict[str, Any], reference: str) -> dict[str, Any]:
     return found
 
 
-def check_provenance(obs: dict[str, Any], fhir: httpx.Response, body: bytes, bag: str) -> None:
-    """device: the model (name, version, sha256); derivedFrom: the body's sha256."""
+def check_provenance(
+    obs: dict[str, Any], fhir: httpx.Response, body: bytes, bag: str, digest: str | None = None
+) -> None:
+    """device: the model (name, version, sha256); derivedFrom: the bag's own sha256
+    (``digest``: of its cells, for cells sent as numbers; else of the body, its file),
+    with the request body's sha256 beside it."""
     device = contained(obs, obs["device"]["reference"])
     assert device["resourceType"] == "Device"
     assert device["deviceName"][0]["name"] == fhir.headers["x-model-name"]
@@ -165,8 +192,10 @@ def check_provenance(obs: dict[str, Any], fhir: httpx.Response, body: bytes, bag
     (source,) = obs["derivedFrom"]
     document = contained(obs, source["reference"])
     assert document["resourceType"] == "DocumentReference"
-    # The oracle: hashlib on the bytes sent.
-    assert document["masterIdentifier"]["value"] == hashlib.sha256(body).hexdigest()
+    # The oracle: hashlib on the bytes sent (on the cells' float64 bytes for JSON bags).
+    request = hashlib.sha256(body).hexdigest()
+    assert document["masterIdentifier"]["value"] == (digest or request)
+    assert document["identifier"] == [{"system": "urn:bagserve:request-sha256", "value": request}]
     assert document["content"][0]["attachment"]["title"] == bag
     # Every contained resource is referred to (FHIR invariant dom-3).
     refs = {obs["device"]["reference"], *(d["reference"] for d in obs["derivedFrom"])}
@@ -205,9 +234,17 @@ def test_regression_with_interval_and_domain(http, validator):
     obs = observations(bundle)
     assert len(obs) == 2
     out_of_domain = []
-    for o, e in zip(obs, expected, strict=True):
-        check_provenance(o, fhir, body, e["id"])
-        assert o["status"] == "final"
+    sent = json.loads(body)["bags"]
+    for o, e, bag in zip(obs, expected, sent, strict=True):
+        cells = np.asarray(bag["points"], dtype=np.float64)
+        check_provenance(o, fhir, body, e["id"], hashlib.sha256(cells.tobytes()).hexdigest())
+        # The demo models keep the default out-of-domain policy: preliminary.
+        outside = e["domain"]["out_of_range"]
+        assert (
+            o["status"]
+            == ("preliminary" if outside else "final")
+            == (e["status"] if outside else "final")
+        )
         assert o["code"]["coding"] == [
             {
                 "system": "urn:bagserve:model",
@@ -301,6 +338,157 @@ def test_configured_code_unit_and_reference_range(http, models, validator):
         seen.append(want)
     # The highest dose, a middle one and the lowest: one of each.
     assert seen == ["H", "N", "L"]
+
+
+def _yeast_and_mouse() -> list[tuple[str, tuple[str, bytes, str]]]:
+    return [
+        ("files", (name, path.read_bytes(), "application/vnd.isac.fcs"))
+        for name, path in (("Yeast_B8_B08.fcs", YEAST / "Yeast_B8_B08.fcs"), ("mouse.fcs", MOUSE))
+    ]
+
+
+def test_a_foreign_sample_is_never_normal_nor_final(http, validator):
+    """The mouse sample through the yeast model with a reference range: preliminary
+    (the default policy), EX alone (no N/H/L beside it), a wider interval than in
+    domain; the ignored channels are a note of the answer, not of the Observation."""
+    files = _yeast_and_mouse()
+    params = {"interval": "0.9"}
+    path = "/v1/models/coded-dose/predict"
+    fhir = http.post(path, files=files, params=params, headers={"accept": FHIR})
+    native = http.post(path, files=files, params=params)
+    assert fhir.status_code == native.status_code == 200, fhir.text
+    bundle = fhir.json()
+    assert_valid(validator, bundle)
+    yeast, mouse = observations(bundle)
+    answer = native.json()
+    e_yeast, e_mouse = answer["predictions"]
+    assert (yeast["status"], flags(yeast)) == ("final", {"N"})
+    assert e_mouse["domain"]["out_of_range"] and e_mouse["domain"]["score"] > 5
+    assert (mouse["status"], flags(mouse)) == ("preliminary", {"EX"})
+    assert e_mouse["status"] == "preliminary" and e_yeast["status"] == "final"
+    assert mouse["valueQuantity"]["value"] == pytest.approx(e_mouse["prediction"], rel=1e-12)
+
+    def width(e: dict[str, Any]) -> float:
+        return e["interval"][1] - e["interval"][0]
+
+    # The interval widens with the domain score (its residuals are scaled by the score
+    # beyond 1; the exact form is tested against an oracle in test_conformal).
+    assert e_mouse["domain"]["score"] > 5 * max(1.0, e_yeast["domain"]["score"])
+    assert width(e_mouse) > 3 * width(e_yeast)
+    # Provenance: each file's own sha256 and name; training samples by name, not path.
+    for e, (_, (name, data, _)) in zip(answer["predictions"], files, strict=True):
+        assert e["id"] == name and e["input_sha256"] == hashlib.sha256(data).hexdigest()
+        assert e["domain"]["nearest"] and all("/" not in n for n in e["domain"]["nearest"])
+    # Routine facts are notes of the answer, never warnings nor FHIR notes.
+    assert any("channels the model does not use" in n for n in answer["notes"])
+    assert not any("channels" in w for w in answer["warnings"])
+    assert [w for w in answer["warnings"] if "mouse.fcs" in w]
+    for o in (yeast, mouse):
+        assert not any("channels" in n["text"] for n in o.get("note", []))
+
+
+def test_withhold_policy_gives_no_value_on_any_door(http, validator, url, models):
+    """withheld-dose: the mouse sample's value, interval and normal-range verdict are
+    withheld with the reason on JSON, CSV, /v2, FHIR, jobs and the command line."""
+    files = _yeast_and_mouse()
+    path = "/v1/models/withheld-dose/predict"
+    params = {"interval": "0.9"}
+    fhir = http.post(path, files=files, params=params, headers={"accept": FHIR})
+    assert fhir.status_code == 200, fhir.text
+    bundle = fhir.json()
+    assert_valid(validator, bundle)
+    yeast, mouse = observations(bundle)
+    assert yeast["status"] == "final" and "valueQuantity" in yeast
+    assert mouse["status"] == "cancelled" and "valueQuantity" not in mouse
+    assert "component" not in mouse and "referenceRange" not in mouse
+    assert flags(mouse) == {"EX"}
+    reason = mouse["dataAbsentReason"]
+    assert reason["coding"][0]["code"] == "unsupported"
+    assert "withheld" in reason["text"] and "domain score" in reason["text"]
+
+    native = http.post(path, files=files, params=params).json()
+    e_yeast, e_mouse = native["predictions"]
+    assert e_yeast["status"] == "final" and isinstance(e_yeast["prediction"], float)
+    assert e_mouse["status"] == "withheld" and e_mouse["prediction"] is None
+    assert "interval" not in e_mouse and e_mouse["withheld"] == reason["text"]
+
+    table = http.post(path, files=files, params=params, headers={"accept": "text/csv"})
+    rows = list(csv.DictReader(io.StringIO(table.text)))
+    assert [r["status"] for r in rows] == ["final", "withheld"]
+    assert rows[1]["prediction"] == rows[1]["interval_lo"] == "" and rows[0]["prediction"]
+    assert rows[1]["out_of_range"] == "1"
+
+    npy = http.post(path, files=files, headers={"accept": "application/x-npy"})
+    values = np.load(io.BytesIO(npy.content))
+    assert np.isfinite(values[0]) and np.isnan(values[1])
+
+    panel = ArtifactInfo.read(models / "withheld-dose" / "1").panel
+    cells = [panel.select(read_sample(p)) for p in (YEAST / "Yeast_B8_B08.fcs", MOUSE)]
+    points = np.vstack(cells)
+    v2 = http.post(
+        "/v2/models/withheld-dose/infer",
+        json={
+            "inputs": [
+                {
+                    "name": "points",
+                    "datatype": "FP64",
+                    "shape": list(points.shape),
+                    "data": points.ravel().tolist(),
+                },
+                {
+                    "name": "bag_sizes",
+                    "datatype": "INT64",
+                    "shape": [2],
+                    "data": [len(c) for c in cells],
+                },
+            ]
+        },
+    )
+    assert v2.status_code == 200, v2.text
+    out = {o["name"]: o for o in v2.json()["outputs"]}
+    assert out["status"]["data"] == ["final", "withheld"]
+    assert out["prediction"]["data"][1] is None or np.isnan(out["prediction"]["data"][1])
+
+    job = http.post("/v1/jobs", params={"model": "withheld-dose"}, files=files)
+    assert job.status_code == 202, job.text
+    for _ in range(600):
+        state = http.get(job.headers["location"]).json()
+        if state["status"] in ("succeeded", "failed"):
+            break
+        time.sleep(0.1)
+    assert state["status"] == "succeeded", state
+    assert [p["status"] for p in state["result"]["predictions"]] == ["final", "withheld"]
+    assert state["result"]["predictions"][1]["prediction"] is None
+
+    local = predict_files(models / "withheld-dose" / "1", [YEAST / "Yeast_B8_B08.fcs", MOUSE])
+    remote = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bagserve",
+            "predict",
+            "withheld-dose",
+            str(YEAST / "Yeast_B8_B08.fcs"),
+            str(MOUSE),
+            "--url",
+            url,
+            "--format",
+            "csv",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert remote.returncode == 0, remote.stderr
+    rows = list(csv.DictReader(io.StringIO(remote.stdout)))
+    assert (
+        [r["status"] for r in rows]
+        == ["final", "withheld"]
+        == [r["status"] for r in local["results"]]
+    )
+    assert rows[1]["prediction"] == "" and "withheld" in rows[1]["withheld"]
+    assert rows[1]["file_sha256"] == hashlib.sha256(MOUSE.read_bytes()).hexdigest()
+    assert "outside the model's applicability domain" in remote.stderr
 
 
 def test_classifier_codes_its_classes(http, validator):

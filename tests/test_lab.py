@@ -343,18 +343,28 @@ def test_idempotency_and_jobs_with_large_npy_bodies(url, data_dir):
     job = poll(url, r.headers["location"])
     assert job["status"] == "succeeded", job
     assert job["result"]["predictions"] == plain[1].json()["predictions"]
-    assert job["result"]["input_sha256"] == hashlib.sha256(second).hexdigest()
+    assert job["result"]["request_sha256"] == hashlib.sha256(second).hexdigest()
+    assert job["result"]["predictions"][0]["input_sha256"] == hashlib.sha256(second).hexdigest()
 
 
 # ----------------------------------------------------------------- audit, metrics
 def test_audit_trail_records_and_verification(url, data_dir, tmp_path):
     bags, markers = dose_bags(2, seed=5)
-    v1(url, bags, markers)
+    body = {"bags": [{"markers": markers, "points": b.tolist()} for b in bags]}
+    answer = httpx.post(f"{url}/v1/models/demo-dose/predict", json=body, timeout=60).json()
     httpx.post(f"{url}/v1/models/demo-dose/predict", json={"bags": [{"points": [[1.0, 2.0]]}]})
     bad, ok = audit_log(data_dir).recent(2)
     assert ok["status"] == 200 and ok["bag_sizes"] == [b.shape[0] for b in bags]
     assert ok["model"]["name"] == "demo-dose" and len(ok["model"]["sha256"]) == 64
-    assert len(ok["input_sha256"]) == 64 and ok["request_id"] and "mean" in ok["output"]
+    assert len(ok["request_sha256"]) == 64 and ok["request_id"]
+    # Flags, scores and statuses; no patient value (BAGSERVE_AUDIT_VALUES is off).
+    assert ok["output"] == {
+        "n_bags": 2,
+        "status": [p["status"] for p in answer["predictions"]],
+        "out_of_range": [p["domain"]["out_of_range"] for p in answer["predictions"]],
+        "domain_score": [round(p["domain"]["score"], 6) for p in answer["predictions"]],
+    }
+    assert ok["inputs"] == [p["input_sha256"] for p in answer["predictions"]]
     assert bad["status"] == 422 and "output" not in bad
     exe = str(Path(sys.executable).parent / "bagserve")
     where = ["--data-dir", str(data_dir)]
@@ -506,7 +516,9 @@ def test_intervals_sets_and_probabilities_on_request(url, models):
         headers={"accept": "text/csv"},
         timeout=60,
     ).text.splitlines()
-    assert csv_answer[0].endswith("domain_score,out_of_range,interval_lo,interval_hi")
+    assert csv_answer[0].endswith(
+        "domain_score,out_of_range,interval_lo,interval_hi,status,input_sha256,model_sha256"
+    )
     # A classifier: calibrated probabilities always, the prediction set on request.
     r = httpx.post(
         f"{url}/v1/models/yeast-level/predict",

@@ -110,7 +110,18 @@ def test_json_many_bags_with_provenance_and_bit_for_bit(http, models):
     assert [p["prediction"] for p in out["predictions"]] == expected.tolist()
     assert out["request_id"] == "trace-42" == r.headers["x-request-id"]
     sha = hashlib.sha256(content).hexdigest()
-    assert out["input_sha256"] == sha == r.headers["x-input-sha256"]
+    assert out["request_sha256"] == sha == r.headers["x-request-sha256"]
+    # Each bag is known by the sha256 of its cells (float64, C order): the same cells
+    # have the same hash in any request.
+    assert [p["input_sha256"] for p in out["predictions"]] == [
+        hashlib.sha256(np.ascontiguousarray(b, dtype=np.float64).tobytes()).hexdigest()
+        for b in bags
+    ]
+    assert "x-input-sha256" not in r.headers  # one per bag: in the answer
+    # The demo model's policy is the default: out of domain means preliminary.
+    assert [p["status"] for p in out["predictions"]] == [
+        "preliminary" if p["domain"]["out_of_range"] else "final" for p in out["predictions"]
+    ]
     assert r.headers["x-model-name"] == "demo-dose" and r.headers["x-model-version"] == "1"
     assert out["model"]["sha256"] == r.headers["x-model-sha256"]
     stages = dict(part.split(";dur=") for part in r.headers["server-timing"].split(", "))
@@ -142,7 +153,9 @@ def test_markers_are_matched_by_name_reordered_and_extras_reported(http):
     )
     assert r.status_code == 200
     assert r.json()["predictions"][0]["prediction"] == ref["predictions"][0]["prediction"]
-    assert "ignored marker(s) ['Time']" in r.json()["warnings"][0]
+    # A routine fact, not a warning: a note of the answer.
+    assert r.json()["warnings"] == []
+    assert r.json()["notes"] == ["bag 'bag-0': channels the model does not use: ['Time']"]
 
 
 def test_npy_csv_tsv_fcs_and_multipart_bodies(http):
@@ -186,6 +199,11 @@ def test_npy_csv_tsv_fcs_and_multipart_bodies(http):
         headers={"content-type": "application/vnd.isac.fcs"},
     )
     assert r.status_code == 200 and r.json()["model"]["version"] == "2"
+    # A raw file body is known by its own name ($FIL) and by its bytes' sha256.
+    (answer,) = r.json()["predictions"]
+    file_name = read_sample(YEAST / "Yeast_B1_B01.fcs").file_name
+    assert file_name and answer["id"] == file_name
+    assert answer["input_sha256"] == hashlib.sha256(fcs).hexdigest() == r.json()["request_sha256"]
     r1 = http.post(
         "/v1/models/yeast/versions/1/predict",
         content=fcs,
@@ -202,6 +220,13 @@ def test_npy_csv_tsv_fcs_and_multipart_bodies(http):
     r = http.post("/v1/models/yeast/predict", files=files)
     assert r.status_code == 200
     assert [p["id"] for p in r.json()["predictions"]] == ["B1.fcs", "C9.fcs"]
+    # Each part is hashed on its own: the file's sha256 whatever the transport, the same
+    # on every upload (the request's own hash changes with the multipart boundary).
+    digests = [hashlib.sha256(f[1][1]).hexdigest() for f in files]
+    assert [p["input_sha256"] for p in r.json()["predictions"]] == digests
+    again = http.post("/v1/models/yeast/predict", files=files).json()
+    assert [p["input_sha256"] for p in again["predictions"]] == digests
+    assert again["request_sha256"] != r.json()["request_sha256"]
 
 
 def test_large_npy_bodies_stream_into_shared_memory_bit_for_bit(http, models):
@@ -266,7 +291,8 @@ def test_large_npy_bodies_stream_into_shared_memory_bit_for_bit(http, models):
         "/v1/models/demo-dose/predict", content=body, headers={"content-type": "application/json"}
     )
     assert r.status_code == 200 and r.json()["predictions"][0]["prediction"] == expected[2]
-    assert r.headers["x-input-sha256"] == hashlib.sha256(body).hexdigest()
+    assert r.headers["x-request-sha256"] == hashlib.sha256(body).hexdigest()
+    assert r.headers["x-input-sha256"] == hashlib.sha256(bags[2].tobytes()).hexdigest()
     r = http.post(
         "/v1/models/demo-dose/predict",
         content=body[:-2],
@@ -299,13 +325,18 @@ def test_accept_csv_and_npy_answers(http):
     r = http.post("/v1/models/demo-dose/predict", json=body, headers={"accept": "text/csv"})
     assert r.headers["content-type"].startswith("text/csv")
     lines = r.text.splitlines()
-    assert lines[0] == "id,prediction,domain_score,out_of_range" and len(lines) == 3
-    # The domain columns are the JSON answer's, bag by bag.
-    answer = http.post("/v1/models/demo-dose/predict", json=body).json()["predictions"]
-    for line, p in zip(lines[1:], answer, strict=True):
-        bag_id, _, score, flag = line.split(",")
+    assert (
+        lines[0] == ("id,prediction,domain_score,out_of_range,status,input_sha256,model_sha256")
+        and len(lines) == 3
+    )
+    # The trust and provenance columns are the JSON answer's, bag by bag.
+    answer = http.post("/v1/models/demo-dose/predict", json=body).json()
+    for line, p in zip(lines[1:], answer["predictions"], strict=True):
+        bag_id, _, score, flag, status, digest, model_sha = line.split(",")
         assert bag_id == p["id"] and float(score) == p["domain"]["score"]
         assert flag == str(int(p["domain"]["out_of_range"]))
+        assert (status, digest) == (p["status"], p["input_sha256"])
+        assert model_sha == answer["model"]["sha256"]
     r = http.post(
         "/v1/models/demo-dose/predict", json=body, headers={"accept": "application/x-npy"}
     )
@@ -333,7 +364,8 @@ def test_marginal_transfer_model_labels_every_cell(http, models):
     )
     r = http.post("/v1/models/demo-gating/predict", json=body, headers={"accept": "text/csv"})
     assert (
-        r.text.splitlines()[0] == "id,cell,label,domain_score,out_of_range"
+        r.text.splitlines()[0]
+        == "id,cell,label,domain_score,out_of_range,status,input_sha256,model_sha256"
         and len(r.text.splitlines()) == 1 + tasks.n_points
     )
 
@@ -395,7 +427,9 @@ def test_conditional_model_answers_quantiles_and_exceedance(http, models):
         files=files_body,
         headers={"accept": "text/csv"},
     )
-    assert r.text.splitlines()[0] == "id,prediction,q_0.5,domain_score,out_of_range"
+    assert r.text.splitlines()[0] == (
+        "id,prediction,q_0.5,domain_score,out_of_range,status,input_sha256,model_sha256"
+    )
     for params, needle in [
         ({"quantiles": "1.5"}, "levels must lie in [0, 1]"),
         ({"exceed": "abc"}, "comma-separated numbers"),

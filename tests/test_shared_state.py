@@ -419,7 +419,7 @@ def test_state_kept_in_files_is_imported_once(models, tmp_path):
     with running_service(models, BAGSERVE_DATA_DIR=str(data)) as url:
         job = poll(url, f"/v1/jobs/{job_id}")
         assert job["status"] == "succeeded"
-        assert job["result"]["input_sha256"] == "0" * 64
+        assert job["result"]["request_sha256"] == "0" * 64
     assert not (data / "jobs").exists() and (data / "jobs.imported" / job_id).is_dir()
     assert (data / "idempotency.imported").is_dir() and (data / "audit.jsonl.imported").is_file()
     db = Database(None, data)

@@ -23,16 +23,26 @@ __all__ = ["DomainCheckMixin"]
 _ROWS = 1024
 
 
-def _loo_distances(emb: Embedding, k: int) -> NDArray[np.float64]:
-    """Each training bag's mean distance to its ``k`` nearest other training bags."""
+def _loo_distances(
+    emb: Embedding, k: int, groups: NDArray[np.int64] | None = None
+) -> NDArray[np.float64]:
+    """Each training bag's mean distance to its ``k`` nearest other training bags (with
+    ``groups``, bags of other groups only: a subject's other bags would make its bags
+    look typical)."""
     T = len(emb)
-    if T <= _ROWS or not isinstance(emb, FeatureEmbedding):
-        return knn_mean_distances(emb.sq_distances(), k, leave_one_out=True)[0]
     out = np.empty(T)
-    for start in range(0, T, _ROWS):
-        rows = np.arange(start, min(T, start + _ROWS))
-        sq = FeatureEmbedding(emb.features[rows], emb.geometry).sq_distances(emb)
+    step = T if T <= _ROWS or not isinstance(emb, FeatureEmbedding) else _ROWS
+    full = None if step < T else emb.sq_distances()
+    for start in range(0, T, step):
+        rows = np.arange(start, min(T, start + step))
+        if full is not None:
+            sq = full.copy()
+        else:
+            assert isinstance(emb, FeatureEmbedding)
+            sq = FeatureEmbedding(emb.features[rows], emb.geometry).sq_distances(emb)
         sq[np.arange(rows.size), rows] = np.inf  # each row skips itself
+        if groups is not None:
+            sq[groups[rows][:, None] == groups[None, :]] = np.inf
         out[rows] = knn_mean_distances(sq, k)[0]
     return out
 
@@ -48,10 +58,17 @@ class DomainCheckMixin:
     representation_: Any
     train_embedding_: Embedding | None
 
-    def _fit_domain(self, emb: Embedding) -> None:
-        """Calibrate the domain check on the training embedding (call at the end of fit)."""
+    def _fit_domain(self, emb: Embedding, groups: NDArray[np.int64] | None = None) -> None:
+        """Calibrate the domain check on the training embedding (call at the end of fit).
+
+        With ``groups`` each training bag is scored against the other groups' bags: the
+        threshold then says how far a new subject lies, not a new bag of a known one.
+        """
         k = max(1, min(K_NEAREST, len(emb) - 1))
-        calibration = DomainCalibration.fit(_loo_distances(emb, k), k)
+        if groups is not None:
+            others = len(emb) - np.bincount(groups).max()
+            k = max(1, min(k, others))
+        calibration = DomainCalibration.fit(_loo_distances(emb, k, groups), k)
         for name, value in calibration.to_state().items():
             setattr(self, name, value)
         # Kept only where prediction does not keep it already (primal models).

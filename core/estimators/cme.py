@@ -40,13 +40,13 @@ from sklearn.base import BaseEstimator, RegressorMixin, clone
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils.validation import check_is_fitted
 
-from .._random import check_generator
 from ..bags import as_bags
 from ..kernels import get_kernel
 from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
 from ..representations.sliced import _rowwise_searchsorted
-from ..selection import as_grid, median_heuristic_gamma
+from ..selection import as_grid, group_folds, median_heuristic_gamma
 from ._domain import DomainCheckMixin
+from ._grid_choices import GridChoice, cme_choices, warn_grid_edges
 
 __all__ = ["ConditionalMeanEmbedding", "incomplete_cholesky"]
 
@@ -195,8 +195,15 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
         return alpha * n if self.alpha_scaling == "n" else alpha
 
     # --------------------------------------------------------------------- fit
-    def fit(self, X: Any, Y: ArrayLike) -> ConditionalMeanEmbedding:
-        """Fit on inputs ``X`` (points or bags) and outputs ``Y`` (n,) or (n, p)."""
+    def fit(
+        self, X: Any, Y: ArrayLike, groups: ArrayLike | None = None
+    ) -> ConditionalMeanEmbedding:
+        """Fit on inputs ``X`` (points or bags) and outputs ``Y`` (n,) or (n, p).
+
+        ``groups`` (one label per input: the subject of each bag) keeps each group's
+        inputs in one cross-validation fold and leaves whole groups out of the domain
+        check's calibration: a subject's other bags must not vouch for it.
+        """
         if self.alpha_scaling not in ("n", "sum"):
             raise ValueError(f"alpha_scaling must be 'n' or 'sum', got {self.alpha_scaling!r}")
         self.kernel_ = get_kernel(self.kernel, self.kernel_params)
@@ -206,6 +213,14 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
         n = len(emb)
         if Yt.shape[0] != n:
             raise ValueError(f"got {Yt.shape[0]} output(s) for {n} input(s)")
+        codes = None
+        if groups is not None:
+            g = np.asarray(groups)
+            if g.shape != (n,):
+                raise ValueError(f"got {g.size} group label(s) for {n} input(s)")
+            codes = np.unique(g, return_inverse=True)[1]
+            if codes.max() < 1:
+                raise ValueError("groups: every input is in one group; need at least 2")
         if self.representation is None:
             self.n_features_in_ = emb.features.shape[1]  # type: ignore[attr-defined]
         self.y_train_ = Yt
@@ -234,9 +249,10 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
                     f"cross-validation with {self.n_folds} folds needs at least "
                     f"{2 * self.n_folds} training inputs, got {n}; give alpha and gamma"
                 )
+            folds = group_folds(codes, n, int(self.n_folds), self.random_state)
             for gi, g in enumerate(gammas):
                 K = k(base, None if np.isnan(g) else float(g))
-                self.cv_scores_[gi] = self._cv_losses(K, L, alphas)
+                self.cv_scores_[gi] = self._cv_losses(K, L, alphas, folds)
             flat = int(np.nanargmin(self.cv_scores_))
             gi, ai = np.unravel_index(flat, self.cv_scores_.shape)
         else:
@@ -253,22 +269,31 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
         self.train_embedding_ = emb
         # K and L are recomputed if sparsify/restrict need them: not kept alive here.
         self._gram_cache = None
-        self._fit_domain(emb)
+        self._fit_domain(emb, codes)
+        warn_grid_edges(self)
         return self
+
+    def grid_choices(self) -> list[GridChoice]:
+        """``γ`` and ``λ`` where they were chosen from a grid (see :mod:`._grid_choices`)."""
+        return cme_choices(self)
 
     def _embedding(self, X: Any) -> Embedding:
         return X if isinstance(X, Embedding) else self._embed(X)
 
     def _cv_losses(
-        self, K: NDArray[np.float64], L: NDArray[np.float64], alphas: NDArray[np.float64]
+        self,
+        K: NDArray[np.float64],
+        L: NDArray[np.float64],
+        alphas: NDArray[np.float64],
+        folds: NDArray[np.int64],
     ) -> NDArray[np.float64]:
-        """Mean held-out loss ``‖μ̂(x_t) - L(y_t, ·)‖²`` per point, for every ``λ``."""
+        """Mean held-out loss ``‖μ̂(x_t) - L(y_t, ·)‖²`` per point, for every ``λ``
+        (``folds``: each input's fold, whole groups together)."""
         n = K.shape[0]
-        rng = check_generator(self.random_state)
-        folds = np.array_split(rng.permutation(n), int(self.n_folds))
         total = np.zeros(alphas.size)
-        for val in folds:
-            tr = np.setdiff1d(np.arange(n), val)
+        for f in np.unique(folds):
+            val = np.flatnonzero(folds == f)
+            tr = np.flatnonzero(folds != f)
             s, V = np.linalg.eigh(K[np.ix_(tr, tr)])
             P = V.T @ K[np.ix_(tr, val)]  # (n_tr, T)
             M = V.T @ L[np.ix_(tr, tr)] @ V

@@ -8,14 +8,15 @@ parameter is scaled by the number of bags**: ``alpha=λ`` here equals
 Gram matrix (and centred targets when ``fit_intercept=True``). Classification
 regresses one-hot targets and decodes by argmax (paper 000 §2.5, Remark 10).
 
-With the effective ridge ``λT`` held fixed the model is a linear smoother, so its
-``T`` leave-one-bag-out refits are available in closed form, at the training bags (the
-selection criterion, :func:`core.selection.ridge_selection_scores`) and at new bags
-(one extra ``T``-vector per bag). That gives jackknife+ prediction intervals
-(:meth:`DistributionRidge.predict_interval`), prediction sets
-(:meth:`DistributionRidgeClassifier.predict_set`) and probabilities calibrated on
-out-of-sample scores (:meth:`DistributionRidgeClassifier.predict_proba`), without a
-single refit; see :meth:`_DistributionKernelRidge._fit_loo` for the algebra.
+``γ`` and ``λ`` are chosen in closed form by the leave-one-bag-out error, or by the
+leave-one-*group*-out error when ``fit(..., groups=)`` names the subject (patient,
+donor) of each bag: bags of one subject must not vouch for each other
+(:mod:`._ridge_fit`). Prediction intervals (:meth:`DistributionRidge.predict_interval`),
+prediction sets (:meth:`DistributionRidgeClassifier.predict_set`) and probabilities
+calibrated on out-of-sample scores (:meth:`DistributionRidgeClassifier.predict_proba`)
+come from held-out models: jackknife+ in closed form when nothing was searched, CV+
+with the search repeated in each fold otherwise, whole groups held out together, the
+residuals scaled by the distance to the training bags (:mod:`._ridge_calibration`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,11 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import numpy as np
-import scipy.linalg
 from numpy.typing import ArrayLike, NDArray
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
 from sklearn.exceptions import NotFittedError
 from sklearn.utils.validation import check_is_fitted
 
-from .._random import check_generator
 from ..bags import BagValidationError, as_bags
 from ..conformal import (
     check_coverage,
@@ -39,18 +38,25 @@ from ..conformal import (
     jackknife_plus_set,
     softmax,
 )
-from ..kernels import batch_invariant_matmul, get_kernel, random_fourier_features
+from ..kernels import batch_invariant_matmul, get_kernel
 from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
 from ..representations.sliced import SlicedWasserstein
-from ..selection import DEFAULT_ALPHA_GRID, as_grid, gamma_grid, ridge_selection_scores
+from ..selection import DEFAULT_ALPHA_GRID, GroupBlocks
 from ._domain import DomainCheckMixin
+from ._grid_choices import GridChoice, ridge_choices, warn_grid_edges
+from ._ridge_calibration import (
+    CALIBRATIONS,
+    calibration_predictions,
+    closed_form_state,
+    cv_plus_state,
+    interval_scales,
+)
+from ._ridge_fit import RidgeDesign
 
 __all__ = ["DistributionRidge", "DistributionRidgeClassifier"]
 
-# The median heuristic of the random-feature path looks at this many bags at most.
-_MEDIAN_BAGS = 1000
-# Leave-one-out predictions at new bags are (bags × T × outputs): bags are taken in
-# chunks of at most this many elements (8 MB per temporary) to bound memory.
+# Held-out predictions at new bags are (bags × T × outputs): bags are taken in chunks
+# of at most this many elements (8 MB per temporary) to bound memory.
 _LOO_CHUNK_ELEMENTS = 1 << 20
 # ... and at most this many bags, whose embedding (10⁴ features per bag for the default
 # sliced-Wasserstein map) is the other large temporary.
@@ -74,6 +80,9 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
         fit_intercept: bool = True,
         selection: Literal["loo", "gcv"] = "loo",
         n_components: int | None = None,
+        calibration: Literal["auto", "jackknife+", "cv+"] = "auto",
+        calibration_folds: int = 10,
+        interval_scaling: Literal["domain", "none"] = "domain",
         random_state: Any = None,
     ):
         self.representation = representation
@@ -84,6 +93,9 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
         self.fit_intercept = fit_intercept
         self.selection = selection
         self.n_components = n_components
+        self.calibration = calibration
+        self.calibration_folds = calibration_folds
+        self.interval_scaling = interval_scaling
         self.random_state = random_state
 
     # ------------------------------------------------------------------ helpers
@@ -97,17 +109,20 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
             rep.set_params(random_state=self.random_state)
         return rep
 
-    def _fit(self, X: Any, y: ArrayLike) -> _DistributionKernelRidge:
-        if self.selection not in ("loo", "gcv"):
-            raise ValueError(f"selection must be 'loo' or 'gcv', got {self.selection!r}")
+    def _fit(self, X: Any, y: ArrayLike, groups: ArrayLike | None) -> _DistributionKernelRidge:
         bags = as_bags(X)
         if len(bags) < 2:
             raise BagValidationError([f"need at least 2 training bags, got {len(bags)}"])
+        self._check_params()
         rep = self.unfitted_representation().fit(bags)
-        return self._fit_embedded(rep, rep.embed(bags), y)
+        return self._fit_embedded(rep, rep.embed(bags), y, groups)
 
     def fit_embedded(
-        self, representation: BagRepresentation, embedding: Embedding, y: ArrayLike
+        self,
+        representation: BagRepresentation,
+        embedding: Embedding,
+        y: ArrayLike,
+        groups: ArrayLike | None = None,
     ) -> _DistributionKernelRidge:
         """Fit on bags already embedded by ``representation`` (fitted).
 
@@ -118,210 +133,130 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
         check_is_fitted(representation)
         if len(embedding) < 2:
             raise BagValidationError([f"need at least 2 training bags, got {len(embedding)}"])
-        return self._fit_embedded(representation, embedding, y)
+        self._check_params()
+        return self._fit_embedded(representation, embedding, y, groups)
+
+    def _check_params(self) -> None:
+        if self.selection not in ("loo", "gcv"):
+            raise ValueError(f"selection must be 'loo' or 'gcv', got {self.selection!r}")
+        if self.calibration not in CALIBRATIONS:
+            raise ValueError(f"calibration must be one of {CALIBRATIONS}, got {self.calibration!r}")
+        if self.interval_scaling not in ("domain", "none"):
+            raise ValueError(
+                f"interval_scaling must be 'domain' or 'none', got {self.interval_scaling!r}"
+            )
+        if int(self.calibration_folds) != self.calibration_folds or self.calibration_folds < 2:
+            raise ValueError(
+                f"calibration_folds must be an integer >= 2, got {self.calibration_folds!r}"
+            )
+
+    def _groups(self, groups: ArrayLike | None, T: int) -> GroupBlocks | None:
+        """The groups as blocks (None without groups); 2 groups at least."""
+        if groups is None:
+            return None
+        g = np.asarray(groups)
+        if g.shape != (T,):
+            raise BagValidationError([f"got {g.size} group label(s) for {T} bag(s)"])
+        blocks = GroupBlocks(g)
+        if blocks.n_groups < 2:
+            raise BagValidationError(
+                ["groups: every bag is in one group; leaving a group out needs at least 2"]
+            )
+        if self.selection == "gcv" and not blocks.singletons:
+            raise ValueError(
+                "selection='gcv' cannot leave groups out; use selection='loo' with groups"
+            )
+        return blocks
 
     def _fit_embedded(
-        self, rep: BagRepresentation, emb: Embedding, y: ArrayLike
+        self, rep: BagRepresentation, emb: Embedding, y: ArrayLike, groups: ArrayLike | None
     ) -> _DistributionKernelRidge:
         T = len(emb)
         Y = self._targets(y, T)
+        blocks = self._groups(groups, T)
         kern = get_kernel(self.kernel, self.kernel_params)
         if not kern.has_gamma and self.gamma is not None:
             raise ValueError("the linear kernel has no gamma; leave gamma=None")
         self.representation_ = rep
         self.kernel_ = kern
         self.n_features_in_ = rep.n_features_in_
-        self.intercept_ = Y.mean(axis=0) if self.fit_intercept else np.zeros(Y.shape[1])
-        Yc = Y - self.intercept_
-        alphas = as_grid(self.alpha, DEFAULT_ALPHA_GRID, "alpha")
-
-        if self.n_components is not None:
-            # Random Fourier features of the embeddings (paper 001 eq. 7): a primal model
-            # whose cost is linear in the number of bags.
-            if kern.name != "gaussian" or not isinstance(emb, FeatureEmbedding):
-                raise ValueError(
-                    "n_components (random features of the embeddings) needs kernel='gaussian' "
-                    "and a representation with explicit features"
-                )
-            if int(self.n_components) != self.n_components or self.n_components < 2:
-                raise ValueError(f"n_components must be an integer >= 2, got {self.n_components!r}")
-            self.primal_ = True
-            rng = check_generator(self.random_state)
-            half = int(self.n_components) // 2
-            F = emb.features
-            if emb.geometry == "euclidean":
-                self.rff_base_ = rng.standard_normal((half, F.shape[1]))
-            else:
-                self.rff_base_ = rng.standard_cauchy((half, F.shape[1]))
-            self.rff_geometry_ = emb.geometry
-            sample = (
-                emb
-                if T <= _MEDIAN_BAGS
-                else FeatureEmbedding(F[rng.choice(T, _MEDIAN_BAGS, replace=False)], emb.geometry)
-            )
-            gammas = as_grid(self.gamma, gamma_grid(sample.sq_distances(), kern), "gamma")
-            scores = np.full((gammas.size, alphas.size), np.nan)
-            if gammas.size * alphas.size > 1:
-                for gi, g in enumerate(gammas):
-                    scores[gi] = _primal_scores(
-                        self._rff(F, g), Y, alphas, self.fit_intercept, self.selection
-                    )
-                gi, ai = _argmin_prefer_smooth(scores)
-            else:
-                gi, ai = 0, 0
-            self.gamma_ = float(gammas[gi])
-            self.alpha_ = float(alphas[ai])
-            Z = self._rff(F, self.gamma_)
-            self.coef_ = _primal_solve(Z, Yc, self.alpha_ * T)
-            self.train_embedding_ = None
-            self._fit_loo(Y, primal_features=Z)
-        elif (
-            kern.name == "linear"
-            and isinstance(emb, FeatureEmbedding)
-            and emb.geometry == "euclidean"
-            and emb.features.shape[1] < T
-        ):
-            # Explicit features narrower than the number of bags: solve in feature space.
-            self.primal_ = True
-            F = emb.features
-            gammas = np.array([np.nan])
-            scores = np.full((1, alphas.size), np.nan)
-            if alphas.size > 1:
-                scores[0] = _primal_scores(F, Y, alphas, self.fit_intercept, self.selection)
-            best = int(np.argmin(scores[0])) if alphas.size > 1 else 0
-            self.gamma_ = None
-            self.alpha_ = float(alphas[best])
-            self.coef_ = _primal_solve(F, Yc, self.alpha_ * T)
-            self.train_embedding_ = None
-            self._fit_loo(Y, primal_features=F)
-        else:
-            self.primal_ = False
-            base = emb.inner() if kern.uses_inner_product else emb.sq_distances()
-            if kern.has_gamma:
-                gammas = as_grid(self.gamma, gamma_grid(base, kern), "gamma")
-            else:
-                gammas = np.array([np.nan])
-            scores = np.full((gammas.size, alphas.size), np.nan)
-            if gammas.size * alphas.size > 1:
-                for gi, g in enumerate(gammas):
-                    vals, vecs = np.linalg.eigh(kern(base, None if np.isnan(g) else g))
-                    scores[gi] = ridge_selection_scores(
-                        vals,
-                        vecs,
-                        Y,
-                        alphas,
-                        fit_intercept=self.fit_intercept,
-                        criterion=self.selection,
-                    )
-                gi, ai = _argmin_prefer_smooth(scores)
-            else:
-                gi, ai = 0, 0
-            self.gamma_ = None if np.isnan(gammas[gi]) else float(gammas[gi])
-            self.alpha_ = float(alphas[ai])
-            K = kern(base, self.gamma_)
-            K[np.diag_indices_from(K)] += self.alpha_ * T
-            self.dual_coef_ = _spd_solve(K, Yc)
-            self.train_embedding_ = emb
-            self._fit_loo(Y, regularised_gram=K)
-        self.selection_ = {
+        design = RidgeDesign(emb, kern, self.n_components, self.random_state)
+        fit_params = {
+            "gamma": self.gamma,
+            "alpha": self.alpha,
+            "default_alphas": DEFAULT_ALPHA_GRID,
+            "fit_intercept": self.fit_intercept,
             "criterion": self.selection,
-            "gamma": gammas,
-            "alpha": alphas,
-            "score": scores,
         }
-        self._fit_domain(emb)
-        self._fit_calibration(Y)
+        fit = design.fit(np.arange(T), Y, groups=blocks, **fit_params)
+        self.primal_ = design.primal
+        self.gamma_ = fit.gamma
+        self.alpha_ = fit.alpha
+        self.intercept_ = fit.intercept
+        if design.kind == "rff":
+            self.rff_base_ = design.rff_base
+            self.rff_geometry_ = design.geometry
+        if design.primal:
+            self.coef_ = fit.coef
+            self.train_embedding_ = None
+        else:
+            self.dual_coef_ = fit.coef
+            self.train_embedding_ = emb
+        self.selection_ = {
+            "criterion": self.selection if blocks is None else "leave-one-group-out",
+            "gamma": fit.gammas if design.kind != "linear" else np.array([np.nan]),
+            "alpha": fit.alphas,
+            "score": fit.scores,
+        }
+        self.calibration_groups_ = None if blocks is None else blocks.codes
+        self._fit_domain(emb, None if blocks is None else blocks.codes)
+        mode = self.calibration
+        if mode == "auto":
+            mode = "cv+" if fit.searched else "jackknife+"
+        self.calibration_ = mode
+        closed = closed_form_state(design, fit, Y, self.fit_intercept, blocks)
+        if mode == "cv+":
+            state = cv_plus_state(
+                design,
+                Y,
+                self.calibration_groups_,
+                n_folds=self.calibration_folds,
+                random_state=self.random_state,
+                fit_params=fit_params,
+            )
+        else:
+            state = closed
+        for name, value in state.items():
+            setattr(self, name, value)
+        # Probabilities are calibrated on the leave-one-out scores of the model's own
+        # γ and λ, which behave as the model does; coverage (sets, intervals) rests on
+        # the calibration models above.
+        self._fit_calibration(Y, closed["loo_residuals_"])
+        warn_grid_edges(self)
         return self
 
-    def _fit_loo(
-        self,
-        Y: NDArray[np.float64],
-        *,
-        regularised_gram: NDArray[np.float64] | None = None,
-        primal_features: NDArray[np.float64] | None = None,
-    ) -> None:
-        """Closed-form leave-one-bag-out state for conformal prediction.
+    def grid_choices(self) -> list[GridChoice]:
+        """``γ`` and ``λ`` where they were chosen from a grid (see
+        :mod:`._grid_choices`)."""
+        return ridge_choices(self)
 
-        Kernel ridge with the effective ridge ``ρ = λT`` held fixed is a linear
-        smoother: ``μ̂(x) = c + w(x)ᵀ(y - c·1)`` with weights ``w(x) = (K + ρI)⁻¹ k_x``
-        (dual) or ``w(x) = Φ(ΦᵀΦ + ρI)⁻¹ φ(x)`` (primal; ``K = ΦΦᵀ``) and ``c`` the
-        intercept (the training mean, or 0).
+    def _fit_calibration(self, Y: NDArray[np.float64], loo_residuals: NDArray[np.float64]) -> None:
+        """Hook for state fitted from the out-of-sample residuals (classifier)."""
 
-        *Refit = full fit on imputed targets.* For any targets ``v``, the fit on the
-        ``T - 1`` bags other than ``i`` equals the fit on all ``T`` bags with ``v_i``
-        replaced by that refit's own prediction at bag ``i``, ``ṽ_i = loo_i(v)``: the
-        refit minimises the other ``T - 1`` squared errors plus the ridge penalty and
-        makes the ``i``-th error zero, so it minimises the ``T``-bag objective too, whose
-        minimiser is unique. Hence, with ``H = K(K + ρI)⁻¹`` the hat matrix and
-        ``h_i = H_ii``,
-
-            refit_{-i}(x; v) = w(x)ᵀv - w_i(x)·(v_i - ṽ_i),
-            v_i - ṽ_i = (v - Hv)_i / (1 - h_i).
-
-        *Intercept.* With ``fit_intercept=True`` the refit centres on the mean of the
-        remaining targets, ``c_{-i} = c + d_i`` with ``d_i = (c - y_i)/(T - 1)``, i.e.
-        it is ``c_{-i} + refit_{-i}(x; y - c_{-i}·1)``. Writing ``s(x) = w(x)ᵀ1`` and
-        ``e_i = (v - Hv)_i / (1 - h_i)`` for ``v = y - c_{-i}·1``, linearity gives
-
-            μ̂_{-i}(x) = μ̂(x) - w_i(x)·e_i + (1 - s(x))·d_i,
-
-        and at ``x = x_i`` this is ``y_i - e_i``: ``e_i`` is exactly the signed
-        leave-one-out residual ``y_i - μ̂_{-i}(x_i)`` (the one
-        :func:`core.selection.ridge_selection_scores` averages). Without an intercept
-        ``d_i = 0`` and ``e_i = (y - Hy)_i / (1 - h_i)``.
-
-        Stored (plain arrays, saved with the model): ``loo_smoother_`` ``S`` of shape
-        ``(p, T)`` with ``w(x)ᵀ = z(x)ᵀS`` for the design row ``z(x)`` the prediction
-        already computes (``S = (K + ρI)⁻¹``, ``z = k_x``; primal ``S = (ΦᵀΦ + ρI)⁻¹Φᵀ``,
-        ``z = φ(x)``), ``loo_residuals_`` ``e`` and ``loo_intercept_shift_`` ``d``,
-        both ``(T, n_outputs)``.
-        """
-        T = Y.shape[0]
-        ridge = self.alpha_ * T
-        if regularised_gram is not None:
-            # A = (K + ρI)⁻¹: I - H = ρA, so (v - Hv)_i / (1 - h_i) = (Av)_i / A_ii
-            # without the cancellation of forming 1 - h_i.
-            A = _spd_solve(regularised_gram, np.eye(T))
-            A = 0.5 * (A + A.T)  # exactly symmetric, as the true inverse is
-            smoother = A
-            resid_y, resid_1, one_minus_h = A @ Y, A.sum(axis=1), np.diag(A).copy()
-        else:
-            Z = primal_features
-            assert Z is not None
-            G = Z.T @ Z
-            G[np.diag_indices_from(G)] += ridge
-            smoother = _spd_solve(G, np.ascontiguousarray(Z.T))
-            # H = Z S: residuals v - Hv and leverages h_i = z_iᵀ S_{:,i}.
-            resid_y = Y - Z @ (smoother @ Y)
-            resid_1 = 1.0 - Z @ smoother.sum(axis=1)
-            one_minus_h = 1.0 - np.einsum("ij,ji->i", Z, smoother)
-        if self.fit_intercept:
-            shift = (self.intercept_[None, :] - Y) / (T - 1)
-            c_minus = self.intercept_[None, :] + shift
-            resid = resid_y - c_minus * resid_1[:, None]
-        else:
-            shift = np.zeros_like(Y)
-            resid = resid_y
-        # 0 ≤ h_i < 1 for ρ > 0; a leverage that rounds to 1 or above (interpolation, or
-        # cancellation in the primal 1 - h_i) leaves the residual undefined. It becomes
-        # inf/NaN, which the conformal methods refuse; fitting and predict() go on.
-        one_minus_h = np.where(one_minus_h > 0.0, one_minus_h, 0.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            self.loo_residuals_ = resid / one_minus_h[:, None]
-        self.loo_intercept_shift_ = shift
-        self.loo_smoother_ = np.ascontiguousarray(smoother)
-
-    def _fit_calibration(self, Y: NDArray[np.float64]) -> None:
-        """Hook for state fitted from the leave-one-out residuals (classifier)."""
+    def _calibration_residuals(self) -> NDArray[np.float64]:
+        """``y_i - μ̂_{m(i)}(x_i)`` under each training bag's calibration model."""
+        if getattr(self, "calibration_", "jackknife+") == "cv+":
+            return self.cv_residuals_
+        return self.loo_residuals_
 
     def _check_loo(self) -> None:
         check_is_fitted(self, "intercept_")
-        if not hasattr(self, "loo_smoother_"):
+        if not (hasattr(self, "loo_smoother_") or hasattr(self, "cv_residuals_")):
             raise NotFittedError(
                 "this model carries no leave-one-out state (fitted by an older bagserve); "
                 "refit it to get prediction intervals, sets or probabilities"
             )
-        if not np.all(np.isfinite(self.loo_residuals_)):
+        if not np.all(np.isfinite(self._calibration_residuals())):
             raise FloatingPointError(
                 "the leave-one-out residuals are undefined because the model interpolates "
                 f"its training targets (alpha_={self.alpha_:g}); refit with a larger alpha"
@@ -333,14 +268,28 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
             return self._primal_features(emb)
         return self.kernel_matrix(emb)
 
-    def _loo_decision(self, X: Any) -> NDArray[np.float64]:
-        """Decision values of the ``T`` leave-one-bag-out models at bags ``X`` (or their
-        embedding), shape ``(n_bags, T, n_outputs)`` (see :meth:`_fit_loo`)."""
-        self._check_loo()
-        return np.concatenate([loo for _, loo in self._loo_chunks(X)], axis=0)
+    def _design_for(self, emb: Embedding, gamma: float | None) -> NDArray[np.float64]:
+        """Design rows of ``emb`` for another ``γ`` (a calibration fold's model)."""
+        if self.primal_:
+            assert isinstance(emb, FeatureEmbedding)
+            if self.n_components is not None:
+                return self._rff(emb.features, float(gamma))  # type: ignore[arg-type]
+            return emb.features
+        train = self.train_embedding_
+        if self.kernel_.uses_inner_product:
+            return self.kernel_(emb.inner(train), gamma)
+        return self.kernel_(self._sq_to_training(emb, train), gamma)
 
-    def _loo_chunks(self, X: Any) -> Iterator[tuple[slice, NDArray[np.float64]]]:
-        """Yield ``(slice, μ̂_{-i}(x) for the bags of the slice)`` chunk by chunk.
+    def _loo_decision(self, X: Any) -> NDArray[np.float64]:
+        """Decision values of the ``T`` calibration models at bags ``X`` (or their
+        embedding), shape ``(n_bags, T, n_outputs)``."""
+        self._check_loo()
+        return np.concatenate([loo for _, loo, _ in self._loo_chunks(X)], axis=0)
+
+    def _loo_chunks(
+        self, X: Any
+    ) -> Iterator[tuple[slice, NDArray[np.float64], NDArray[np.float64] | None]]:
+        """Yield ``(slice, μ̂_{m(i)}(x), domain scores)`` for the bags of each slice.
 
         ``X`` is bags, or their embedding by ``representation_`` (the runtime embeds a
         request once for the prediction, its interval and its domain check). Chunks
@@ -348,7 +297,7 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
         is row-wise (:func:`~core.kernels.batch_invariant_matmul`), so a bag's result
         does not depend on the chunking or on the other bags of the request.
         """
-        T, k = self.loo_residuals_.shape
+        T, k = self._calibration_residuals().shape
         step = max(1, min(_LOO_CHUNK_BAGS, _LOO_CHUNK_ELEMENTS // (T * k)))
         if isinstance(X, Embedding):
             n = len(X)
@@ -369,14 +318,20 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
             coef = self.coef_ if self.primal_ else self.dual_coef_
             # The same products as _decision_embedded, so μ̂(x) is predict()'s value.
             mu = batch_invariant_matmul(z, coef) + self.intercept_
-            w = batch_invariant_matmul(z, self.loo_smoother_)
-            loo = mu[:, None, :] - w[:, :, None] * self.loo_residuals_[None, :, :]
-            loo += (1.0 - w.sum(axis=1))[:, None, None] * self.loo_intercept_shift_[None, :, :]
-            yield part, loo
+            loo = calibration_predictions(self, z, mu, lambda g, e=emb: self._design_for(e, g))
+            report = self.domain_check(emb) if self.interval_scaling == "domain" else None
+            yield part, loo, None if report is None else report.score
+
+    def _scaled(
+        self, scores: NDArray[np.float64] | None
+    ) -> tuple[NDArray[np.float64] | None, NDArray[np.float64] | None]:
+        return interval_scales(self, scores)
 
     def _rff(self, F: NDArray[np.float64], gamma: float) -> NDArray[np.float64]:
         """``z(φ)`` with ``z(a)ᵀz(b) ≈ exp(-γ D²(a, b))``: Gaussian frequencies of variance
         ``2γ`` for Euclidean embeddings, Cauchy of scale ``γ`` for ℓ1 ones (SW_1)."""
+        from ..kernels import random_fourier_features
+
         scale = np.sqrt(2.0 * gamma) if self.rff_geometry_ == "euclidean" else gamma
         return random_fourier_features(F, self.rff_base_ * scale)
 
@@ -413,49 +368,6 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
         if self.kernel_.uses_inner_product:
             return self.kernel_(emb.inner(train), self.gamma_)
         return self.kernel_(self._sq_to_training(emb, train), self.gamma_)
-
-
-def _argmin_prefer_smooth(scores: NDArray[np.float64]) -> tuple[int, int]:
-    """Index of the smallest score; ties go to the largest ``λ`` then smallest ``γ``."""
-    if not np.isfinite(scores).any():
-        raise FloatingPointError(
-            "every (gamma, alpha) pair interpolates the training targets exactly, so the "
-            "leave-one-out error is undefined; give larger alpha values"
-        )
-    flipped = scores[:, ::-1]
-    gi, ai = np.unravel_index(int(np.argmin(flipped)), flipped.shape)
-    return int(gi), int(scores.shape[1] - 1 - ai)
-
-
-def _primal_scores(
-    F: NDArray[np.float64],
-    Y: NDArray[np.float64],
-    alphas: NDArray[np.float64],
-    fit_intercept: bool,
-    criterion: str,
-) -> NDArray[np.float64]:
-    """LOO/GCV of ridge on explicit features, from one thin SVD (``K = F Fᵀ``)."""
-    U, sv, _ = np.linalg.svd(F, full_matrices=False)
-    return ridge_selection_scores(
-        sv**2, U, Y, alphas, fit_intercept=fit_intercept, criterion=criterion
-    )
-
-
-def _primal_solve(
-    F: NDArray[np.float64], Yc: NDArray[np.float64], ridge: float
-) -> NDArray[np.float64]:
-    """``(FᵀF + ridge I)⁻¹ Fᵀ Y``: the primal twin of ``(FFᵀ + ridge I)⁻¹ Y``."""
-    A = F.T @ F
-    A[np.diag_indices_from(A)] += ridge
-    return _spd_solve(A, F.T @ Yc)
-
-
-def _spd_solve(A: NDArray[np.float64], B: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Solve ``A x = B`` for symmetric positive (semi)definite ``A`` (Cholesky first)."""
-    try:
-        return scipy.linalg.solve(A, B, assume_a="pos")
-    except (np.linalg.LinAlgError, scipy.linalg.LinAlgError):
-        return scipy.linalg.solve(A, B, assume_a="sym")
 
 
 def _check_lengths(y: NDArray[Any], n_bags: int) -> None:
@@ -496,9 +408,22 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
         kernel ``exp(-γ D²)`` is replaced by ``z(φ(P))ᵀz(φ(Q))`` with ``n_components``
         features and the model is fitted in the primal, in time linear in the number of
         bags (representations with explicit features only).
+    calibration : {"auto", "jackknife+", "cv+"}, default="auto"
+        The held-out models behind intervals, sets and calibrated probabilities
+        (:mod:`._ridge_calibration`): ``"jackknife+"``, the leave-one-bag-out (or
+        leave-one-group-out) models in closed form with ``γ`` and ``λT`` fixed;
+        ``"cv+"``, ``calibration_folds`` folds each fitted with the whole search
+        repeated, so that the calibration accounts for the choice of ``γ`` and ``λ``;
+        ``"auto"``: CV+ when something is searched, jackknife+ otherwise.
+    calibration_folds : int, default=10
+        Folds of the CV+ calibration (whole groups per fold; at most one per group).
+    interval_scaling : {"domain", "none"}, default="domain"
+        ``"domain"``: conformal residuals scaled by ``max(1, domain score)``
+        (:mod:`core.domain`), so that a bag far from the training bags gets a wider
+        interval or set; ``"none"``: plain jackknife+/CV+ residuals.
     random_state : int, Generator or None
         Seeds the default representation (or a given one whose own ``random_state``
-        is ``None``) and the random features.
+        is ``None``), the random features and the calibration folds.
 
     Attributes
     ----------
@@ -515,15 +440,22 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
     selection_ : dict
         ``gamma`` and ``alpha`` grids and the ``score`` matrix (mean squared LOO or
         GCV error, shape ``(n_gamma, n_alpha)``; NaN when nothing was searched).
+    calibration_ : {"jackknife+", "cv+"}
+        The calibration used.
+    calibration_groups_ : ndarray of int, shape (T,), or None
+        The group of each training bag (``fit(..., groups=)``), as codes.
     loo_smoother_ : ndarray of shape (T, T) or (n_features, T)
-        ``S`` with smoother weights ``w(P)ᵀ = z(P)ᵀ S`` at a new bag (``z = k_P``:
-        ``S = (K + λT I)⁻¹``; primal ``z = φ(P)``: ``S = (ΦᵀΦ + λT I)⁻¹Φᵀ``).
+        Jackknife+: ``S`` with smoother weights ``w(P)ᵀ = z(P)ᵀ S`` at a new bag (``z =
+        k_P``: ``S = (K + λT I)⁻¹``; primal ``z = φ(P)``: ``S = (ΦᵀΦ + λT I)⁻¹Φᵀ``).
     loo_residuals_ : ndarray of shape (T, n_outputs)
-        Signed leave-one-bag-out residuals ``y_i - μ̂_{-i}(P_i)``, exact for fixed
-        ``γ`` and ``λT`` (their mean square is the selection's LOO score).
+        Jackknife+: signed leave-one-bag-out (leave-one-group-out) residuals ``y_i -
+        μ̂_{-i}(P_i)``, exact for fixed ``γ`` and ``λT``.
     loo_intercept_shift_ : ndarray of shape (T, n_outputs)
-        ``c_{-i} - c = (c - y_i)/(T - 1)``: how the intercept moves when bag ``i`` is
-        left out (zeros with ``fit_intercept=False``).
+        Jackknife+: ``c_{-i} - c``, how the intercept moves when bag ``i`` (its group)
+        is left out (zeros with ``fit_intercept=False``).
+    cv_fold_, cv_gamma_, cv_alpha_, cv_coef_, cv_intercept_, cv_residuals_ : ndarray
+        CV+: each bag's fold, each fold model's ``γ``, ``λ``, coefficients and
+        intercept, and the out-of-fold residuals.
 
     References
     ----------
@@ -544,9 +476,14 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
         self.y_ndim_ = Y.ndim
         return Y.reshape(n_bags, -1)
 
-    def fit(self, X: Any, y: ArrayLike) -> DistributionRidge:
-        """Fit on bags ``X`` (a :class:`~core.Bags` or a list of 2-D arrays) and targets ``y``."""
-        return self._fit(X, y)
+    def fit(self, X: Any, y: ArrayLike, groups: ArrayLike | None = None) -> DistributionRidge:
+        """Fit on bags ``X`` (a :class:`~core.Bags` or a list of 2-D arrays) and targets ``y``.
+
+        ``groups`` (one label per bag: the subject, patient or donor) makes the search,
+        the calibration and the domain check leave whole groups out: several bags of
+        one subject (time points, replicate tubes) otherwise vouch for each other.
+        """
+        return self._fit(X, y, groups)
 
     def predict(self, X: Any) -> NDArray[np.float64]:
         """Predicted values, shape ``(n_bags,)`` or ``(n_bags, n_outputs)``; ``X`` may be
@@ -560,45 +497,44 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
         return out[:, 0] if self.y_ndim_ == 1 else out
 
     def loo_predict(self, X: Any) -> NDArray[np.float64]:
-        """Predictions at bags ``X`` of the ``T`` leave-one-bag-out models, without refits.
+        """Predictions at bags ``X`` of the ``T`` calibration models, without refits.
 
-        ``μ̂_{-i}(x)`` is the model fitted, with the same representation, ``γ`` and
-        effective ridge ``λT``, on every training bag but the ``i``-th; in closed form
-        ``μ̂_{-i}(x) = μ̂(x) - w_i(x)·e_i + (1 - Σ_j w_j(x))·d_i`` with ``w(x)`` the
-        smoother weights, ``e_i`` the leave-one-out residual and ``d_i`` the change of
-        the intercept (see :meth:`_fit_loo`).
+        Jackknife+: ``μ̂_{-i}(x)`` is the model fitted, with the same representation,
+        ``γ`` and effective ridge ``λT``, on every training bag but the ``i``-th (every
+        bag outside ``i``'s group with groups); in closed form ``μ̂_{-i}(x) = μ̂(x) -
+        w_i(x)·e_i + (1 - Σ_j w_j(x))·d_i`` (see
+        :func:`~._ridge_calibration.closed_form_state`). CV+: the model of ``i``'s fold.
 
         Returns
         -------
         ndarray of shape (n_bags, T) or (n_bags, T, n_outputs)
-            Column ``i`` is the model without training bag ``i``.
+            Column ``i`` is the model that did not see training bag ``i``.
         """
         loo = self._loo_decision(X)
         return loo[:, :, 0] if self.y_ndim_ == 1 else loo
 
     def predict_interval(self, X: Any, coverage: float = 0.9) -> NDArray[np.float64]:
-        r"""Jackknife+ prediction intervals from the closed-form leave-one-bag-out models.
+        r"""Conformal prediction intervals from the calibration models (jackknife+ or CV+).
 
         Barber, Candès, Ramdas, Tibshirani, "Predictive inference with the jackknife+",
-        Ann. Statist. 49(1), 2021, eq. (6): with ``α = 1 - coverage``, ``R_i = |y_i -
-        μ̂_{-i}(P_i)|`` the leave-one-bag-out residuals and ``μ̂_{-i}(P)`` the
-        leave-one-out models at a new bag ``P``,
+        Ann. Statist. 49(1), 2021, eq. (6) and (9): with ``α = 1 - coverage``, ``R_i =
+        |y_i - μ̂_{m(i)}(P_i)|`` the held-out residuals, ``μ̂_{m(i)}`` the model that did
+        not see bag ``i`` (its leave-one-out model, or its CV+ fold's model) and ``σ``
+        the interval scale,
 
         .. math::
 
-            \hat C_α(P) = \big[\, \hat q^-_{α}\{μ̂_{-i}(P) - R_i\}_{i=1}^T,\;
-                            \hat q^+_{α}\{μ̂_{-i}(P) + R_i\}_{i=1}^T \big],
+            \hat C_α(P) = \big[\, \hat q^-_{α}\{μ̂_{m(i)}(P) - σ(P) R_i/σ_i\},\;
+                            \hat q^+_{α}\{μ̂_{m(i)}(P) + σ(P) R_i/σ_i\} \big],
 
-        where ``q̂⁻_α`` is the ``⌊α(T+1)⌋``-th smallest and ``q̂⁺_α`` the
-        ``⌈(1-α)(T+1)⌉``-th smallest of the ``T`` values. For exchangeable (bag, target)
-        pairs the coverage is at least ``1 - 2α`` (their Theorem 1) and in practice close
-        to ``1 - α``. The leave-one-out models are exact refits with the
-        representation, ``γ`` and the effective ridge ``λT`` held fixed
-        (:meth:`loo_predict`): each new bag costs one extra ``T``-vector, no refit.
-
-        The theory treats the representation, ``γ`` and ``λ`` as fixed; here they were
-        chosen on all ``T`` bags by the same leave-one-out error, a mild reuse of the
-        data (the benchmark ``bench/bench_conformal.py`` measures the coverage).
+        ``q̂⁻_α`` the ``⌊α(T+1)⌋``-th smallest and ``q̂⁺_α`` the ``⌈(1-α)(T+1)⌉``-th
+        smallest of the ``T`` values. ``σ = max(1, domain score)`` with
+        ``interval_scaling="domain"`` (the training bags' scores leave them and their
+        group out), 1 otherwise. For exchangeable (bag, target) pairs (subjects, with
+        groups) the coverage is at least ``1 - 2α`` and in practice close to ``1 - α``;
+        with CV+ (``calibration="auto"`` whenever ``γ`` or ``λ`` is searched) this
+        holds for the whole procedure, search included. ``bench/bench_conformal.py``
+        measures it.
 
         Parameters
         ----------
@@ -611,7 +547,7 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
         -------
         ndarray of shape (n_bags, 2), or (n_bags, n_outputs, 2) for 2-D targets
             Lower and upper ends. For several outputs each output gets its own
-            jackknife+ interval (marginal coverage per output, not joint).
+            interval (marginal coverage per output, not joint).
 
         Raises
         ------
@@ -621,10 +557,15 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
         """
         coverage = check_coverage(coverage)
         self._check_loo()
-        parts = [
-            jackknife_plus_interval(loo, self.loo_residuals_, coverage)
-            for _, loo in self._loo_chunks(X)
-        ]
+        residuals = self._calibration_residuals()
+        parts = []
+        for _, loo, scores in self._loo_chunks(X):
+            new_scale, train_scale = self._scaled(scores)
+            parts.append(
+                jackknife_plus_interval(
+                    loo, residuals, coverage, scale=new_scale, train_scale=train_scale
+                )
+            )
         out = np.concatenate(parts, axis=0)
         return out[:, 0, :] if self.y_ndim_ == 1 else out
 
@@ -659,9 +600,12 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
         Y[np.arange(n_bags), codes] = 1.0
         return Y
 
-    def fit(self, X: Any, y: ArrayLike) -> DistributionRidgeClassifier:
-        """Fit on bags ``X`` and class labels ``y``."""
-        return self._fit(X, y)
+    def fit(
+        self, X: Any, y: ArrayLike, groups: ArrayLike | None = None
+    ) -> DistributionRidgeClassifier:
+        """Fit on bags ``X`` and class labels ``y`` (``groups``: see
+        :meth:`DistributionRidge.fit`)."""
+        return self._fit(X, y, groups)
 
     def decision_function(self, X: Any) -> NDArray[np.float64]:
         """Regression scores per class, ``(n_bags, n_classes)``; for two classes the
@@ -680,13 +624,14 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
         """:meth:`predict` for bags already embedded by ``representation_``."""
         return self.classes_[np.argmax(self._decision_embedded(embedding), axis=1)]
 
-    def _fit_calibration(self, Y: NDArray[np.float64]) -> None:
-        # Leave-one-out scores of the training bags: out-of-sample scores for free.
+    def _fit_calibration(self, Y: NDArray[np.float64], loo_residuals: NDArray[np.float64]) -> None:
         codes = np.argmax(Y, axis=1)
-        loo_scores = Y - self.loo_residuals_
-        # Nonconformity of a bag under its own leave-one-out model: 1 - score of its
-        # true class, which is the one-hot residual of that class.
-        self.loo_nonconformity_ = self.loo_residuals_[np.arange(Y.shape[0]), codes].copy()
+        # Nonconformity of a bag under its calibration model: 1 - score of its true
+        # class, which is the one-hot residual of that class.
+        residuals = self._calibration_residuals()
+        self.loo_nonconformity_ = residuals[np.arange(Y.shape[0]), codes].copy()
+        # Leave-one-out scores of the training bags: out-of-sample scores for free.
+        loo_scores = Y - loo_residuals
         if np.all(np.isfinite(loo_scores)):
             self.proba_scale_ = fit_temperature(loo_scores, codes)
         else:  # interpolation: no out-of-sample scores to calibrate on
@@ -718,7 +663,7 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
         return softmax(self.proba_scale_ * self._decision_embedded(emb))
 
     def predict_set(self, X: Any, coverage: float = 0.9) -> NDArray[np.bool_]:
-        r"""Jackknife+ prediction sets from the closed-form leave-one-bag-out models.
+        r"""Conformal prediction sets from the calibration models (jackknife+ or CV+).
 
         The nonconformity of label ``c`` for bag ``P`` under a model ``f`` is
         ``E(P, c; f) = 1 - f_c(P)``, one minus the one-hot ridge score of ``c`` (the
@@ -735,7 +680,12 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
             f_{-i})\big] < (1-α)(T+1) \Big\},
 
         with coverage ``≥ 1 - 2α`` for exchangeable bags and close to ``1 - α`` in
-        practice. If all leave-one-out models agreed it would keep the labels whose
+        practice. ``f_{-i}`` is the model that did not see bag ``i`` (closed-form
+        leave-one-out or leave-one-group-out, or its CV+ fold's model: see
+        :meth:`DistributionRidge.predict_interval`), and with
+        ``interval_scaling="domain"`` both sides of the comparison are divided by their
+        bag's ``σ = max(1, domain score)``: a bag far from the training bags gets a
+        larger set. If all leave-one-out models agreed it would keep the labels whose
         score is at most the ``⌈(T+1)(1-α)⌉/T`` empirical quantile of the ``E_i``
         (split conformal). Costs one extra ``T``-vector per bag, no refit.
 
@@ -753,10 +703,18 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
         """
         coverage = check_coverage(coverage)
         self._check_loo()
-        parts = [
-            jackknife_plus_set(1.0 - loo, self.loo_nonconformity_, coverage)
-            for _, loo in self._loo_chunks(X)
-        ]
+        parts = []
+        for _, loo, scores in self._loo_chunks(X):
+            new_scale, train_scale = self._scaled(scores)
+            parts.append(
+                jackknife_plus_set(
+                    1.0 - loo,
+                    self.loo_nonconformity_,
+                    coverage,
+                    scale=new_scale,
+                    train_scale=train_scale,
+                )
+            )
         return np.concatenate(parts, axis=0)
 
     def set_labels(self, sets: NDArray[np.bool_]) -> list[NDArray[Any]]:

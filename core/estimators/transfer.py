@@ -62,6 +62,7 @@ from ..kernels import get_kernel
 from ..representations.base import BagRepresentation, Embedding
 from ..representations.mean import _median_distance
 from ..selection import leave_one_group_out_folds, leave_tasks_out_folds, median_heuristic_gamma
+from ._grid_choices import GridChoice, transfer_choices, warn_grid_edges
 from ._transfer_cv import (
     FoldEvaluator,
     SearchSetup,
@@ -442,7 +443,13 @@ class _MarginalTransfer(BaseEstimator):
                     strategy, variants["standard"], Y, record["fallback_blend"]
                 )
             self.disagreement_threshold_ = self.range_factor * record["disagreement_bound"]
+        warn_grid_edges(self)
         return self
+
+    def grid_choices(self) -> list[GridChoice]:
+        """The coordinates of the search chosen from more than one value (see
+        :mod:`._grid_choices`)."""
+        return transfer_choices(self)
 
     def _fit_on(
         self, strategy: SolverStrategy, tasks: Bags, Y: NDArray[np.float64], how: str, best: dict

@@ -185,6 +185,9 @@ class Sample:
         The FCS file's spillover keyword as written (``$SPILLOVER``, else ``SPILL``,
         else ``$COMP``), parsed only when a model compensates with it (a broken keyword
         then fails only the models that need it).
+    file_name : str, optional
+        The name the file gives itself (FCS ``$FIL``): a sample sent without a name is
+        known by it.
     """
 
     points: NDArray[np.float64]
@@ -192,6 +195,7 @@ class Sample:
     alt_names: list[str]
     source: str
     spillover: str | None = None
+    file_name: str | None = None
 
 
 def _suffix(name: str) -> str:
@@ -248,7 +252,8 @@ def _read_fcs(data: bytes, source: str, limits: ReadLimits = _NO_LIMITS) -> Samp
     names = [s if s else n for s, n in zip(pns, pnn, strict=True)]
     # flowio gives the keywords lower case, without their "$".
     spill = next((fd.text[k] for k in ("spillover", "spill", "comp") if fd.text.get(k)), None)
-    return Sample(arr, names, pnn, source, spill)
+    fil = str(fd.text.get("fil", "")).strip() or None
+    return Sample(arr, names, pnn, source, spill, fil)
 
 
 def _extra(module: str, extra: str, source: str) -> Any:

@@ -56,3 +56,7 @@ class SafeWriter:
 
     def writerow(self, row: Iterable[Any]) -> None:
         self._writer.writerow([safe_cell(v) for v in row])
+
+    def writerows(self, rows: Iterable[Iterable[Any]]) -> None:
+        for row in rows:
+            self.writerow(row)

@@ -230,11 +230,14 @@ _PREDICT_RESPONSES: dict[int | str, dict[str, Any]] = {
                 "example": {
                     "model": {"name": "demo-dose", "version": "1", "sha256": "3f1c…"},
                     "request_id": "9b2e…",
-                    "input_sha256": "a41d…",
+                    "request_sha256": "a41d…",
                     "warnings": [],
+                    "notes": [],
                     "predictions": [
                         {
                             "id": "patient-17",
+                            "input_sha256": "5c0e…",
+                            "status": "final",
                             "prediction": 1.27,
                             "quantiles": {"0.05": 0.81, "0.95": 1.74},
                             "exceedance": {"1.5": 0.22},
@@ -357,6 +360,7 @@ async def _predict(
                 fmt,
                 outcome.provenance(caller.request_id),
                 entry.info,
+                inputs=outcome.inputs,
                 cells=options.cells,
                 plots=outcome.plots,
                 coverage=options.coverage,
@@ -364,8 +368,13 @@ async def _predict(
             )
             timings = {**outcome.timings, "encode": time.perf_counter() - t1}
             svc.metrics.observe_stages({"encode": timings["encode"]})
-            headers = provenance_headers(entry, outcome.input_sha256)
+            headers = provenance_headers(entry, outcome)
             headers["Server-Timing"] = server_timing(timings)
+            if fmt == NPY:
+                # An NPY table carries numbers only: each bag's status rides beside it.
+                headers["Bagserve-Status"] = json.dumps(
+                    [outcome.result.status_of(i) for i in range(outcome.result.n_bags)]
+                )
             classes = getattr(outcome.result, "classes", None)
             if fmt in (CSV_OUT, NPY) and classes is not None:
                 # The column order of CSV probability columns and NPY tables.

@@ -67,28 +67,48 @@ async def ready(svc: ServicesDep) -> Response:
 
 
 def _produced(result: Prediction) -> dict[str, np.ndarray]:
-    """The output tensors of a typed result, by name (see :data:`OUTPUTS`)."""
+    """The output tensors of a typed result, by name (see :data:`OUTPUTS`). A bag
+    withheld by the model's out-of-domain policy has NaN values (empty labels, false
+    set memberships, zero counts) in every per-bag and per-cell tensor; its ``status``
+    says why there is nothing."""
+    withheld = np.array([not result.released(i) for i in range(result.n_bags)], dtype=bool)
+    cells = np.repeat(withheld, result.sizes)
+
+    def masked(values: np.ndarray | None, rows: np.ndarray) -> np.ndarray | None:
+        if values is None or not rows.any():
+            return values
+        values = np.array(values, copy=True)
+        kind = values.dtype.kind
+        values[rows] = (
+            "" if kind in "US" else False if kind == "b" else 0 if kind in "iu" else np.nan
+        )
+        return values
+
     if isinstance(result, CellPrediction):
-        out = {"labels": result.estimate}
+        out = {"labels": masked(result.estimate, cells)}
         optional = {
-            "population_counts": result.counts,
-            "population_mean_probability": result.mean_probabilities,
-            "cell_probabilities": result.probabilities,
+            "population_counts": masked(result.counts, withheld),
+            "population_mean_probability": masked(result.mean_probabilities, withheld),
+            "cell_probabilities": masked(result.probabilities, cells),
         }
         out.update({k: v for k, v in optional.items() if v is not None})
     elif isinstance(result, ClassificationPrediction):
-        out = {"prediction": result.labels, "scores": result.scores}
+        out = {
+            "prediction": masked(result.labels, withheld),
+            "scores": masked(result.scores, withheld),
+        }
         if result.probabilities is not None:
-            out["probabilities"] = result.probabilities
+            out["probabilities"] = masked(result.probabilities, withheld)
     else:
-        out = {"prediction": result.estimate}
+        out = {"prediction": masked(result.estimate, withheld)}
+    out["status"] = np.array([result.status_of(i) for i in range(result.n_bags)])
     if result.domain is not None:
         out.update(out_of_range=result.domain.out_of_range, domain_score=result.domain.score)
     if result.interval is not None:
-        out["interval"] = result.interval
+        out["interval"] = masked(result.interval, withheld)
     if isinstance(result, ClassificationPrediction) and result.sets is not None:
-        out["prediction_set"] = result.sets
-    return out
+        out["prediction_set"] = masked(result.sets, withheld)
+    return out  # type: ignore[return-value]
 
 
 def _trust(outcome: Outcome, entry: ModelEntry) -> dict[str, Any]:
@@ -204,7 +224,7 @@ async def _infer(request: Request, svc: ServicesDep, caller: Caller, entry: Mode
     head, blobs = await encode_off_loop(outcome.result, _answer, outcome, entry, caller, echo)
     timings = {**outcome.timings, "encode": time.perf_counter() - t1}
     svc.metrics.observe_stages({"encode": timings["encode"]})
-    headers = provenance_headers(entry, outcome.input_sha256)
+    headers = provenance_headers(entry, outcome)
     headers["Server-Timing"] = server_timing(timings)
     warning = outcome.warning_header()
     if warning is not None:
@@ -240,10 +260,13 @@ def _answer(
         "id": echo.get("id") or caller.request_id,
         "parameters": {
             "request_id": caller.request_id,
-            "input_sha256": outcome.input_sha256,
+            "request_sha256": outcome.request_sha256,
+            "input_sha256": outcome.inputs,
             "model_sha256": entry.sha256,
             "bag_sizes": outcome.sizes,
+            "status": [outcome.result.status_of(i) for i in range(outcome.result.n_bags)],
             "warnings": outcome.warnings,
+            "notes": outcome.notes,
             **_trust(outcome, entry),
         },
         "outputs": outputs,

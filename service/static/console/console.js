@@ -165,7 +165,7 @@ async function predictFiles(files) {
     }
     renderAnswer(answer.body, info);
     $("predict-status").textContent =
-      `request ${answer.body.request_id} · input sha256 ${answer.body.input_sha256.slice(0, 16)}…`;
+      `request ${answer.body.request_id} · request sha256 ${answer.body.request_sha256.slice(0, 16)}…`;
     loadAudit();
   } catch (error) {
     $("predict-status").textContent = error.message;
@@ -185,9 +185,20 @@ function renderAnswer(answer, info) {
   for (const warning of answer.warnings || []) {
     results.append(el("p", { class: "warning" }, warning));
   }
+  // Routine facts (channels ignored, compensation applied): shown, but not as warnings.
+  for (const note of answer.notes || []) {
+    results.append(el("p", { class: "note muted" }, note));
+  }
   for (const bag of answer.predictions) {
-    const box = el("div", { class: "bag" }, el("h4", {}, bag.id));
-    if (bag.population) {
+    const box = el("div", { class: "bag" }, el("h4", {}, bag.id,
+      " ", el("span", { class: `status ${bag.status}` }, bag.status)));
+    if (bag.input_sha256) {
+      box.append(el("p", { class: "muted" }, `file sha256 ${bag.input_sha256.slice(0, 16)}…`));
+    }
+    if (bag.withheld) {
+      if (bag.domain) box.append(domainBadge(bag.domain.out_of_range, bag.domain.score));
+      box.append(el("p", { class: "withheld" }, `no value: ${bag.withheld}`));
+    } else if (bag.population) {
       box.append(domainBadge(bag.report.out_of_range,
         bag.domain ? bag.domain.score : bag.report.distance_to_nearest, bag.report.fallback));
       box.append(el("p", { class: "muted" }, `${bag.n_points} cells`));
@@ -273,7 +284,7 @@ async function loadAudit() {
     body.replaceChildren(...answer.entries.map((e) => el("tr", {},
       el("td", {}, e.time), el("td", {}, e.model ? `${e.model.name}/${e.model.version}` : ""),
       el("td", {}, e.status), el("td", {}, (e.bag_sizes || []).length),
-      el("td", {}, (e.input_sha256 || "").slice(0, 16)), el("td", {}, e.request_id))));
+      el("td", {}, (e.request_sha256 || e.input_sha256 || "").slice(0, 16)), el("td", {}, e.request_id))));
   } catch (error) {
     body.replaceChildren(el("tr", {}, el("td", { colspan: 6 }, error.message)));
   }

@@ -1,0 +1,117 @@
+"""What every answer does for a bag outside the model's applicability domain.
+
+A model's out-of-domain policy is chosen when it is trained (``[serving]
+out_of_domain`` in the configuration), stored in its manifest, and applied by the
+runtime (:mod:`core.runtime`) to every prediction, which then carries a status per
+bag. Every door (JSON, CSV, NPY, ``/v2``, FHIR, the console, jobs, the command line)
+shows that status and acts on it the same way; none decides it again:
+
+* ``"flag"``: the answer is released as **final**, flagged out of range. For research
+  use, where a reviewer reads every flag anyway.
+* ``"preliminary"`` (the default): the answer is released as **preliminary**: a
+  laboratory information system files it as not yet verified, and a person must
+  confirm it before it is reported.
+* ``"withhold"``: the value, its interval and its set are **withheld**; the answer says
+  why (the domain score and the threshold it passed) and names the nearest training
+  samples, so that the sample can be reviewed or measured again.
+
+A bag inside the domain is always final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+if TYPE_CHECKING:
+    from .runtime import Prediction
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "FINAL",
+    "POLICIES",
+    "PRELIMINARY",
+    "STATUSES",
+    "WITHHELD",
+    "review_warnings",
+    "statuses",
+    "withheld_reason",
+]
+
+POLICIES = ("flag", "preliminary", "withhold")
+DEFAULT_POLICY = "preliminary"
+FINAL, PRELIMINARY, WITHHELD = "final", "preliminary", "withheld"
+STATUSES = (FINAL, PRELIMINARY, WITHHELD)
+_OUT_OF_RANGE = {"flag": FINAL, "preliminary": PRELIMINARY, "withhold": WITHHELD}
+
+
+def statuses(policy: str, out_of_range: ArrayLike | None, n_bags: int) -> NDArray[Any]:
+    """The status of each bag's answer under ``policy``.
+
+    Parameters
+    ----------
+    policy : {"flag", "preliminary", "withhold"}
+    out_of_range : array-like of bool, shape (n_bags,), or None
+        The domain check's flags; ``None`` for a model without a domain check (every
+        answer final).
+    n_bags : int
+
+    Returns
+    -------
+    ndarray of str, shape (n_bags,)
+        ``"final"``, ``"preliminary"`` or ``"withheld"`` per bag.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"out-of-domain policy must be one of {POLICIES}, got {policy!r}")
+    out = np.full(n_bags, FINAL, dtype=f"<U{len(PRELIMINARY)}")
+    if out_of_range is not None:
+        out[np.asarray(out_of_range, dtype=bool)] = _OUT_OF_RANGE[policy]
+    return out
+
+
+def withheld_reason(score: float, threshold: float | None) -> str:
+    """Why a bag's answer was withheld, in words for the report."""
+    above = f" (the model's threshold is {threshold:.4g})" if threshold is not None else ""
+    return (
+        f"withheld: the sample lies outside the model's applicability domain, domain score "
+        f"{score:.4g}{above}; the model's out-of-domain policy withholds such answers: "
+        "review the sample or measure it again"
+    )
+
+
+def review_warnings(result: Prediction, ids: Sequence[str]) -> list[str]:
+    """What should change a reviewer's reading of the answers, one line each: bags
+    outside the applicability domain and cells clipped into the training range.
+
+    Routine facts about the input (channels the model does not use, compensation
+    applied) are notes, not warnings: a warning shown on every sample teaches its
+    readers to skip warnings.
+    """
+    out: list[str] = []
+    if result.domain is not None:
+        for bag_id, score, flag, status in zip(
+            ids,
+            result.domain.score.tolist(),
+            result.domain.out_of_range.tolist(),
+            (result.status_of(i) for i in range(len(ids))),
+            strict=False,
+        ):
+            if flag:
+                out.append(
+                    f"bag {bag_id!r} lies outside the model's applicability domain (domain "
+                    f"score {score:.3g}; the training bags score about 1): the answer is "
+                    f"{status}; do not trust it without review"
+                )
+    if result.clipped is not None:
+        for bag_id, n, size in zip(
+            ids, result.clipped.tolist(), result.sizes.tolist(), strict=True
+        ):
+            if n:
+                out.append(
+                    f"bag {bag_id!r}: {n} of {size} cell(s) lie outside the model's "
+                    "training range and were clipped into it"
+                )
+    return out
