@@ -122,8 +122,10 @@ def bundle(
     ids : list of str
         Bag ids, in request order.
     provenance : mapping
-        ``model`` (name, version, sha256), ``request_id``, ``request_sha256``,
-        ``warnings``, as heads every bagserve answer.
+        ``model`` (name, version, sha256), ``request_id``, ``request_sha256``, as
+        heads every bagserve answer. Its ``warnings`` are the request's, about any of
+        its bags: each Observation carries only its own bag's (from its domain report
+        and clipped cells), never another sample's.
     info : ArtifactInfo
         The model's artifact: its output coding, estimator, training bag names.
     inputs : list of str, optional
@@ -171,7 +173,6 @@ class _Observations:
         self.request_id = str(provenance["request_id"])
         self.request_sha256 = str(provenance.get("request_sha256", ""))
         self.inputs = inputs
-        self.warnings = [str(w) for w in provenance.get("warnings") or []]
         self.coding: OutputCoding = info.output_coding
         self.refs = refs
         self.device = _device(self.model, info.estimator)
@@ -208,7 +209,6 @@ class _Observations:
         flags, notes = self._interpretation(i, value)
         if flags:
             obs["interpretation"] = flags
-        notes += self.warnings
         if notes:
             obs["note"] = [{"text": n} for n in notes]
         if "specimen" in self.refs:

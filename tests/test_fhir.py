@@ -385,6 +385,15 @@ def test_a_foreign_sample_is_never_normal_nor_final(http, validator):
     assert [w for w in answer["warnings"] if "mouse.fcs" in w]
     for o in (yeast, mouse):
         assert not any("channels" in n["text"] for n in o.get("note", []))
+    # Each Observation speaks of its own sample only: the yeast result carries no note
+    # about the mouse sample sent beside it.
+    assert [n["text"] for n in yeast["note"]] == [
+        "Within the model's applicability domain (score "
+        f"{e_yeast['domain']['score']:.4g}); nearest training samples: "
+        f"{', '.join(e_yeast['domain']['nearest'])}."
+    ]
+    assert len(mouse["note"]) == 1
+    assert mouse["note"][0]["text"].startswith("Outside the model's applicability domain")
 
 
 def test_withhold_policy_gives_no_value_on_any_door(http, validator, url, models):
