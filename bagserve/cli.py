@@ -55,12 +55,13 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def predict_files(
-    model_path: str | Path,
+    model_path: str | Path | Any,
     files: Sequence[str | Path],
     *,
     compensated: bool = False,
     coverage: float | None = 0.9,
     cells: bool = False,
+    names: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Predictions of a saved model for sample files, as the service answers them.
 
@@ -69,9 +70,11 @@ def predict_files(
     (or prediction set) of ``coverage`` where the model has one, the file's sha256
     (``input_sha256``); the model's sha256 heads the answer.
 
-    ``compensated``: the files hold compensated cells already; the model's own
-    compensation (if it has one) is skipped. ``cells``: a per-cell model's label of
-    every cell besides its population summary.
+    ``model_path``: a saved model's directory, or a :class:`~bagserve.core.runtime.
+    ModelRuntime` already open. ``compensated``: the files hold compensated cells
+    already; the model's own compensation (if it has one) is skipped. ``cells``: a
+    per-cell model's label of every cell besides its population summary. ``names``:
+    the bags' ids in the answer and its warnings (default: the paths as given).
     """
     from .core.hashing import file_sha256
     from .core.io import read_sample
@@ -79,11 +82,11 @@ def predict_files(
     from .core.runtime import ModelRuntime
     from .service.encoders import encode_document
 
-    runtime = ModelRuntime.open(model_path)
+    runtime = model_path if isinstance(model_path, ModelRuntime) else ModelRuntime.open(model_path)
     info = runtime.info
     if coverage is not None and info.interval_problem(coverage) is not None:
         coverage = None  # the model has no interval: answer without one, as it can
-    names = [str(f) for f in files]
+    names = [str(f) for f in files] if names is None else list(names)
     samples = [read_sample(f) for f in files]
     result = runtime.predict(runtime.align(samples, compensated=compensated), coverage=coverage)
     meta = {
@@ -110,39 +113,85 @@ def _as_results(answer: dict[str, Any], files: Sequence[str]) -> dict[str, Any]:
     return {**head, "results": results}
 
 
+class RemoteModel:
+    """A served model (``name`` or ``name/version`` at ``url``) that predicts files the
+    way :func:`predict_files` does locally: asked for what the model gives (an interval
+    where it is calibrated, the population summary of a per-cell model)."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        interval: float | None = 0.9,
+        cells: bool = False,
+        compensated: bool = False,
+    ) -> None:
+        import os
+
+        from .service.client import Client
+
+        self.url, self.model = url, model
+        self.name, _, version = model.partition("/")
+        self.version = version or None
+        self.client = Client(url, api_key=api_key or os.environ.get("BAGSERVE_API_KEY"))
+        try:
+            described = self._call(self.client.model, self.name)
+        except Exception:
+            self.client.close()
+            raise
+        wanted = self.version or described.get("latest")
+        about = next((v for v in described.get("versions", []) if v.get("version") == wanted), {})
+        self.params: dict[str, str] = {}
+        if about.get("kind") == "cell":
+            self.params["cells"] = "true" if cells else "false"
+        elif about.get("calibrated") and interval is not None:
+            self.params["interval"] = str(interval)
+        if compensated:
+            self.params["compensated"] = "true"
+
+    def __enter__(self) -> RemoteModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        from .service.client import BagserveError
+
+        try:
+            return method(*args, **kwargs)
+        except BagserveError as exc:
+            if exc.status == 404:
+                # Say what is missing, and what the service has instead.
+                detail = exc.problem.get("detail", exc)
+                raise ValueError(f"unknown model {self.model!r} at {self.url}: {detail}") from exc
+            raise ValueError(str(exc)) from exc
+
+    def predict(self, files: Sequence[str | Path]) -> dict[str, Any]:
+        """The service's answer for ``files`` (one request), keyed by file."""
+        answer = self._call(
+            self.client.predict_files,
+            self.name,
+            files,
+            version=self.version,
+            params=self.params,
+        )
+        return _as_results(answer, [str(f) for f in files])
+
+
 def _remote_predict(args: argparse.Namespace) -> dict[str, Any]:
     """Predict through a running service (MODEL is ``name`` or ``name/version``)."""
-    import os
-
-    from .service.client import BagserveError, Client
-
-    name, _, version = args.model.partition("/")
-    key = args.api_key or os.environ.get("BAGSERVE_API_KEY")
-    try:
-        with Client(args.url, api_key=key) as client:
-            # Ask for what the model gives: an interval where it is calibrated, the
-            # population summary (or every cell) where it labels cells.
-            described = client.model(name)
-            wanted = version or described.get("latest")
-            about = next(
-                (v for v in described.get("versions", []) if v.get("version") == wanted), {}
-            )
-            params: dict[str, str] = {}
-            if about.get("kind") == "cell":
-                params["cells"] = "true" if args.cells else "false"
-            elif about.get("calibrated") and args.interval is not None:
-                params["interval"] = str(args.interval)
-            if args.compensated:
-                params["compensated"] = "true"
-            answer = client.predict_files(name, args.files, version=version or None, params=params)
-    except BagserveError as exc:
-        if exc.status == 404:
-            # Say what is missing, and what the service has instead.
-            raise ValueError(
-                f"unknown model {args.model!r} at {args.url}: {exc.problem.get('detail', exc)}"
-            ) from exc
-        raise ValueError(str(exc)) from exc
-    return _as_results(answer, [str(f) for f in args.files])
+    with RemoteModel(
+        args.url,
+        args.model,
+        api_key=args.api_key,
+        interval=args.interval,
+        cells=args.cells,
+        compensated=args.compensated,
+    ) as remote:
+        return remote.predict(args.files)
 
 
 def results_table(result: dict[str, Any]) -> list[list[Any]]:
@@ -235,6 +284,53 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
+
+
+def _cmd_batch(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from .batch import batch, report_counts
+
+    with contextlib.ExitStack() as stack:
+        if args.url:
+            remote = stack.enter_context(
+                RemoteModel(
+                    args.url,
+                    args.model,
+                    api_key=args.api_key,
+                    interval=args.interval,
+                    compensated=args.compensated,
+                )
+            )
+
+            def predict(path: Path) -> dict[str, Any]:
+                return remote.predict([path])
+        else:
+            from .core.runtime import ModelRuntime
+
+            runtime = ModelRuntime.open(args.model)
+
+            def predict(path: Path) -> dict[str, Any]:
+                return predict_files(
+                    runtime,
+                    [path],
+                    compensated=args.compensated,
+                    coverage=args.interval,
+                    names=[path.name],
+                )
+
+        counts = batch(
+            predict,
+            args.folder,
+            args.output,
+            watch=args.watch,
+            poll=args.poll,
+            settle=args.settle,
+            idle_exit=args.idle_exit,
+            progress=not args.quiet,
+        )
+    report_counts(counts, Path(args.output))
+    return 1 if counts["failed"] else 0
 
 
 def list_models(directory: str | Path) -> list[dict[str, Any]]:
@@ -495,6 +591,39 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=_cmd_evaluate)
+
+    ba = sub.add_parser(
+        "batch",
+        help="predict every sample file of a folder into one table (CSV or Parquet)",
+        description="One row per file with the trust fields; files already in the table "
+        "(by sha256) are skipped; a failing file becomes a row with its error and the run "
+        "goes on (exit 1 when any failed).",
+    )
+    ba.add_argument("model", help="a saved model's directory, or name[/version] with --url")
+    ba.add_argument("folder", help="the folder of sample files (not read recursively)")
+    ba.add_argument("output", help="the table: OUT.csv, or OUT.parquet (pyarrow)")
+    ba.add_argument("--url", help="use a running service")
+    ba.add_argument("--api-key", help="service API key (default: BAGSERVE_API_KEY)")
+    ba.add_argument("--interval", type=float, default=0.9, help="interval coverage (0.9)")
+    ba.add_argument("--compensated", action="store_true", help="as for predict")
+    ba.add_argument(
+        "--watch", action="store_true", help="keep taking new files as they arrive (Ctrl-C)"
+    )
+    ba.add_argument("--poll", type=float, default=2.0, help="seconds between looks (2)")
+    ba.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="a file is taken once unchanged for a poll and this many seconds old (1)",
+    )
+    ba.add_argument(
+        "--idle-exit",
+        type=float,
+        default=None,
+        help="with --watch: stop after this many seconds without a new file",
+    )
+    ba.add_argument("--quiet", action="store_true", help="no progress bar")
+    ba.set_defaults(func=_cmd_batch)
 
     pr = sub.add_parser("predict", help="predict sample files (FCS, CSV, TSV, NPY)")
     pr.add_argument("model")
