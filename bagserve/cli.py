@@ -31,10 +31,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         streaming=True if args.streaming else None,
     )
     cv = result.metrics["cv"]
-    shown = {k: v for k, v in cv.items() if not isinstance(v, list)}
+    shown = {k: v for k, v in cv.items() if not isinstance(v, list | dict)}
     print(
         json.dumps(
-            {"model": str(result.path), "cv": shown, "best_params": result.metrics["best_params"]},
+            {
+                "model": str(result.path),
+                "cv": shown,
+                "best_params": result.metrics["chosen_params"],
+            },
             default=str,
         )
     )

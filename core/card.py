@@ -148,6 +148,20 @@ def render_card(
     other = {k: v for k, v in metrics.items() if k not in shown and isinstance(v, int | float)}
     for k, v in other.items():
         lines.append(f"- {k}: {_fmt(v)}")
+    agreement = metrics.get("frequency_agreement")
+    if isinstance(agreement, dict):
+        worst = agreement.get("worst_pair") or {}
+        lines += [
+            f"- Population frequencies ({agreement.get('n')} sample-population pairs, "
+            f"cross-validated): predicted − true percent, bias {_fmt(agreement.get('bias'))}, "
+            f"95 % limits of agreement [{_fmt(agreement.get('lower'))}, "
+            f"{_fmt(agreement.get('upper'))}]; furthest: `{worst.get('file')}` / "
+            f"`{worst.get('class')}` ({_fmt(worst.get('difference'))} points)",
+            f"- Weakest class: `{agreement['weakest_class']['class']}` (recall "
+            f"{_fmt(agreement['weakest_class']['recall'])}); weakest sample: "
+            f"`{agreement['weakest_sample']['file']}` (accuracy "
+            f"{_fmt(agreement['weakest_sample']['accuracy'])})",
+        ]
     cal = metadata.get("calibration")
     if isinstance(cal, dict):
         lines.append(
@@ -162,11 +176,17 @@ def render_card(
             f"- Class probabilities: temperature {_fmt(calibration['temperature'])} "
             f"({calibration.get('method', '')}; {calibration.get('cells')} cells)"
         )
-    edges = metadata.get("grid_edges") or []
+    chosen = metadata.get("chosen_params") or {}
+    if chosen:
+        lines.append(
+            "- Hyperparameters: " + ", ".join(f"{k} = {_fmt(v)}" for k, v in chosen.items())
+        )
+    # Only an edge that widening did not resolve is worth a reader's attention.
+    edges = [e for e in metadata.get("grid_edges") or [] if e.get("still_on_edge", True)]
     if edges:
         lines.append(
-            f"- {len(edges)} hyperparameter(s) chosen at the edge of a grid: "
-            + ", ".join(str(e.get("parameter")) for e in edges)
+            f"- {len(edges)} hyperparameter(s) still at the edge of their grid (the best "
+            "value may lie beyond it): " + ", ".join(str(e.get("parameter")) for e in edges)
         )
     lines += ["", "## Provenance", ""]
     if created:

@@ -275,7 +275,93 @@ def tables(
         cm = confusion_matrix(ys, ps, labels=classes).astype(float)
         out["classes"] = classes.tolist()
         out["confusion"] = (cm / np.maximum(cm.sum(axis=1, keepdims=True), 1.0)).tolist()
+        if sizes is not None:
+            out.update(frequency_agreement(names, ys, ps, np.asarray(sizes), classes))
     return out
+
+
+def frequency_agreement(
+    names: Sequence[str],
+    y: np.ndarray,
+    pred: np.ndarray,
+    sizes: np.ndarray,
+    classes: np.ndarray,
+) -> dict[str, Any]:
+    """Agreement of population frequencies, as a lab validates a gating method.
+
+    Per sample and population, the percent of the sample's cells the labels give and
+    the percent the cross-validated predictions give; over all those pairs, the
+    Bland–Altman bias (mean of predicted − true) and 95 % limits of agreement
+    (bias ± 1.96 SD of the differences; Bland & Altman, Lancet 1986, i:307–310).
+
+    Returns
+    -------
+    dict
+        ``frequencies`` (file, class, true_percent, predicted_percent, difference) and
+        ``agreement`` (n, bias, sd, lower, upper, and the pair furthest from agreement).
+    """
+    n_bags, n_classes = len(names), classes.size
+    bag = np.repeat(np.arange(n_bags), sizes)
+    counts = np.zeros((2, n_bags, n_classes))
+    np.add.at(counts[0], (bag, np.searchsorted(classes, y)), 1.0)
+    np.add.at(counts[1], (bag, np.searchsorted(classes, pred)), 1.0)
+    percent = 100.0 * counts / np.maximum(sizes, 1)[None, :, None]
+    diff = percent[1] - percent[0]
+    rows = [
+        {
+            "file": names[b],
+            "class": str(classes[k]),
+            "true_percent": float(percent[0, b, k]),
+            "predicted_percent": float(percent[1, b, k]),
+            "difference": float(diff[b, k]),
+        }
+        for b in range(n_bags)
+        for k in range(n_classes)
+    ]
+    d = diff.ravel()
+    bias = float(d.mean())
+    sd = float(d.std(ddof=1)) if d.size > 1 else 0.0
+    worst = rows[int(np.argmax(np.abs(d)))]
+    return {
+        "frequencies": rows,
+        "agreement": {
+            "n": int(d.size),
+            "bias": bias,
+            "sd": sd,
+            "lower": bias - 1.96 * sd,
+            "upper": bias + 1.96 * sd,
+            "worst": worst,
+        },
+    }
+
+
+def bland_altman_plot(tables: Mapping[str, Any]) -> dict[str, bytes]:
+    """Bland–Altman plot of the population frequencies (per-cell classifiers): mean
+    of true and predicted percent against their difference, bias and 95 % limits; the
+    three pairs furthest from agreement named."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, a = tables["frequencies"], tables["agreement"]
+    mean = np.array([(r["true_percent"] + r["predicted_percent"]) / 2 for r in rows])
+    diff = np.array([r["difference"] for r in rows])
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    ax.scatter(mean, diff, s=14, alpha=0.8)
+    for value, style, label in (
+        (a["bias"], "-", f"bias {a['bias']:.2f}"),
+        (a["lower"], "--", f"−1.96 SD {a['lower']:.2f}"),
+        (a["upper"], "--", f"+1.96 SD {a['upper']:.2f}"),
+    ):
+        ax.axhline(value, color="grey", ls=style, lw=1)
+        ax.annotate(label, (ax.get_xlim()[1], value), ha="right", va="bottom", fontsize=7)
+    for i in np.argsort(-np.abs(diff))[:3]:
+        ax.annotate(f"{rows[i]['file']} / {rows[i]['class']}", (mean[i], diff[i]), fontsize=7)
+    ax.set_xlabel("mean of true and predicted percent")
+    ax.set_ylabel("predicted − true percent")
+    ax.set_title("population frequencies (cross-validated)")
+    return {"report/bland_altman.png": _png(fig)}
 
 
 def residual_plot(tables: Mapping[str, Any]) -> dict[str, bytes]:
@@ -301,9 +387,13 @@ def html(
     summary: Mapping[str, Any],
     tables: Mapping[str, Any],
     files: Mapping[str, bytes],
+    header: Mapping[str, Any] | None = None,
 ) -> str:
     """One self-contained HTML page: metrics, grid edges, tables, and every PNG of the
-    report embedded as a data URL (no external resource, for air-gapped labs)."""
+    report embedded as a data URL (no external resource, for air-gapped labs).
+
+    ``header``: what a reviewer signs against, shown first (when it was trained, the
+    training data's sha256, the library versions)."""
     import base64
     import html as esc
 
@@ -323,15 +413,42 @@ def html(
     shown = {k: v for k, v in cv.items() if not isinstance(v, list | dict)}
     parts = [
         f"<h1>{esc.escape(name)} / {esc.escape(version)}: training report</h1>",
+        "<p class='header'>"
+        + "<br>".join(
+            f"<b>{esc.escape(str(k))}</b>: {esc.escape(str(v))}" for k, v in (header or {}).items()
+        )
+        + "</p>",
         table([shown], "Cross-validated metrics"),
         table(
             [
-                {"parameter": k, "value": format_grid(v) if isinstance(v, list | tuple) else v}
-                for k, v in summary["best_params"].items()
+                {
+                    "parameter": k,
+                    "value": v,
+                    "searched": format_grid(grid)
+                    if isinstance(grid := summary["best_params"].get(k), list | tuple)
+                    else "",
+                }
+                for k, v in (summary.get("chosen_params") or summary["best_params"]).items()
             ],
-            "Chosen parameters",
+            "Chosen parameters (the values the model uses; the grid an estimator searched "
+            "itself beside them)",
         ),
     ]
+    weak = cv.get("frequency_agreement")
+    if weak:
+        pair = weak["worst_pair"]
+        parts.append(
+            "<h2>Weak spots</h2><ul class='weak'>"
+            f"<li>class <b>{esc.escape(weak['weakest_class']['class'])}</b>: recall "
+            f"{_number(weak['weakest_class']['recall'])}</li>"
+            f"<li>sample <b>{esc.escape(weak['weakest_sample']['file'])}</b>: accuracy "
+            f"{_number(weak['weakest_sample']['accuracy'])}</li>"
+            f"<li>furthest population frequency: <b>{esc.escape(pair['file'])} / "
+            f"{esc.escape(pair['class'])}</b>, predicted {_number(pair['predicted_percent'])} % "
+            f"against {_number(pair['true_percent'])} %</li>"
+            f"<li>predicted − true percent: bias {_number(weak['bias'])}, 95 % limits of "
+            f"agreement [{_number(weak['lower'])}, {_number(weak['upper'])}]</li></ul>"
+        )
     grouping = summary.get("grouping")
     if grouping:
         row = {k: v for k, v in grouping.items() if not isinstance(v, dict)}
@@ -368,7 +485,21 @@ def html(
             for c, row in zip(classes, tables["confusion"], strict=True)
         ]
         parts.append(table(rows, "Confusion matrix, each row normalised to 1"))
+    agreement = tables.get("agreement")
+    if agreement:
+        summary_row = {k: v for k, v in agreement.items() if k != "worst"}
+        parts.append(
+            table(
+                [summary_row],
+                "Population frequencies: Bland–Altman agreement of predicted and true "
+                "percent per sample and population (bias, 95 % limits)",
+            )
+        )
+        worst = sorted(tables["frequencies"], key=lambda r: -abs(r["difference"]))[:5]
+        parts.append(table(worst, "Furthest from agreement"))
     parts.append(table(tables.get("per_sample", []), "Per sample"))
+    if tables.get("frequencies"):
+        parts.append(table(tables["frequencies"], "Population frequencies per sample"))
     for path, content in sorted(files.items()):
         if path.endswith(".png"):
             data = base64.b64encode(content).decode()

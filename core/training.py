@@ -597,6 +597,39 @@ class GroupingWarning(UserWarning):
     optimistic (bags of one subject vouch for each other)."""
 
 
+def _weak_spots(tables: Mapping[str, Any]) -> dict[str, Any]:
+    """What the card says of a per-cell classifier's validation: the frequency
+    agreement, the class with the lowest recall and the sample with the lowest
+    accuracy (cross-validated)."""
+    a = tables["agreement"]
+    weakest_class = min(tables["per_class"], key=lambda r: r["recall"])
+    weakest_sample = min(tables["per_sample"], key=lambda r: r["accuracy"])
+    return {
+        **{k: a[k] for k in ("n", "bias", "sd", "lower", "upper")},
+        "worst_pair": a["worst"],
+        "weakest_class": {"class": weakest_class["class"], "recall": weakest_class["recall"]},
+        "weakest_sample": {
+            "file": weakest_sample["file"],
+            "accuracy": weakest_sample["accuracy"],
+        },
+    }
+
+
+def _chosen_values(best_params: Mapping[str, Any], model: Any) -> dict[str, Any]:
+    """The hyperparameters the final model uses, as values: the ``[search]`` choice,
+    and where that choice was a grid (the estimator's own, or one widened) the value
+    the estimator chose from it."""
+    own = {c.parameter: c.chosen for c in estimator_grid_choices(model)}
+    chosen: dict[str, Any] = {}
+    for k, v in best_params.items():
+        if isinstance(v, list | tuple):
+            chosen[k] = own.pop(k, v)
+        else:
+            chosen[k] = v
+    chosen.update(own)
+    return chosen
+
+
 def _calibration_record(model: Any) -> dict[str, Any] | None:
     """How the model's intervals were calibrated (for the card), or None without."""
     method = getattr(model, "calibration_", None)
@@ -1429,6 +1462,7 @@ def _save(
             **best_metrics,
         },
         "best_params": best_params,
+        "chosen_params": _chosen_values(best_params, fitted.final),
         "search": [
             {"params": p, **{k: v for k, v in m.items() if not isinstance(v, list)}}
             for m, _, p in fitted.scores
@@ -1456,12 +1490,33 @@ def _save(
     metrics["per_fold"] = tables["per_fold"]
     if not classifier and not cell_level:
         files.update(report.residual_plot(tables))
+    if "agreement" in tables:
+        files.update(report.bland_altman_plot(tables))
+        # With the cross-validated metrics: the card and the manifest keep those.
+        metrics["cv"]["frequency_agreement"] = _weak_spots(tables)
     # The report's file keeps every sample's out-of-fold answer and fold (the manifest
     # keeps the summary).
     files["report/metrics.json"] = json.dumps(
-        {**metrics, "per_sample": tables.get("per_sample", [])}, indent=2, default=str
+        {
+            **metrics,
+            "per_sample": tables.get("per_sample", []),
+            **({"frequencies": tables["frequencies"]} if "frequencies" in tables else {}),
+        },
+        indent=2,
+        default=str,
     ).encode()
-    files["report/report.html"] = report.html(name, version, metrics, tables, files).encode()
+    from datetime import UTC, datetime
+
+    from .artifacts import _libraries
+
+    header = {
+        "trained": datetime.now(UTC).isoformat(timespec="seconds"),
+        "training data sha256": fitted.sha256,
+        "libraries": ", ".join(f"{k} {v}" for k, v in sorted(_libraries().items())),
+    }
+    files["report/report.html"] = report.html(
+        name, version, metrics, tables, files, header=header
+    ).encode()
     model_cfg = config.get("model", {})
     metadata = {
         "name": name,
@@ -1473,6 +1528,7 @@ def _save(
         "training_files": [Path(f).name for f in fitted.files],
         "training_bags": fitted.training_bags,
         "grid_edges": fitted.edges,
+        "chosen_params": json.loads(json.dumps(metrics["chosen_params"], default=float)),
         "label_level": fitted.level,
         "probability_calibration": fitted.calibration,
         "fhir": _output_coding(config, getattr(fitted.final, "classes_", None)),

@@ -98,6 +98,15 @@ def test_train_yeast_example_on_real_fcs(tmp_path, capsys):
     # One self-contained HTML report: tables and plots, no external resource.
     page = (path / "report" / "report.html").read_text()
     assert page.count("<img") == 3 and "http" not in page.replace("data:image/png", "")
+    # What a reviewer signs against heads the report; the card gives the values used.
+    assert f"<b>training data sha256</b>: {meta['training_data_sha256']}" in page
+    assert "<b>libraries</b>: bagserve " in page
+    chosen = summary["best_params"]
+    assert isinstance(chosen["gamma"], float) and isinstance(chosen["alpha"], float)
+    card = (path / "card.md").read_text()
+    assert f"gamma = {chosen['gamma']:.4g}" in card and f"alpha = {chosen['alpha']:.4g}" in card
+    still = [e["parameter"] for e in meta["grid_edges"] if e["still_on_edge"]]
+    assert ("still at the edge" in card) == bool(still)
     report = json.loads((path / "report" / "metrics.json").read_text())
     number = r"(-?[0-9.]+(?:e-?[0-9]+)?)"
     rows = re.findall(
@@ -197,6 +206,34 @@ def test_train_gvhd_example_cell_level(tmp_path, capsys):
     assert summary_cm and np.isclose(
         np.trace(cm) / cm.sum(), summary["cv"]["accuracy"]
     )  # the confusion matrix counts every cell once
+    # Population frequencies per sample agree with that confusion matrix: its row sums
+    # are the true cells per class, its column sums the predicted ones.
+    labels = tables["cv"]["labels"]
+    cells = {r["file"]: r["cells"] for r in tables["per_sample"]}
+    freq = tables["frequencies"]
+    assert len(freq) == len(cells) * len(labels)
+    for k, label in enumerate(labels):
+        of = [r for r in freq if r["class"] == label]
+        true = sum(r["true_percent"] * cells[r["file"]] / 100 for r in of)
+        predicted = sum(r["predicted_percent"] * cells[r["file"]] / 100 for r in of)
+        assert true == pytest.approx(cm[k].sum()) and predicted == pytest.approx(cm[:, k].sum())
+    for r in tables["per_sample"]:
+        mine = [f for f in freq if f["file"] == r["file"]]
+        assert sum(f["predicted_percent"] for f in mine) == pytest.approx(100)
+        # Each misclassified cell moves one count between two classes.
+        moved = sum(abs(f["difference"]) for f in mine)
+        assert moved <= 2 * 100 * (1 - r["accuracy"]) + 1e-9
+    agreement = tables["cv"]["frequency_agreement"]
+    d = np.array([f["difference"] for f in freq])
+    assert agreement["bias"] == pytest.approx(d.mean())
+    assert agreement["upper"] == pytest.approx(d.mean() + 1.96 * d.std(ddof=1))
+    recall = np.diag(cm) / cm.sum(axis=1)
+    weakest = labels[int(np.argmin(recall))]
+    assert agreement["weakest_class"] == {"class": weakest, "recall": pytest.approx(recall.min())}
+    assert "report/bland_altman.png" in read_manifest(path)["files"]
+    card = (path / "card.md").read_text()
+    assert f"Weakest class: `{weakest}`" in card and "95 % limits of agreement" in card
+    assert "Population frequencies: Bland–Altman" in page and "Weak spots" in page
     model = load(path)
     assert set(model.classes_) == {"gate 1", "gate 3", "gate 4", "other"}
     code, out, _ = run(
