@@ -58,6 +58,42 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _predict_local(
+    model_path: str | Path | Any,
+    files: Sequence[str | Path],
+    *,
+    compensated: bool,
+    coverage: float | None,
+    names: Sequence[str] | None,
+) -> tuple[Any, list[str], dict[str, Any], Any, list[str], list[str | None], float | None]:
+    """A saved model's typed answer for files, with what every encoding of it needs:
+    (result, names, meta, info, file sha256s, acquisition times, coverage used)."""
+    from .core.hashing import file_sha256
+    from .core.io import read_sample
+    from .core.policy import review_warnings
+    from .core.runtime import ModelRuntime
+
+    runtime = model_path if isinstance(model_path, ModelRuntime) else ModelRuntime.open(model_path)
+    info = runtime.info
+    if coverage is not None and info.interval_problem(coverage) is not None:
+        coverage = None  # the model has no interval: answer without one, as it can
+    names = [str(f) for f in files] if names is None else list(names)
+    samples = [read_sample(f) for f in files]
+    result = runtime.predict(runtime.align(samples, compensated=compensated), coverage=coverage)
+    meta = {
+        "model": {
+            "name": info.metadata.get("name"),
+            "version": info.metadata.get("version"),
+            "sha256": info.sha256,
+            "estimator": info.estimator,
+            "kind": str(info.kind),
+        },
+        "warnings": review_warnings(result, names),
+    }
+    inputs = [file_sha256(f) for f in files]
+    return result, names, meta, info, inputs, [s.acquired for s in samples], coverage
+
+
 def predict_files(
     model_path: str | Path | Any,
     files: Sequence[str | Path],
@@ -80,33 +116,41 @@ def predict_files(
     per-cell model's label of every cell besides its population summary. ``names``:
     the bags' ids in the answer and its warnings (default: the paths as given).
     """
-    from .core.hashing import file_sha256
-    from .core.io import read_sample
-    from .core.policy import review_warnings
-    from .core.runtime import ModelRuntime
     from .service.encoders import encode_document
 
-    runtime = model_path if isinstance(model_path, ModelRuntime) else ModelRuntime.open(model_path)
-    info = runtime.info
-    if coverage is not None and info.interval_problem(coverage) is not None:
-        coverage = None  # the model has no interval: answer without one, as it can
-    names = [str(f) for f in files] if names is None else list(names)
-    samples = [read_sample(f) for f in files]
-    result = runtime.predict(runtime.align(samples, compensated=compensated), coverage=coverage)
-    meta = {
-        "model": {
-            "name": info.metadata.get("name"),
-            "version": info.metadata.get("version"),
-            "sha256": info.sha256,
-            "estimator": info.estimator,
-            "kind": str(info.kind),
-        },
-        "warnings": review_warnings(result, names),
-    }
-    doc = encode_document(
-        result, names, meta, info, inputs=[file_sha256(f) for f in files], cells=cells
+    result, names, meta, info, inputs, _, _ = _predict_local(
+        model_path, files, compensated=compensated, coverage=coverage, names=names
     )
+    doc = encode_document(result, names, meta, info, inputs=inputs, cells=cells)
     return _as_results(doc, names)
+
+
+def oru_for_files(
+    model_path: str | Path | Any,
+    files: Sequence[str | Path],
+    *,
+    compensated: bool = False,
+    coverage: float | None = 0.9,
+    refs: dict[str, str] | None = None,
+) -> str:
+    """The HL7 v2.5.1 ORU^R01 message of a saved model's answer for files (the same
+    message ``Accept: application/hl7-v2`` gets from the service), bags named by
+    their file names."""
+    import uuid
+
+    from .service.hl7 import oru_r01
+
+    result, names, meta, info, inputs, acquired, coverage = _predict_local(
+        model_path,
+        files,
+        compensated=compensated,
+        coverage=coverage,
+        names=[Path(f).name for f in files],
+    )
+    meta = {**meta, "request_id": uuid.uuid4().hex}
+    return oru_r01(
+        result, names, meta, info, inputs=inputs, coverage=coverage, refs=refs, acquired=acquired
+    )
 
 
 def _as_results(answer: dict[str, Any], files: Sequence[str]) -> dict[str, Any]:
@@ -161,7 +205,7 @@ class RemoteModel:
     def __exit__(self, *exc: object) -> None:
         self.client.close()
 
-    def _call(self, method: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         from .service.client import BagserveError
 
         try:
@@ -172,6 +216,18 @@ class RemoteModel:
                 detail = exc.problem.get("detail", exc)
                 raise ValueError(f"unknown model {self.model!r} at {self.url}: {detail}") from exc
             raise ValueError(str(exc)) from exc
+
+    def oru(self, files: Sequence[str | Path], refs: dict[str, str] | None = None) -> str:
+        """The service's HL7 v2 ORU^R01 message for ``files`` (one request)."""
+        message = self._call(
+            self.client.predict_files_as,
+            self.name,
+            files,
+            "application/hl7-v2",
+            version=self.version,
+            params={**self.params, **(refs or {})},
+        )
+        return message.decode("utf-8")
 
     def predict(self, files: Sequence[str | Path]) -> dict[str, Any]:
         """The service's answer for ``files`` (one request), keyed by file."""
@@ -283,11 +339,43 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     # Flags reach whoever runs the command, not only the file it writes.
     for warning in result.get("warnings") or []:
         print(f"warning: {warning}", file=sys.stderr)
+    if args.hl7:
+        _send_hl7(args)
     if args.output:
         Path(args.output).write_text(text + "\n")
     else:
         print(text)
     return 0
+
+
+def _send_hl7(args: argparse.Namespace) -> None:
+    """The answer as an HL7 v2 ORU^R01 message to the MLLP peer of ``--hl7``."""
+    from .service.hl7 import MllpError, parse_mllp_url, send
+
+    parse_mllp_url(args.hl7)  # a wrong address fails before any work
+    refs = {k: v for k, v in (("patient", args.patient), ("order", args.order)) if v}
+    if args.url:
+        with RemoteModel(
+            args.url,
+            args.model,
+            api_key=args.api_key,
+            interval=args.interval,
+            compensated=args.compensated,
+        ) as remote:
+            message = remote.oru(args.files, refs)
+    else:
+        message = oru_for_files(
+            args.model,
+            args.files,
+            compensated=args.compensated,
+            coverage=args.interval,
+            refs=refs,
+        )
+    try:
+        ack = send(message, args.hl7)
+    except MllpError as exc:
+        raise ValueError(f"HL7: {exc}") from exc
+    print(f"hl7: {args.hl7} accepted the ORU^R01 message ({ack.code})", file=sys.stderr)
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
@@ -645,6 +733,14 @@ def _parser() -> argparse.ArgumentParser:
         help="per-cell models: every cell's label (default: the population summary)",
     )
     pr.add_argument("--output", help="write here instead of stdout")
+    pr.add_argument(
+        "--hl7",
+        metavar="mllp://HOST:PORT",
+        help="also send the answer as an HL7 v2.5.1 ORU^R01 message to this MLLP peer "
+        "(exit 1 unless it is accepted)",
+    )
+    pr.add_argument("--patient", help="with --hl7: the patient identifier (PID-3)")
+    pr.add_argument("--order", help="with --hl7: the placer order number (OBR-2)")
     pr.add_argument("--url", help="use a running service (MODEL is then name or name/version)")
     pr.add_argument("--api-key", help="service API key (default: BAGSERVE_API_KEY)")
     pr.add_argument(

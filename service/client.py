@@ -210,6 +210,28 @@ class Client:
             self._send("POST", _path(model, version), files=_files(paths), params=params)
         )
 
+    def predict_files_as(
+        self,
+        model: str,
+        paths: Sequence[str | Path],
+        accept: str,
+        *,
+        version: str | None = None,
+        params: Mapping[str, str] | None = None,
+    ) -> bytes:
+        """The answer for ``paths`` in another format than JSON (``accept``: text/csv,
+        application/hl7-v2, application/fhir+json, ...), as bytes."""
+        response = self._send(
+            "POST",
+            _path(model, version),
+            files=_files(paths),
+            params=params,
+            headers={"accept": accept},
+        )
+        if response.status_code >= 400:
+            _raise_for(response)
+        return response.content
+
 
 class AsyncClient:
     """Asynchronous twin of :class:`Client`."""

@@ -99,6 +99,9 @@ class IncomingBag:
     #: as numbers; ``None``: the request body itself is the file (its hash is the
     #: request's, computed beside the worker).
     input_sha256: str | None = None
+    #: When the instrument acquired the sample (FCS keywords), for FHIR's
+    #: ``effectiveDateTime`` (:attr:`bagserve.core.io.Sample.acquired`).
+    acquired: str | None = None
 
 
 @dataclass(frozen=True)
@@ -425,6 +428,7 @@ def decode_file(
         finite=True,
         spillover=sample.spillover,
         input_sha256=bytes_sha256(data) if digest else None,
+        acquired=sample.acquired,
     )
 
 

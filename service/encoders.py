@@ -26,6 +26,7 @@ from bagserve.core.runtime import (
 from .codecs import JSON, NPY, media_type, npy_bytes
 from .errors import Problem
 from .fhir import FHIR_JSON, bundle
+from .hl7 import HL7_V2, oru_r01
 
 __all__ = [
     "CSV_OUT",
@@ -40,7 +41,7 @@ __all__ = [
 
 CSV_OUT = "text/csv"
 #: What predict can answer, in the order offered.
-FORMATS = (JSON, CSV_OUT, NPY, FHIR_JSON)
+FORMATS = (JSON, CSV_OUT, NPY, FHIR_JSON, HL7_V2)
 #: Answers of per-cell models for more cells than this are encoded in a thread: a
 #: label per cell of 10^6 cells takes a CSV writer seconds, which the event loop must
 #: not wait for; smaller answers are encoded at once (a thread hop costs more).
@@ -80,6 +81,8 @@ def negotiate(accept: str | None) -> str:
         # application/json+fhir is the media type of FHIR before R3; still sent by some.
         if t in (FHIR_JSON, "application/json+fhir"):
             return FHIR_JSON
+        if t in (HL7_V2, "x-application/hl7-v2+er7"):
+            return HL7_V2
     raise Problem(406, f"cannot answer {accept!r}; available: {', '.join(FORMATS)}")
 
 
@@ -95,6 +98,9 @@ def encode(
     plots: list[dict[str, Any]] | None = None,
     coverage: float | None = None,
     refs: dict[str, str] | None = None,
+    acquired: list[str | None] | None = None,
+    performer: str | None = None,
+    timezone: str | None = None,
 ) -> bytes:
     """The answer in ``fmt`` (one of :data:`FORMATS`); ``meta`` heads a JSON answer.
 
@@ -106,12 +112,30 @@ def encode(
     classifiers in NPY: every cell's class probabilities when they were asked for, else
     the population counts per bag with ``cells=False``, else the labels; columns follow
     the model's classes. FHIR (:mod:`.fhir`): ``meta`` is the provenance, ``coverage``
-    that of the interval asked for, ``refs`` the subject and specimen references.
+    that of the interval asked for, ``refs`` the subject, specimen and effective time,
+    ``acquired`` each bag's acquisition time, ``performer`` and ``timezone`` the
+    service's settings (:func:`.fhir.bundle`).
     """
     if fmt == FHIR_JSON:
         return orjson.dumps(
-            bundle(result, ids, meta, info, inputs=inputs, coverage=coverage, refs=refs)
+            bundle(
+                result,
+                ids,
+                meta,
+                info,
+                inputs=inputs,
+                coverage=coverage,
+                refs=refs,
+                acquired=acquired,
+                performer=performer,
+                timezone=timezone,
+            )
         )
+    if fmt == HL7_V2:
+        message = oru_r01(
+            result, ids, meta, info, inputs=inputs, coverage=coverage, refs=refs, acquired=acquired
+        )
+        return message.encode("utf-8")
     if fmt == NPY:
         return npy_bytes(np.asarray(_table(result, cells)))
     if fmt == CSV_OUT:

@@ -1,7 +1,20 @@
-"""Predictions as HL7 FHIR R4: a ``Bundle`` of one ``Observation`` per bag.
+"""Predictions as HL7 FHIR R4: a ``transaction`` Bundle a FHIR server files as it is.
 
-``Accept: application/fhir+json`` on a predict route answers a ``collection`` Bundle.
-Each bag's Observation carries:
+``Accept: application/fhir+json`` on a predict route answers a ``transaction`` Bundle:
+
+* one ``Observation`` per bag, and a ``DiagnosticReport`` for the request whose
+  ``result`` lists them, whose ``status`` follows the bags' statuses under the model's
+  out-of-domain policy and whose ``conclusion`` says so in words; both are created
+  conditionally on bagserve's request identifier (``ifNoneExist``), so a retried
+  submission files nothing twice;
+* the model as a ``Device`` (name, version, manifest sha256, the signer of a signed
+  release), created conditionally on its sha256 and referenced by the Observations'
+  ``device``;
+* a ``Provenance`` (``PUT`` with an id derived from the request id, so a retry
+  replaces it) whose agent is that Device, whose entities are the inputs by their
+  sha256, recorded when the answer was made.
+
+Each Observation carries:
 
 * ``code``: the model's output coding from its training configuration (``[fhir]``,
   :mod:`bagserve.core.fhir_coding`), bagserve's own code system otherwise;
@@ -17,21 +30,24 @@ Each bag's Observation carries:
 * ``interpretation`` ``EX`` (v3 ObservationInterpretation "outside threshold") when the
   bag lies outside the model's applicability domain, and a ``note`` naming the nearest
   training bags;
-* ``device``: a contained ``Device`` with the model's name, version and sha256 (and the
-  bagserve version); ``derivedFrom``: a contained ``DocumentReference`` whose
-  ``masterIdentifier`` is the sha256 of the request body and whose attachment names
-  the bag;
-* ``subject`` and ``specimen`` when the caller gives them (``?subject=Patient/123``,
-  ``?specimen=Specimen/9``), ``issued``, and an identifier ``request id/bag id``.
+* ``derivedFrom``: a contained ``DocumentReference`` whose ``masterIdentifier`` is the
+  sha256 of the bag's file (or cells) and whose attachment names the bag;
+* ``effectiveDateTime``: ``?effective=`` when given, else when the instrument acquired
+  the sample (FCS ``$BEGINDATETIME``, or ``$DATE``/``$BTIM`` in the instruments' zone,
+  ``BAGSERVE_FHIR_TIMEZONE``; the date alone without one);
+* ``performer`` from ``BAGSERVE_FHIR_PERFORMER``; ``subject`` and ``specimen`` when the
+  caller gives them (``?subject=Patient/123``, ``?specimen=Specimen/9``), ``issued``,
+  and an identifier ``request id/bag id``.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 from bagserve.core.fhir_coding import CATEGORIES, UCUM, Coding, OutputCoding
@@ -65,6 +81,8 @@ _PREDICTION = "urn:bagserve:prediction"
 _CATEGORY = "http://terminology.hl7.org/CodeSystem/observation-category"
 _INTERPRETATION = "http://terminology.hl7.org/CodeSystem/v3-ObservationInterpretation"
 _REFERENCE_MEANING = "http://terminology.hl7.org/CodeSystem/referencerange-meaning"
+_V2_SECTION = "http://terminology.hl7.org/CodeSystem/v2-0074"
+_PARTICIPANT = "http://terminology.hl7.org/CodeSystem/provenance-participant-type"
 #: A relative reference (``Patient/123``), an absolute URL, or a ``urn:uuid``.
 _REFERENCE = re.compile(
     r"^([A-Z][A-Za-z]+/[A-Za-z0-9\-.]{1,64}(/_history/[A-Za-z0-9\-.]{1,64})?"
@@ -79,9 +97,23 @@ _FLAGS = {
 }
 
 
+#: A FHIR ``dateTime``: a date (year, month, day) or a date and time with its zone.
+_DATETIME = re.compile(r"^\d{4}-\d{2}-\d{2}(T\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|[+-]\d{2}:\d{2}))?$")
+
+
 def references(params: Mapping[str, Any]) -> dict[str, str]:
-    """The ``subject`` and ``specimen`` query parameters, checked (422 otherwise)."""
+    """The ``subject``, ``specimen`` and ``effective`` query parameters, checked (422
+    otherwise)."""
     out: dict[str, str] = {}
+    effective = params.get("effective")
+    if effective is not None:
+        if not _DATETIME.match(str(effective)):
+            raise Problem(
+                422,
+                "effective must be a FHIR dateTime: a date (2026-11-25) or a date and time "
+                f"with its zone (2026-11-25T09:30:00+01:00), got {effective!r}",
+            )
+        out["effective"] = str(effective)
     for name, example in (("subject", "Patient/123"), ("specimen", "Specimen/9")):
         value = params.get(name)
         if value is None:
@@ -106,8 +138,11 @@ def bundle(
     coverage: float | None = None,
     refs: Mapping[str, str] | None = None,
     issued: datetime | None = None,
+    acquired: Sequence[str | None] | None = None,
+    performer: str | None = None,
+    timezone: str | None = None,
 ) -> dict[str, Any]:
-    """The answer as a FHIR R4 ``collection`` Bundle of one Observation per bag.
+    """The answer as a FHIR R4 ``transaction`` Bundle (see the module docstring).
 
     Each Observation's ``status`` is the bag's status under the model's out-of-domain
     policy (:mod:`core.policy`): ``final``, ``preliminary``, or, for a withheld answer,
@@ -133,24 +168,193 @@ def bundle(
     coverage : float, optional
         The coverage of the interval or prediction set, when one was asked for.
     refs : mapping, optional
-        ``subject`` and ``specimen`` references (see :func:`references`).
+        ``subject``, ``specimen`` and ``effective`` (see :func:`references`).
     issued : datetime, optional
         When the answer was made (now by default).
+    acquired : sequence of str or None, optional
+        Per bag, when the instrument acquired it (:attr:`bagserve.core.io.Sample.
+        acquired`); ``effective`` in ``refs`` overrides it.
+    performer : str, optional
+        Who performs the test (``Organization/lab-1``).
+    timezone : str, optional
+        The instruments' IANA time zone, for acquisition times written without one.
     """
     when = _instant(issued or datetime.now(UTC))
     request_id = str(provenance["request_id"])
+    refs = dict(refs or {})
     # Deterministic entry URLs: the same request (an idempotent replay) names its
-    # observations the same way.
+    # resources the same way.
     space = uuid.uuid5(uuid.NAMESPACE_URL, f"{_REQUEST}:{request_id}")
-    builder = _Observations(result, provenance, info, coverage, dict(refs or {}), when, inputs)
+    device_url = f"urn:uuid:{uuid.uuid5(space, 'device')}"
+    effective = [
+        refs.get("effective") or _effective(acquired[i] if acquired else None, timezone)
+        for i in range(len(ids))
+    ]
+    builder = _Observations(
+        result, provenance, info, coverage, refs, when, inputs, device_url, performer
+    )
+    observations = [
+        (f"urn:uuid:{uuid.uuid5(space, str(i))}", builder.of(i, bag, effective[i]))
+        for i, bag in enumerate(ids)
+    ]
+    report_url = f"urn:uuid:{uuid.uuid5(space, 'report')}"
+    report = _report(result, ids, builder, [u for u, _ in observations], effective)
+    provenance_id = str(uuid.uuid5(space, "provenance"))
+    entries = [
+        _entry(device_url, builder.device, _if_none_exist(_SHA256, builder.model["sha256"])),
+        *(
+            _entry(url, obs, _if_none_exist(_REQUEST, obs["identifier"][0]["value"]))
+            for url, obs in observations
+        ),
+        _entry(report_url, report, _if_none_exist(_REQUEST, request_id)),
+        {
+            "fullUrl": f"urn:uuid:{provenance_id}",
+            "resource": _provenance(
+                provenance_id,
+                [report_url, *(u for u, _ in observations)],
+                when,
+                device_url,
+                ids,
+                [builder.digest(i) for i in range(len(ids))],
+            ),
+            # Provenance has no identifier to create on: a PUT to an id derived from
+            # the request id makes a retry replace it instead of filing it twice.
+            "request": {"method": "PUT", "url": f"Provenance/{provenance_id}"},
+        },
+    ]
     return {
         "resourceType": "Bundle",
         "identifier": {"system": _REQUEST, "value": request_id},
-        "type": "collection",
+        "type": "transaction",
         "timestamp": when,
-        "entry": [
-            {"fullUrl": f"urn:uuid:{uuid.uuid5(space, str(i))}", "resource": builder.of(i, bag)}
-            for i, bag in enumerate(ids)
+        "entry": entries,
+    }
+
+
+def _entry(url: str, resource: dict[str, Any], if_none_exist: str) -> dict[str, Any]:
+    """A transaction entry that creates ``resource`` unless one with its identifier
+    exists already (FHIR conditional create)."""
+    return {
+        "fullUrl": url,
+        "resource": resource,
+        "request": {
+            "method": "POST",
+            "url": resource["resourceType"],
+            "ifNoneExist": if_none_exist,
+        },
+    }
+
+
+def _if_none_exist(system: str, value: str) -> str:
+    return "identifier=" + quote(f"{system}|{value}", safe="")
+
+
+def _effective(acquired: str | None, timezone: str | None) -> str | None:
+    """A FHIR dateTime from an acquisition time: as written when it has a zone (or is a
+    date), in ``timezone`` when it has none, the date alone without a timezone (FHIR
+    requires a zone with a time of day)."""
+    if acquired is None:
+        return None
+    if _DATETIME.match(acquired):
+        return acquired
+    if timezone is None:
+        return acquired[:10]
+    from zoneinfo import ZoneInfo
+
+    local = datetime.fromisoformat(acquired).replace(tzinfo=ZoneInfo(timezone))
+    return local.isoformat(timespec="seconds")
+
+
+def _report_status(statuses: list[str]) -> str:
+    """DiagnosticReport.status from its bags' statuses."""
+    if all(s == "withheld" for s in statuses):
+        return "cancelled"
+    if "withheld" in statuses:
+        return "partial"  # some values withheld: the report is incomplete
+    if "preliminary" in statuses:
+        return "preliminary"
+    return "final"
+
+
+def _report(
+    result: Prediction,
+    ids: list[str],
+    builder: _Observations,
+    results: list[str],
+    effective: list[str | None],
+) -> dict[str, Any]:
+    """The request's DiagnosticReport: its Observations, a status and a conclusion."""
+    statuses = [result.status_of(i) for i in range(len(ids))]
+    domain = result.domain
+    words = []
+    for i, bag in enumerate(ids):
+        text = f"{bag}: {statuses[i]}"
+        if domain is not None and bool(domain.out_of_range[i]):
+            text += (
+                f", outside the model's applicability domain (score {float(domain.score[i]):.3g})"
+            )
+        if statuses[i] == "withheld":
+            text += ", value withheld"
+        words.append(text)
+    c = builder.coding
+    report: dict[str, Any] = {
+        "resourceType": "DiagnosticReport",
+        "identifier": [{"system": _REQUEST, "value": builder.request_id}],
+        "status": _report_status(statuses),
+        "category": [{"coding": [{"system": _V2_SECTION, "code": "LAB", "display": "Laboratory"}]}],
+        "code": {"coding": [c.code.to_json()], "text": c.code.display or c.code.code},
+    }
+    if "subject" in builder.refs:
+        report["subject"] = {"reference": builder.refs["subject"]}
+    if len(set(effective)) == 1 and effective[0] is not None:
+        report["effectiveDateTime"] = effective[0]
+    report["issued"] = builder.issued
+    if builder.performer:
+        report["performer"] = [{"reference": builder.performer}]
+    if "specimen" in builder.refs:
+        report["specimen"] = [{"reference": builder.refs["specimen"]}]
+    report["result"] = [{"reference": u} for u in results]
+    model = builder.model
+    report["conclusion"] = (
+        f"bagserve model {model['name']} version {model['version']}: " + "; ".join(words) + "."
+    )
+    return report
+
+
+def _provenance(
+    resource_id: str,
+    targets: list[str],
+    recorded: str,
+    device_url: str,
+    ids: list[str],
+    digests: list[str],
+) -> dict[str, Any]:
+    """Who made the results (the model, as a Device) from what (each input by its
+    sha256), and when."""
+    return {
+        "resourceType": "Provenance",
+        "id": resource_id,
+        "target": [{"reference": t} for t in targets],
+        "recorded": recorded,
+        "agent": [
+            {
+                "type": {
+                    "coding": [
+                        {"system": _PARTICIPANT, "code": "performer", "display": "Performer"}
+                    ]
+                },
+                "who": {"reference": device_url},
+            }
+        ],
+        "entity": [
+            {
+                "role": "source",
+                "what": {
+                    "identifier": {"system": _SHA256, "value": digest},
+                    "display": f"sample {bag}",
+                },
+            }
+            for bag, digest in zip(ids, digests, strict=True)
         ],
     }
 
@@ -166,7 +370,9 @@ class _Observations:
         coverage: float | None,
         refs: dict[str, str],
         issued: str,
-        inputs: list[str] | None = None,
+        inputs: list[str] | None,
+        device_url: str,
+        performer: str | None,
     ) -> None:
         self.result, self.info, self.coverage, self.issued = result, info, coverage, issued
         self.model = dict(provenance["model"])
@@ -176,13 +382,19 @@ class _Observations:
         self.coding: OutputCoding = info.output_coding
         self.refs = refs
         self.device = _device(self.model, info.estimator)
+        self.device_url = device_url
+        self.performer = performer
+
+    def digest(self, i: int) -> str:
+        """Bag ``i``'s sha256: its file's (or its cells'), else the request body's."""
+        return self.inputs[i] if self.inputs is not None else self.request_sha256
 
     # ------------------------------------------------------------------ the resource
-    def of(self, i: int, bag_id: str) -> dict[str, Any]:
+    def of(self, i: int, bag_id: str, effective: str | None = None) -> dict[str, Any]:
         c = self.coding
         obs: dict[str, Any] = {
             "resourceType": "Observation",
-            "contained": [self.device, self._input(bag_id)],
+            "contained": [self._input(bag_id, i)],
             "identifier": [{"system": _REQUEST, "value": f"{self.request_id}/{bag_id}"}],
             "status": _STATUS[self.result.status_of(i)],
             "category": [
@@ -200,7 +412,11 @@ class _Observations:
         }
         if "subject" in self.refs:
             obs["subject"] = {"reference": self.refs["subject"]}
+        if effective is not None:
+            obs["effectiveDateTime"] = effective
         obs["issued"] = self.issued
+        if self.performer:
+            obs["performer"] = [{"reference": self.performer}]
         if self.result.released(i):
             value, components = self._value(i)
         else:
@@ -214,13 +430,12 @@ class _Observations:
         if "specimen" in self.refs:
             obs["specimen"] = {"reference": self.refs["specimen"]}
         obs["device"] = {
-            "reference": "#model",
+            "reference": self.device_url,
             "display": f"bagserve model {self.model['name']} version {self.model['version']}",
         }
         if c.reference_range is not None and "valueQuantity" in value:
             obs["referenceRange"] = [self._reference_range()]
         obs["derivedFrom"] = [{"reference": "#input", "display": f"bag {bag_id}"}]
-        obs["contained"][1] = self._input(bag_id, i)
         if components:
             obs["component"] = components
         return obs
@@ -228,7 +443,7 @@ class _Observations:
     def _input(self, bag_id: str, i: int = 0) -> dict[str, Any]:
         """The sample the bag came from, by the sha256 of its file (or of its cells, for
         cells sent as numbers); the request body's sha256 beside it."""
-        digest = self.inputs[i] if self.inputs is not None else self.request_sha256
+        digest = self.digest(i)
         doc: dict[str, Any] = {
             "resourceType": "DocumentReference",
             "id": "input",
@@ -416,8 +631,8 @@ class _Observations:
 
 
 def _device(model: Mapping[str, Any], estimator: str) -> dict[str, Any]:
-    """The model as a contained Device: name, version, sha256 of its manifest, and who
-    signed the release (when the service requires signed models)."""
+    """The model as a Device: name, version, sha256 of its manifest, and who signed the
+    release (when the service requires signed models)."""
     identifiers = [{"system": _SHA256, "value": str(model["sha256"])}]
     signer = model.get("signer")
     notes = []
@@ -435,7 +650,6 @@ def _device(model: Mapping[str, Any], estimator: str) -> dict[str, Any]:
         )
     device = {
         "resourceType": "Device",
-        "id": "model",
         "identifier": identifiers,
         "status": "active",
         "manufacturer": "bagserve",

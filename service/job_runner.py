@@ -2,16 +2,21 @@
 
 A job is the same prediction as ``POST /v1/models/{name}/predict``, decoded from the
 body and query stored at submission, audited under the job's own request id and API
-key id, its JSON answer (or problem) stored with the job.
+key id, its JSON answer (or problem) stored with the job. With
+``BAGSERVE_HL7_FORWARD`` the answer also goes to a laboratory system as an HL7 v2
+``ORU^R01`` message over MLLP before the job is finished.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any
 
 from .codecs import BodySpec
 from .encoders import encode_document, encode_off_loop
 from .errors import Problem
+from .hl7 import MllpError, oru_r01, send
 from .jobs import JobStore
 from .options import PredictOptions
 from .prediction import Caller, Predictor
@@ -19,6 +24,8 @@ from .registry import Registry
 from .uploads import markers_param
 
 __all__ = ["JobRunner"]
+
+log = logging.getLogger("bagserve.jobs")
 
 
 class JobRunner:
@@ -76,4 +83,52 @@ class JobRunner:
             cells=options.cells,
             plots=outcome.plots,
         )
+        peer = self.predictor.settings.hl7_forward
+        if peer:
+            document["hl7"] = await self._forward(job_id, meta, entry, outcome, options, peer)
         await asyncio.to_thread(store.finish, job_id, "succeeded", {"status": 200, **document})
+
+    async def _forward(
+        self,
+        job_id: str,
+        meta: dict[str, Any],
+        entry: Any,
+        outcome: Any,
+        options: PredictOptions,
+        peer: str,
+    ) -> dict[str, Any]:
+        """Send the job's answer as an HL7 v2 ORU^R01 message to the MLLP ``peer``
+        (``BAGSERVE_HL7_FORWARD``), retried as :func:`.hl7.send` does; the outcome is
+        logged, audited and kept in the job's result (``hl7``)."""
+        message = oru_r01(
+            outcome.result,
+            outcome.ids,
+            outcome.provenance(meta["request_id"]),
+            entry.info,
+            inputs=outcome.inputs,
+            coverage=options.coverage,
+            acquired=outcome.acquired,
+        )
+        settings = self.predictor.settings
+        record: dict[str, Any] = {"peer": peer}
+        try:
+            ack = await asyncio.to_thread(
+                send, message, peer, retries=settings.hl7_retries, backoff=settings.hl7_backoff,
+                log=log,
+            )  # fmt: skip
+        except MllpError as exc:
+            log.error("job %s: HL7 forwarding failed: %s", job_id, exc)
+            record.update(delivered=False, ack=exc.code, error=str(exc))
+        else:
+            record.update(delivered=True, ack=ack.code, attempts=ack.attempts)
+        audit = self.predictor.audit_log
+        if audit is not None:
+            await asyncio.to_thread(
+                audit.append,
+                request_id=meta["request_id"],
+                api_key_id=meta.get("api_key_id"),
+                route="hl7-forward",
+                job=job_id,
+                hl7=record,
+            )
+        return record

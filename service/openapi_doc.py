@@ -220,15 +220,17 @@ _MODEL_READY: dict[str, Any] = {
 _FHIR_BUNDLE: dict[str, Any] = {
     "type": "object",
     "description": (
-        "An HL7 FHIR R4 Bundle of type collection: one Observation per bag (value, "
-        "interval component, interpretation EX outside the applicability domain, the "
-        "model as a contained Device, the input's sha256 as a contained "
-        "DocumentReference). Valid against the FHIR R4 JSON schema."
+        "An HL7 FHIR R4 Bundle of type transaction: the model as a Device, one "
+        "Observation per bag (value, interval component, interpretation EX outside the "
+        "applicability domain, the input's sha256 as a contained DocumentReference), "
+        "a DiagnosticReport of them with a conclusion, and a Provenance; Observations, "
+        "report and Device are created conditionally on their identifiers, so a "
+        "retried submission files nothing twice. Valid against the FHIR R4 JSON schema."
     ),
     "required": ["resourceType", "type", "entry"],
     "properties": {
         "resourceType": {"type": "string", "enum": ["Bundle"]},
-        "type": {"type": "string", "enum": ["collection"]},
+        "type": {"type": "string", "enum": ["transaction"]},
         "identifier": {"type": "object"},
         "timestamp": {"type": "string"},
         "entry": {

@@ -112,6 +112,8 @@ class Outcome:
     echo: dict[str, Any] | None = None
     inputs: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: Per bag, when its instrument acquired it (FCS keywords), or None.
+    acquired: list[str | None] = field(default_factory=list)
 
     @property
     def sizes(self) -> list[int]:
@@ -361,6 +363,7 @@ class Predictor:
             out_header["echo"],
             list(out_header["inputs"]),
             list(out_header["notes"]),
+            list(out_header.get("acquired") or [None] * len(ids)),
         )
 
     def _observe_domain(self, entry: ModelEntry, result: Prediction) -> None:

@@ -115,6 +115,35 @@ class Settings(BaseSettings):
             "trail; by default it keeps statuses, flags and domain scores only"
         ),
     )
+    fhir_performer: str | None = Field(
+        None,
+        pattern=r"^[A-Z][A-Za-z]+/[A-Za-z0-9\-.]{1,64}$",
+        description=(
+            "the FHIR reference of who performs the test (e.g. Organization/lab-1): the "
+            "performer of every DiagnosticReport and Observation"
+        ),
+    )
+    fhir_timezone: str | None = Field(
+        None,
+        description=(
+            "the instruments' time zone (IANA name, e.g. Europe/Berlin): FCS acquisition "
+            "times ($DATE, $BTIM) carry none; without it FHIR's effectiveDateTime is the "
+            "acquisition date alone"
+        ),
+    )
+    hl7_forward: str | None = Field(
+        None,
+        pattern=r"^mllp://[^/:]+:\d{1,5}$",
+        description=(
+            "mllp://HOST:PORT: every finished job's answer is sent there as an HL7 v2.5.1 "
+            "ORU^R01 message; AA accepts it, AE and dropped connections are retried, AR "
+            "is not; the outcome is logged, audited and kept in the job's result"
+        ),
+    )
+    hl7_retries: int = Field(3, ge=0, le=20, description="HL7 forwarding retries")
+    hl7_backoff: float = Field(
+        1.0, ge=0, description="seconds before the first HL7 retry (doubled after each)"
+    )
     jobs_ttl: float = Field(86400.0, gt=0, description="seconds a finished job's result is kept")
     idempotency_ttl: float = Field(86400.0, gt=0, description="seconds a stored answer is replayed")
     log_format: Literal["json", "text"] = "json"
@@ -155,4 +184,17 @@ class Settings(BaseSettings):
 
                 return json.loads(value)
             return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("fhir_timezone")
+    @classmethod
+    def _zone(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError) as exc:
+            raise ValueError(f"not an IANA time zone name: {value!r}") from exc
         return value

@@ -90,6 +90,7 @@ def predict_message(
         "kind": str(result.kind),
         "ids": [b.id for b in bags],
         "inputs": [b.input_sha256 for b in bags],
+        "acquired": [b.acquired for b in bags],
         "notes": notes,
         "plots": plots,
         "options": options.to_json(),

@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import io
 import json
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import httpx
 import jsonschema
@@ -51,6 +53,7 @@ INTERPRETATION = "http://terminology.hl7.org/CodeSystem/v3-ObservationInterpreta
 #: The lab's own code system in the configurations below (never fetched).
 LAB = "http://lab.example.org/fhir/CodeSystem/assays"
 SNOMED = "http://snomed.info/sct"
+PERFORMER = "Organization/lab-1"
 DOSE_FHIR = {
     "system": LAB,
     "code": "yeast-ip-dose",
@@ -136,7 +139,12 @@ def models(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def url(models) -> Iterator[str]:
-    with running_service(models) as u:
+    # The lab's own settings: who performs the test, the instruments' time zone.
+    with running_service(
+        models,
+        BAGSERVE_FHIR_PERFORMER=PERFORMER,
+        BAGSERVE_FHIR_TIMEZONE="Europe/Berlin",
+    ) as u:
         yield u
 
 
@@ -165,10 +173,38 @@ def both(
 
 
 def observations(bundle: dict[str, Any]) -> list[dict[str, Any]]:
-    assert bundle["resourceType"] == "Bundle" and bundle["type"] == "collection"
+    """The Observations of a transaction Bundle, after checking what a FHIR server
+    needs to file it: unique urn:uuid entries, each with its request, every reference
+    between them resolvable in the Bundle."""
+    assert bundle["resourceType"] == "Bundle" and bundle["type"] == "transaction"
     urls = [e["fullUrl"] for e in bundle["entry"]]
     assert len(set(urls)) == len(urls) and all(u.startswith("urn:uuid:") for u in urls)
-    return [e["resource"] for e in bundle["entry"]]
+    for e in bundle["entry"]:
+        kind, request = e["resource"]["resourceType"], e["request"]
+        if kind == "Provenance":
+            assert request == {"method": "PUT", "url": f"Provenance/{e['resource']['id']}"}
+        else:
+            assert request["method"] == "POST" and request["url"] == kind
+            system, _, value = unquote(request["ifNoneExist"]).partition("|")
+            assert system.startswith("identifier=")
+            assert {"system": system[len("identifier=") :], "value": value} in e["resource"][
+                "identifier"
+            ]
+    inside = json.dumps([e["resource"] for e in bundle["entry"]])
+    for ref in re.findall(r'"reference": "(urn:uuid:[^"]+)"', inside):
+        assert ref in urls
+    return [
+        e["resource"] for e in bundle["entry"] if e["resource"]["resourceType"] == "Observation"
+    ]
+
+
+def resource(bundle: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    return [e["resource"] for e in bundle["entry"] if e["resource"]["resourceType"] == kind]
+
+
+def by_url(bundle: dict[str, Any], url: str) -> dict[str, Any]:
+    (found,) = [e["resource"] for e in bundle["entry"] if e["fullUrl"] == url]
+    return found
 
 
 def contained(obs: dict[str, Any], reference: str) -> dict[str, Any]:
@@ -179,12 +215,17 @@ def contained(obs: dict[str, Any], reference: str) -> dict[str, Any]:
 
 
 def check_provenance(
-    obs: dict[str, Any], fhir: httpx.Response, body: bytes, bag: str, digest: str | None = None
+    obs: dict[str, Any],
+    fhir: httpx.Response,
+    body: bytes,
+    bag: str,
+    digest: str | None = None,
 ) -> None:
     """device: the model (name, version, sha256); derivedFrom: the bag's own sha256
     (``digest``: of its cells, for cells sent as numbers; else of the body, its file),
-    with the request body's sha256 beside it."""
-    device = contained(obs, obs["device"]["reference"])
+    with the request body's sha256 beside it; the Provenance names both."""
+    bundle = fhir.json()
+    device = by_url(bundle, obs["device"]["reference"])
     assert device["resourceType"] == "Device"
     assert device["deviceName"][0]["name"] == fhir.headers["x-model-name"]
     assert device["version"][0]["value"] == fhir.headers["x-model-version"]
@@ -198,8 +239,23 @@ def check_provenance(
     assert document["identifier"] == [{"system": "urn:bagserve:request-sha256", "value": request}]
     assert document["content"][0]["attachment"]["title"] == bag
     # Every contained resource is referred to (FHIR invariant dom-3).
-    refs = {obs["device"]["reference"], *(d["reference"] for d in obs["derivedFrom"])}
+    refs = {d["reference"] for d in obs["derivedFrom"]}
     assert refs == {f"#{r['id']}" for r in obs["contained"]}
+    (prov,) = resource(bundle, "Provenance")
+    assert prov["agent"][0]["who"]["reference"] == obs["device"]["reference"]
+    assert {
+        "identifier": {
+            "system": "urn:bagserve:sha256",
+            "value": document["masterIdentifier"]["value"],
+        },
+        "display": f"sample {bag}",
+    } in [e["what"] for e in prov["entity"]]
+    (report,) = resource(bundle, "DiagnosticReport")
+    urls = {e["fullUrl"] for e in bundle["entry"] if e["resource"] is obs} or {
+        e["fullUrl"] for e in bundle["entry"] if e["resource"] == obs
+    }
+    assert urls and urls <= {r["reference"] for r in report["result"]}
+    assert urls <= {t["reference"] for t in prov["target"]}
     request_id = fhir.headers["x-request-id"]
     assert obs["identifier"][0]["value"] == f"{request_id}/{bag}"
 
@@ -500,6 +556,82 @@ def test_withhold_policy_gives_no_value_on_any_door(http, validator, url, models
     assert "outside the model's applicability domain" in remote.stderr
 
 
+def file_once(store: dict[str, list[dict[str, Any]]], bundle: dict[str, Any]) -> None:
+    """What a FHIR server does with a transaction's requests (conditional create on
+    the identifier, PUT by id), reduced to a dictionary: the oracle for retries."""
+    for e in bundle["entry"]:
+        r, request = e["resource"], e["request"]
+        kept = store.setdefault(r["resourceType"], [])
+        if request["method"] == "PUT":
+            kept[:] = [k for k in kept if k["id"] != r["id"]] + [r]
+            continue
+        system, _, value = unquote(request["ifNoneExist"])[len("identifier=") :].partition("|")
+        if not any({"system": system, "value": value} in k["identifier"] for k in kept):
+            kept.append(r)
+
+
+def test_the_transaction_files_a_report_once_with_its_provenance(http, validator, models):
+    """DiagnosticReport, Provenance, Device and effective times; a retried submission
+    (the same answer replayed) files nothing twice."""
+    files = _yeast_and_mouse()
+    headers = {"accept": FHIR, "Idempotency-Key": "transaction-1"}
+    path = "/v1/models/coded-dose/predict"
+    # A retry sends the same bytes (one multipart body, one boundary) with the same key.
+    built = http.build_request("POST", path, files=files)
+    body, ctype = built.read(), built.headers["content-type"]
+    headers["content-type"] = ctype
+    first = http.post(path, content=body, headers=headers, params={"subject": "Patient/p-9"})
+    again = http.post(path, content=body, headers=headers, params={"subject": "Patient/p-9"})
+    assert first.status_code == again.status_code == 200, first.text
+    bundle = first.json()
+    assert_valid(validator, bundle)
+    yeast, mouse = observations(bundle)
+    (report,) = resource(bundle, "DiagnosticReport")
+    (device,) = resource(bundle, "Device")
+    assert report["status"] == "preliminary"  # one of its results is preliminary
+    assert report["subject"] == {"reference": "Patient/p-9"}
+    assert report["performer"] == yeast["performer"] == [{"reference": PERFORMER}]
+    assert (
+        "mouse.fcs: preliminary, outside the model's applicability domain" in report["conclusion"]
+    )
+    assert "Yeast_B8_B08.fcs: final" in report["conclusion"]
+    # Acquired 02-DEC-2012 09:51:35 (its FCS $DATE, $BTIM) in the instruments' zone (CET).
+    acquired = read_sample(YEAST / "Yeast_B8_B08.fcs").acquired
+    assert acquired == "2012-12-02T09:51:35"
+    assert yeast["effectiveDateTime"] == "2012-12-02T09:51:35+01:00"
+    assert mouse["effectiveDateTime"] == "2013-07-02T00:29:01+02:00"  # CEST
+    assert "effectiveDateTime" not in report  # the samples differ
+    assert device["identifier"][0]["value"] == first.headers["x-model-sha256"]
+    store: dict[str, list[dict[str, Any]]] = {}
+    file_once(store, bundle)
+    file_once(store, again.json())
+    assert {k: len(v) for k, v in store.items()} == {
+        "Device": 1,
+        "Observation": 2,
+        "DiagnosticReport": 1,
+        "Provenance": 1,
+    }
+    # A new request is a new report; the model's Device is the one already filed.
+    file_once(store, http.post(path, files=files, headers={"accept": FHIR}).json())
+    assert [len(store[k]) for k in ("Device", "Observation", "DiagnosticReport")] == [1, 4, 2]
+    # ?effective= overrides the files' times; a time without a zone is refused.
+    given = http.post(
+        path, files=files, headers={"accept": FHIR}, params={"effective": "2026-11-25"}
+    ).json()
+    assert {o["effectiveDateTime"] for o in observations(given)} == {"2026-11-25"}
+    assert resource(given, "DiagnosticReport")[0]["effectiveDateTime"] == "2026-11-25"
+    bad = http.post(
+        path, files=files, headers={"accept": FHIR}, params={"effective": "2026-11-25T10:00"}
+    )
+    assert bad.status_code == 422 and "FHIR dateTime" in bad.json()["detail"]
+    # The withhold policy: one value withheld, so the report is partial.
+    withheld = http.post(
+        "/v1/models/withheld-dose/predict", files=files, headers={"accept": FHIR}
+    ).json()
+    assert resource(withheld, "DiagnosticReport")[0]["status"] == "partial"
+    assert "mouse.fcs: withheld" in resource(withheld, "DiagnosticReport")[0]["conclusion"]
+
+
 def test_classifier_codes_its_classes(http, validator):
     """coded-level: the class codings of [fhir.classes]; the prediction set as a note."""
     names = ["Yeast_B1_B01.fcs", "Yeast_C9_C09.fcs"]
@@ -568,7 +700,8 @@ def test_the_schema_check_can_fail(http, validator):
         lambda o: o.update(valueWhatever=1),
     ):
         broken = copy.deepcopy(bundle)
-        breaks(broken["entry"][0]["resource"])
+        (obs,) = [e["resource"] for e in broken["entry"] if "valueQuantity" in e["resource"]]
+        breaks(obs)
         assert not validator.is_valid(broken)
 
 

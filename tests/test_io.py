@@ -260,3 +260,16 @@ def test_h5ad_bags_read_x_and_var_names(tmp_path, sparse):
     broken.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 64)
     with pytest.raises(DataError, match=r"broken\.h5ad: unreadable AnnData file"):
         read_sample(broken)
+
+
+def test_fcs_acquisition_time_from_its_keywords():
+    from bagserve.core.io.readers import fcs_acquired
+
+    assert fcs_acquired({"date": "02-DEC-2012", "btim": "09:45:26"}) == "2012-12-02T09:45:26"
+    assert fcs_acquired({"date": "2-jul-2013", "btim": "00:29:01.25"}) == "2013-07-02T00:29:01"
+    # FCS 3.2's $BEGINDATETIME (ISO 8601, with its zone) wins over $DATE/$BTIM.
+    begin = {"begindatetime": "2024-03-01T10:00:00+01:00", "date": "01-MAR-2024"}
+    assert fcs_acquired(begin) == "2024-03-01T10:00:00+01:00"
+    assert fcs_acquired({"date": "01-MAR-2024", "btim": "25:00:00"}) == "2024-03-01"
+    for broken in ({}, {"date": "31-FEB-2020"}, {"date": "2020-02-01"}, {"date": "01-XYZ-2020"}):
+        assert fcs_acquired(broken) is None

@@ -18,6 +18,7 @@ against them before the memory is allocated, and
 from __future__ import annotations
 
 import csv
+import datetime
 import io
 import math
 import os
@@ -188,6 +189,10 @@ class Sample:
     file_name : str, optional
         The name the file gives itself (FCS ``$FIL``): a sample sent without a name is
         known by it.
+    acquired : str, optional
+        When the instrument acquired it (FCS ``$BEGINDATETIME``, else ``$DATE`` and
+        ``$BTIM``), ISO 8601: with its zone when the file gives one, else local time
+        without a zone (``2012-12-02T09:45:26``), or a date alone.
     """
 
     points: NDArray[np.float64]
@@ -196,6 +201,35 @@ class Sample:
     source: str
     spillover: str | None = None
     file_name: str | None = None
+    acquired: str | None = None
+
+
+_MONTHS = {m: i for i, m in enumerate(
+    ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC"), 1
+)}  # fmt: skip
+
+
+def fcs_acquired(text: dict[str, Any]) -> str | None:
+    """When an FCS file was acquired, from its TEXT keywords (flowio's: lower case,
+    no ``$``): ``$BEGINDATETIME`` (FCS 3.2, ISO 8601) as written, else ``$DATE``
+    (``dd-mmm-yyyy``) with ``$BTIM`` (``hh:mm:ss``, fractions dropped) as local time.
+    ``None`` when absent or unreadable: the time is a courtesy, not a reason to refuse
+    the sample."""
+    begin = str(text.get("begindatetime", "")).strip()
+    if re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})?", begin):
+        return begin
+    m = re.fullmatch(r"(\d{1,2})-([A-Za-z]{3})-(\d{4})", str(text.get("date", "")).strip())
+    if not m or m.group(2).upper() not in _MONTHS:
+        return None
+    day, month, year = int(m.group(1)), _MONTHS[m.group(2).upper()], int(m.group(3))
+    try:
+        date = datetime.date(year, month, day)
+    except ValueError:
+        return None
+    t = re.match(r"(\d{1,2}):(\d{2}):(\d{2})", str(text.get("btim", "")).strip())
+    if not t or int(t.group(1)) > 23 or int(t.group(2)) > 59 or int(t.group(3)) > 59:
+        return date.isoformat()
+    return f"{date.isoformat()}T{int(t.group(1)):02d}:{t.group(2)}:{t.group(3)}"
 
 
 def _suffix(name: str) -> str:
@@ -253,7 +287,7 @@ def _read_fcs(data: bytes, source: str, limits: ReadLimits = _NO_LIMITS) -> Samp
     # flowio gives the keywords lower case, without their "$".
     spill = next((fd.text[k] for k in ("spillover", "spill", "comp") if fd.text.get(k)), None)
     fil = str(fd.text.get("fil", "")).strip() or None
-    return Sample(arr, names, pnn, source, spill, fil)
+    return Sample(arr, names, pnn, source, spill, fil, fcs_acquired(fd.text))
 
 
 def _extra(module: str, extra: str, source: str) -> Any:

@@ -30,6 +30,7 @@ from ..deps import (
     require,
 )
 from ..encoders import CSV_OUT, encode, encode_off_loop, negotiate, server_timing
+from ..hl7 import HL7_V2, hl7_references
 from ..idempotency import fingerprint
 from ..options import PredictOptions
 from ..prediction import Caller, provenance_headers
@@ -210,6 +211,32 @@ _PREDICT_DOC: dict[str, Any] = {
                 ("specimen", "Specimen/9", "specimen (the sample)"),
             )
         ),
+        *(
+            {
+                "name": name,
+                "in": "query",
+                "required": False,
+                "schema": {"type": "string", "pattern": "^[A-Za-z0-9._\\-]{1,64}$"},
+                "example": example,
+                "description": f"HL7 v2 answers (`Accept: application/hl7-v2`): {what}.",
+            }
+            for name, example, what in (
+                ("patient", "p-17", "the patient identifier (PID-3)"),
+                ("order", "ord-4711", "the placer order number of every OBR (OBR-2)"),
+            )
+        ),
+        {
+            "name": "effective",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string"},
+            "example": "2026-11-25T09:30:00+01:00",
+            "description": (
+                "FHIR answers: when the sample was taken or measured, a FHIR dateTime (a "
+                "date, or a date and time with its zone); every Observation's and the "
+                "report's `effectiveDateTime`. Default: the FCS file's acquisition time."
+            ),
+        },
     ],
 }
 _IDEMPOTENCY = {
@@ -248,6 +275,12 @@ _PREDICT_RESPONSES: dict[int | str, dict[str, Any]] = {
             "text/csv": {},
             "application/x-npy": {},
             "application/fhir+json": {},
+            "application/hl7-v2": {
+                "schema": {
+                    "type": "string",
+                    "description": "one HL7 v2.5.1 ORU^R01 message, segments ended by CR",
+                }
+            },
         },
     },
     400: {"description": "a body that cannot be parsed (JSON, multipart, Content-Length)"},
@@ -336,7 +369,13 @@ async def _predict(
     qp = request.query_params
     # Bad query parameters are refused before the body is read.
     options = PredictOptions.parse(entry, qp)
-    refs = fhir.references(qp) if fmt == fhir.FHIR_JSON else None
+    refs = (
+        fhir.references(qp)
+        if fmt == fhir.FHIR_JSON
+        else hl7_references(qp)
+        if fmt == HL7_V2
+        else None
+    )
     spec = body_spec(request)
     async with svc.intake.body(request) as received:
         body = received.data
@@ -365,6 +404,9 @@ async def _predict(
                 plots=outcome.plots,
                 coverage=options.coverage,
                 refs=refs,
+                acquired=outcome.acquired,
+                performer=svc.settings.fhir_performer,
+                timezone=svc.settings.fhir_timezone,
             )
             timings = {**outcome.timings, "encode": time.perf_counter() - t1}
             svc.metrics.observe_stages({"encode": timings["encode"]})
@@ -382,7 +424,13 @@ async def _predict(
             warning = outcome.warning_header()
             if warning is not None:
                 headers["Warning"] = warning
-            media = f"{fmt}; fhirVersion=4.0" if fmt == fhir.FHIR_JSON else fmt
+            media = (
+                f"{fmt}; fhirVersion=4.0"
+                if fmt == fhir.FHIR_JSON
+                else f"{fmt}; charset=utf-8"
+                if fmt == HL7_V2
+                else fmt
+            )
             return Response(content, media_type=media, headers=headers)
 
         key = request.headers.get("idempotency-key")
