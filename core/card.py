@@ -152,11 +152,14 @@ def render_card(
     if isinstance(agreement, dict):
         worst = agreement.get("worst_pair") or {}
         lines += [
-            f"- Population frequencies ({agreement.get('n')} sample-population pairs, "
-            f"cross-validated): predicted − true percent, bias {_fmt(agreement.get('bias'))}, "
-            f"95 % limits of agreement [{_fmt(agreement.get('lower'))}, "
-            f"{_fmt(agreement.get('upper'))}]; furthest: `{worst.get('file')}` / "
-            f"`{worst.get('class')}` ({_fmt(worst.get('difference'))} points)",
+            "- Population frequencies, predicted − true percent per sample "
+            "(cross-validated, Bland–Altman bias and 95 % limits of agreement): "
+            + "; ".join(
+                f"`{a['class']}` {_fmt(a['bias'])} [{_fmt(a['lower'])}, {_fmt(a['upper'])}]"
+                for a in agreement.get("per_class") or []
+            )
+            + f"; furthest: `{worst.get('file')}` / `{worst.get('class')}` "
+            f"({_fmt(worst.get('difference'))} points)",
             f"- Weakest class: `{agreement['weakest_class']['class']}` (recall "
             f"{_fmt(agreement['weakest_class']['recall'])}); weakest sample: "
             f"`{agreement['weakest_sample']['file']}` (accuracy "

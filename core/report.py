@@ -290,15 +290,18 @@ def frequency_agreement(
     """Agreement of population frequencies, as a lab validates a gating method.
 
     Per sample and population, the percent of the sample's cells the labels give and
-    the percent the cross-validated predictions give; over all those pairs, the
-    Bland–Altman bias (mean of predicted − true) and 95 % limits of agreement
-    (bias ± 1.96 SD of the differences; Bland & Altman, Lancet 1986, i:307–310).
+    the percent the cross-validated predictions give. Per population, over the
+    samples, the Bland–Altman bias (mean of predicted − true) and 95 % limits of
+    agreement (bias ± 1.96 SD of the differences; Bland & Altman, Lancet 1986,
+    i:307–310). Per population, because over all populations of a sample the
+    differences sum to zero: a pooled bias is zero by construction.
 
     Returns
     -------
     dict
         ``frequencies`` (file, class, true_percent, predicted_percent, difference) and
-        ``agreement`` (n, bias, sd, lower, upper, and the pair furthest from agreement).
+        ``agreement``: ``per_class`` (class, n, bias, sd, lower, upper) and ``worst``,
+        the sample-population pair furthest from agreement.
     """
     n_bags, n_classes = len(names), classes.size
     bag = np.repeat(np.arange(n_bags), sizes)
@@ -318,49 +321,59 @@ def frequency_agreement(
         for b in range(n_bags)
         for k in range(n_classes)
     ]
-    d = diff.ravel()
-    bias = float(d.mean())
-    sd = float(d.std(ddof=1)) if d.size > 1 else 0.0
-    worst = rows[int(np.argmax(np.abs(d)))]
-    return {
-        "frequencies": rows,
-        "agreement": {
-            "n": int(d.size),
-            "bias": bias,
-            "sd": sd,
-            "lower": bias - 1.96 * sd,
-            "upper": bias + 1.96 * sd,
-            "worst": worst,
-        },
-    }
+    bias = diff.mean(axis=0)
+    sd = diff.std(axis=0, ddof=1) if n_bags > 1 else np.zeros(n_classes)
+    per_class = [
+        {
+            "class": str(classes[k]),
+            "n": n_bags,
+            "bias": float(bias[k]),
+            "sd": float(sd[k]),
+            "lower": float(bias[k] - 1.96 * sd[k]),
+            "upper": float(bias[k] + 1.96 * sd[k]),
+        }
+        for k in range(n_classes)
+    ]
+    worst = rows[int(np.argmax(np.abs(diff).ravel()))]
+    return {"frequencies": rows, "agreement": {"per_class": per_class, "worst": worst}}
 
 
 def bland_altman_plot(tables: Mapping[str, Any]) -> dict[str, bytes]:
-    """Bland–Altman plot of the population frequencies (per-cell classifiers): mean
-    of true and predicted percent against their difference, bias and 95 % limits; the
-    three pairs furthest from agreement named."""
+    """Bland–Altman plots of the population frequencies (per-cell classifiers), one
+    panel per population: mean of true and predicted percent against their
+    difference, the bias and 95 % limits; the sample furthest from agreement named."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, a = tables["frequencies"], tables["agreement"]
-    mean = np.array([(r["true_percent"] + r["predicted_percent"]) / 2 for r in rows])
-    diff = np.array([r["difference"] for r in rows])
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    ax.scatter(mean, diff, s=14, alpha=0.8)
-    for value, style, label in (
-        (a["bias"], "-", f"bias {a['bias']:.2f}"),
-        (a["lower"], "--", f"−1.96 SD {a['lower']:.2f}"),
-        (a["upper"], "--", f"+1.96 SD {a['upper']:.2f}"),
-    ):
-        ax.axhline(value, color="grey", ls=style, lw=1)
-        ax.annotate(label, (ax.get_xlim()[1], value), ha="right", va="bottom", fontsize=7)
-    for i in np.argsort(-np.abs(diff))[:3]:
-        ax.annotate(f"{rows[i]['file']} / {rows[i]['class']}", (mean[i], diff[i]), fontsize=7)
-    ax.set_xlabel("mean of true and predicted percent")
-    ax.set_ylabel("predicted − true percent")
-    ax.set_title("population frequencies (cross-validated)")
+    rows, per_class = tables["frequencies"], tables["agreement"]["per_class"]
+    n = len(per_class)
+    cols = min(n, 3)
+    fig, axes = plt.subplots(
+        (n + cols - 1) // cols, cols, figsize=(3.6 * cols, 3.0 * ((n + cols - 1) // cols)),
+        squeeze=False,
+    )  # fmt: skip
+    for ax, a in zip(axes.ravel(), per_class, strict=False):
+        mine = [r for r in rows if r["class"] == a["class"]]
+        mean = np.array([(r["true_percent"] + r["predicted_percent"]) / 2 for r in mine])
+        diff = np.array([r["difference"] for r in mine])
+        ax.scatter(mean, diff, s=16, alpha=0.8)
+        for value, style in ((a["bias"], "-"), (a["lower"], "--"), (a["upper"], "--")):
+            ax.axhline(value, color="grey", ls=style, lw=1)
+        i = int(np.argmax(np.abs(diff)))
+        ax.annotate(mine[i]["file"].split(".")[0], (mean[i], diff[i]), fontsize=7)
+        ax.set_title(
+            f"{a['class']}: bias {a['bias']:+.2f}, [{a['lower']:.1f}, {a['upper']:.1f}]",
+            fontsize=8,
+        )
+        ax.set_xlabel("mean of true and predicted %", fontsize=7)
+        ax.set_ylabel("predicted − true %", fontsize=7)
+        ax.tick_params(labelsize=7)
+    for ax in axes.ravel()[n:]:
+        ax.set_visible(False)
+    fig.suptitle("population frequencies, cross-validated (Bland–Altman)", fontsize=9)
+    fig.tight_layout()
     return {"report/bland_altman.png": _png(fig)}
 
 
@@ -446,8 +459,13 @@ def html(
             f"<li>furthest population frequency: <b>{esc.escape(pair['file'])} / "
             f"{esc.escape(pair['class'])}</b>, predicted {_number(pair['predicted_percent'])} % "
             f"against {_number(pair['true_percent'])} %</li>"
-            f"<li>predicted − true percent: bias {_number(weak['bias'])}, 95 % limits of "
-            f"agreement [{_number(weak['lower'])}, {_number(weak['upper'])}]</li></ul>"
+            + "".join(
+                f"<li>{esc.escape(a['class'])}: predicted − true percent, bias "
+                f"{_number(a['bias'])}, 95 % limits of agreement [{_number(a['lower'])}, "
+                f"{_number(a['upper'])}]</li>"
+                for a in weak["per_class"]
+            )
+            + "</ul>"
         )
     grouping = summary.get("grouping")
     if grouping:
@@ -487,12 +505,11 @@ def html(
         parts.append(table(rows, "Confusion matrix, each row normalised to 1"))
     agreement = tables.get("agreement")
     if agreement:
-        summary_row = {k: v for k, v in agreement.items() if k != "worst"}
         parts.append(
             table(
-                [summary_row],
+                agreement["per_class"],
                 "Population frequencies: Bland–Altman agreement of predicted and true "
-                "percent per sample and population (bias, 95 % limits)",
+                "percent per population, over the samples (bias, 95 % limits)",
             )
         )
         worst = sorted(tables["frequencies"], key=lambda r: -abs(r["difference"]))[:5]

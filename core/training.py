@@ -605,7 +605,7 @@ def _weak_spots(tables: Mapping[str, Any]) -> dict[str, Any]:
     weakest_class = min(tables["per_class"], key=lambda r: r["recall"])
     weakest_sample = min(tables["per_sample"], key=lambda r: r["accuracy"])
     return {
-        **{k: a[k] for k in ("n", "bias", "sd", "lower", "upper")},
+        "per_class": a["per_class"],
         "worst_pair": a["worst"],
         "weakest_class": {"class": weakest_class["class"], "recall": weakest_class["recall"]},
         "weakest_sample": {

@@ -224,9 +224,17 @@ def test_train_gvhd_example_cell_level(tmp_path, capsys):
         moved = sum(abs(f["difference"]) for f in mine)
         assert moved <= 2 * 100 * (1 - r["accuracy"]) + 1e-9
     agreement = tables["cv"]["frequency_agreement"]
-    d = np.array([f["difference"] for f in freq])
-    assert agreement["bias"] == pytest.approx(d.mean())
-    assert agreement["upper"] == pytest.approx(d.mean() + 1.96 * d.std(ddof=1))
+    # Bland-Altman per population over the samples (pooled, the bias is 0 by design).
+    for a, label in zip(agreement["per_class"], labels, strict=True):
+        d = np.array([f["difference"] for f in freq if f["class"] == label])
+        assert a["class"] == label and a["n"] == len(cells) == d.size
+        assert a["bias"] == pytest.approx(d.mean())
+        assert a["upper"] == pytest.approx(d.mean() + 1.96 * d.std(ddof=1))
+        assert a["lower"] == pytest.approx(d.mean() - 1.96 * d.std(ddof=1))
+    d_all = np.array([f["difference"] for f in freq])
+    assert abs(d_all.mean()) < 1e-9  # why not pooled
+    worst = max(freq, key=lambda f: abs(f["difference"]))
+    assert agreement["worst_pair"] == worst
     recall = np.diag(cm) / cm.sum(axis=1)
     weakest = labels[int(np.argmin(recall))]
     assert agreement["weakest_class"] == {"class": weakest, "recall": pytest.approx(recall.min())}

@@ -235,3 +235,42 @@ def test_cli_predict_sends_the_answer_to_a_laboratory_system(peer_and_url, model
             text=True,
         )
         assert done.returncode == 1 and "was not accepted (AR" in done.stderr
+
+
+def test_classifiers_answer_a_coded_cwe_value_and_withheld_values_are_absent(tmp_path):
+    """A bag classifier's class is a CWE; under the withhold policy an out-of-domain
+    bag's OBX carries status X, no value, and the reason in an NTE."""
+    from bagserve.core import DistributionRidgeClassifier, SlicedWasserstein, save
+    from bagserve.core.datasets import make_gmm_modes
+    from bagserve.core.runtime import ModelRuntime
+    from bagserve.service.hl7 import oru_r01
+
+    bags, y = make_gmm_modes(40, 60, max_components=2, dim=2, random_state=0)
+    labels = np.where(y == 1, "one", "two")
+    model = DistributionRidgeClassifier(
+        SlicedWasserstein(n_directions=10, n_levels=10, random_state=0), random_state=0
+    ).fit(bags, labels)
+    path = save(model, tmp_path / "modes", name="modes", version="1",
+                serving={"out_of_domain": "withhold"})  # fmt: skip
+    runtime = ModelRuntime.open(path)
+    far = [np.asarray(bags[0]), 50 + 30 * np.asarray(bags[1])]
+    from bagserve.core import Bags
+
+    result = runtime.predict(Bags.from_arrays(far), coverage=0.9)
+    assert result.status_of(0) == "final" and result.status_of(1) == "withheld"
+    meta = {"model": {"name": "modes", "version": "1", "sha256": runtime.info.sha256},
+            "request_id": "r" * 32}  # fmt: skip
+    text = oru_r01(result, ["near", "far"], meta, runtime.info, coverage=0.9)
+    message = hl7.parse(text)
+    near, far_obx = segments(message, "OBX")
+    label = str(result.labels[0])
+    assert str(near[2]) == "CWE" and str(near[5]).split("^")[:2] == [label, label]
+    assert str(near[11]) == "F"
+    assert str(far_obx[11]) == "X" and str(far_obx[5]) == ""
+    notes = [str(s[3]) for s in segments(message, "NTE")]
+    members = ", ".join(str(c) for c in result.set_of(0)) or "empty"
+    assert notes[0] == f"90% prediction set: {members}"
+    assert notes[1].startswith("within the model's applicability domain")
+    assert notes[2].startswith("outside the model's applicability domain")
+    assert notes[3].startswith("withheld: the sample lies outside")  # no set for it
+    assert len(notes) == 4
