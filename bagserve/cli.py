@@ -241,16 +241,21 @@ class RemoteModel:
         return _as_results(answer, [str(f) for f in files])
 
 
-def _remote_predict(args: argparse.Namespace) -> dict[str, Any]:
-    """Predict through a running service (MODEL is ``name`` or ``name/version``)."""
-    with RemoteModel(
+def _remote(args: argparse.Namespace) -> RemoteModel:
+    """The served model a command's ``--url`` and MODEL name (``name[/version]``)."""
+    return RemoteModel(
         args.url,
         args.model,
         api_key=args.api_key,
         interval=args.interval,
-        cells=args.cells,
+        cells=getattr(args, "cells", False),
         compensated=args.compensated,
-    ) as remote:
+    )
+
+
+def _remote_predict(args: argparse.Namespace) -> dict[str, Any]:
+    """Predict through a running service (MODEL is ``name`` or ``name/version``)."""
+    with _remote(args) as remote:
         return remote.predict(args.files)
 
 
@@ -355,13 +360,7 @@ def _send_hl7(args: argparse.Namespace) -> None:
     parse_mllp_url(args.hl7)  # a wrong address fails before any work
     refs = {k: v for k, v in (("patient", args.patient), ("order", args.order)) if v}
     if args.url:
-        with RemoteModel(
-            args.url,
-            args.model,
-            api_key=args.api_key,
-            interval=args.interval,
-            compensated=args.compensated,
-        ) as remote:
+        with _remote(args) as remote:
             message = remote.oru(args.files, refs)
     else:
         message = oru_for_files(
@@ -385,15 +384,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
 
     with contextlib.ExitStack() as stack:
         if args.url:
-            remote = stack.enter_context(
-                RemoteModel(
-                    args.url,
-                    args.model,
-                    api_key=args.api_key,
-                    interval=args.interval,
-                    compensated=args.compensated,
-                )
-            )
+            remote = stack.enter_context(_remote(args))
 
             def predict(path: Path) -> dict[str, Any]:
                 return remote.predict([path])

@@ -28,18 +28,11 @@ from .conftest import SHARED_DATA
 from .mllp_peer import mllp_peer
 from .service_harness import running_service
 from .test_cli import example
+from .test_fhir import DOSE_FHIR
 
 YEAST = SHARED_DATA / "cytoflow_yeast" / "dose_response"
 MOUSE = SHARED_DATA / "flowsom_example" / "not_preprocessed.fcs"
 HL7 = "application/hl7-v2"
-DOSE_FHIR = {
-    "system": "http://lab.example.org/fhir/CodeSystem/assays",
-    "code": "yeast-ip-dose",
-    "display": "Inducer (IP) dose, log10",
-    "unit": "[lg]",
-    "unit_display": "log10",
-    "reference_range": [-1.0, 0.4],
-}
 
 
 @pytest.fixture(scope="module")
