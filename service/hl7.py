@@ -40,6 +40,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 from bagserve.core.runtime import (
     ArtifactInfo,
     CellPrediction,
@@ -201,7 +202,9 @@ def _observations(
         rows = []
         counts = result.counts[i] if result.counts is not None else None
         if counts is None or result.classes is None:
-            return [("NM", code, "", "", {})]
+            # A per-cell regressor: the mean of the bag's cell values (as in FHIR).
+            mean = float(np.mean(np.asarray(result.labels_of(i), dtype=np.float64)))
+            return [("NM", code, f"{mean:.15g}", "", {"sub": "mean"})]
         total = max(int(counts.sum()), 1)
         for k, label in enumerate(result.classes.tolist()):
             c = coding.class_coding(name, label)
@@ -215,9 +218,16 @@ def _observations(
         label = result.labels[i].item()
         c = coding.class_coding(name, label)
         return [("CWE", code, _cwe(c.code, c.display or c.code, "L"), "", {})]
-    value = float(result.estimate[i]) if result.estimate.ndim == 1 else float(result.estimate[i][0])
-    extra: dict[str, str] = {}
     unit = f"{coding.unit}^{coding.unit_display or coding.unit}^UCUM" if coding.unit else ""
+    values = np.atleast_1d(np.asarray(result.estimate[i], dtype=np.float64))
+    if values.size > 1:
+        # Several outputs: one OBX each, told apart by their sub-ID (no range applies).
+        return [
+            ("NM", code, f"{v:.15g}", unit, {"sub": str(j + 1)})
+            for j, v in enumerate(values.tolist())
+        ]
+    value = float(values[0])
+    extra: dict[str, str] = {}
     rng = coding.reference_range
     outside = result.domain is not None and bool(result.domain.out_of_range[i])
     if rng is not None:

@@ -20,9 +20,18 @@ import hl7
 import httpx
 import numpy as np
 import pytest
+from bagserve.core import (
+    Bags,
+    DistributionRidge,
+    DistributionRidgeClassifier,
+    SlicedWasserstein,
+    save,
+)
+from bagserve.core.datasets import make_gmm_modes
 from bagserve.core.demo import build_demo_models, demo_samples
+from bagserve.core.runtime import ModelRuntime
 from bagserve.core.training import GridEdgeWarning, train
-from bagserve.service.hl7 import MllpError, send
+from bagserve.service.hl7 import MllpError, oru_r01, send
 
 from .conftest import SHARED_DATA
 from .mllp_peer import mllp_peer
@@ -233,11 +242,6 @@ def test_cli_predict_sends_the_answer_to_a_laboratory_system(peer_and_url, model
 def test_classifiers_answer_a_coded_cwe_value_and_withheld_values_are_absent(tmp_path):
     """A bag classifier's class is a CWE; under the withhold policy an out-of-domain
     bag's OBX carries status X, no value, and the reason in an NTE."""
-    from bagserve.core import DistributionRidgeClassifier, SlicedWasserstein, save
-    from bagserve.core.datasets import make_gmm_modes
-    from bagserve.core.runtime import ModelRuntime
-    from bagserve.service.hl7 import oru_r01
-
     bags, y = make_gmm_modes(40, 60, max_components=2, dim=2, random_state=0)
     labels = np.where(y == 1, "one", "two")
     model = DistributionRidgeClassifier(
@@ -247,8 +251,6 @@ def test_classifiers_answer_a_coded_cwe_value_and_withheld_values_are_absent(tmp
                 serving={"out_of_domain": "withhold"})  # fmt: skip
     runtime = ModelRuntime.open(path)
     far = [np.asarray(bags[0]), 50 + 30 * np.asarray(bags[1])]
-    from bagserve.core import Bags
-
     result = runtime.predict(Bags.from_arrays(far), coverage=0.9)
     assert result.status_of(0) == "final" and result.status_of(1) == "withheld"
     meta = {"model": {"name": "modes", "version": "1", "sha256": runtime.info.sha256},
@@ -267,3 +269,22 @@ def test_classifiers_answer_a_coded_cwe_value_and_withheld_values_are_absent(tmp
     assert notes[2].startswith("outside the model's applicability domain")
     assert notes[3].startswith("withheld: the sample lies outside")  # no set for it
     assert len(notes) == 4
+
+
+def test_several_outputs_give_one_obx_each(tmp_path):
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(loc=m, size=(50, 2)) for m in rng.normal(size=20)]
+    y = np.array([[a.mean(), a.std()] for a in arrays])
+    model = DistributionRidge(
+        SlicedWasserstein(n_directions=10, n_levels=10, random_state=0), gamma=1.0, alpha=1e-3
+    ).fit(Bags.from_arrays(arrays), y)
+    runtime = ModelRuntime.open(save(model, tmp_path / "two", name="two", version="1"))
+    result = runtime.predict(Bags.from_arrays(arrays[:2]))
+    meta = {"model": {"name": "two", "version": "1", "sha256": runtime.info.sha256},
+            "request_id": "q" * 32}  # fmt: skip
+    message = hl7.parse(oru_r01(result, ["a", "b"], meta, runtime.info))
+    obx = segments(message, "OBX")
+    assert len(obx) == 4 and [str(o[4]) for o in obx] == ["1", "2", "1", "2"]
+    got = np.array([float(str(o[5])) for o in obx]).reshape(2, 2)
+    np.testing.assert_allclose(got, result.estimate, rtol=1e-14)
