@@ -744,14 +744,18 @@ class ModelRuntime:
             return out
         out["values"] = np.asarray(model.predict(emb))
         if self.kind is ModelKind.REGRESSION and coverage is not None:
-            out["interval"] = np.asarray(model.predict_interval(emb, coverage))
+            out["interval"] = np.asarray(
+                model.predict_interval(emb, coverage, domain_scores=out["domain"].score)
+            )
         if self.kind is ModelKind.CLASSIFICATION:
             scores = np.asarray(model.decision_function(emb))
             out["scores"] = scores[:, None] if scores.ndim == 1 else scores
             if self.info.calibrated:
                 out["probabilities"] = np.asarray(model.predict_proba(emb))
             if coverage is not None:
-                out["sets"] = np.asarray(model.predict_set(emb, coverage))
+                out["sets"] = np.asarray(
+                    model.predict_set(emb, coverage, domain_scores=out["domain"].score)
+                )
         return out
 
     def _predict_cells(

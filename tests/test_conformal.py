@@ -233,8 +233,19 @@ def test_embedded_bags_give_the_same_answers_as_bags(rng, monkeypatch, rep):
         emb = reg.representation_.embed(new)
         np.testing.assert_array_equal(reg.predict_interval(emb), reg.predict_interval(new))
         np.testing.assert_array_equal(reg.loo_predict(emb), reg.loo_predict(new))
+        # The runtime passes its own domain check's scores: the same interval and set
+        # as computing them again, and the scores are used (other scores, other answer).
+        scores = reg.domain_check(emb).score
+        np.testing.assert_array_equal(
+            reg.predict_interval(emb, domain_scores=scores), reg.predict_interval(new)
+        )
+        wider = reg.predict_interval(emb, domain_scores=scores + 10.0)
+        assert np.all(np.diff(wider, axis=1) > np.diff(reg.predict_interval(emb), axis=1))
         emb = clf.representation_.embed(new)
         np.testing.assert_array_equal(clf.predict_set(emb), clf.predict_set(new))
+        np.testing.assert_array_equal(
+            clf.predict_set(emb, domain_scores=clf.domain_check(emb).score), clf.predict_set(new)
+        )
         np.testing.assert_array_equal(clf.predict_proba(emb), clf.predict_proba(new))
 
 

@@ -287,12 +287,13 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
         return np.concatenate([loo for _, loo, _ in self._loo_chunks(X)], axis=0)
 
     def _loo_chunks(
-        self, X: Any
+        self, X: Any, domain_scores: NDArray[np.float64] | None = None
     ) -> Iterator[tuple[slice, NDArray[np.float64], NDArray[np.float64] | None]]:
         """Yield ``(slice, μ̂_{m(i)}(x), domain scores)`` for the bags of each slice.
 
         ``X`` is bags, or their embedding by ``representation_`` (the runtime embeds a
-        request once for the prediction, its interval and its domain check). Chunks
+        request once for the prediction, its interval and its domain check, and passes
+        that check's ``domain_scores`` rather than having them computed again). Chunks
         bound the ``(bags, T, outputs)`` block and the chunk's embedding; every product
         is row-wise (:func:`~core.kernels.batch_invariant_matmul`), so a bag's result
         does not depend on the chunking or on the other bags of the request.
@@ -319,8 +320,12 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
             # The same products as _decision_embedded, so μ̂(x) is predict()'s value.
             mu = batch_invariant_matmul(z, coef) + self.intercept_
             loo = calibration_predictions(self, z, mu, lambda g, e=emb: self._design_for(e, g))
-            report = self.domain_check(emb) if self.interval_scaling == "domain" else None
-            yield part, loo, None if report is None else report.score
+            scores = None
+            if self.interval_scaling == "domain":
+                scores = (
+                    self.domain_check(emb).score if domain_scores is None else domain_scores[part]
+                )
+            yield part, loo, scores
 
     def _scaled(
         self, scores: NDArray[np.float64] | None
@@ -513,7 +518,13 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
         loo = self._loo_decision(X)
         return loo[:, :, 0] if self.y_ndim_ == 1 else loo
 
-    def predict_interval(self, X: Any, coverage: float = 0.9) -> NDArray[np.float64]:
+    def predict_interval(
+        self,
+        X: Any,
+        coverage: float = 0.9,
+        *,
+        domain_scores: NDArray[np.float64] | None = None,
+    ) -> NDArray[np.float64]:
         r"""Conformal prediction intervals from the calibration models (jackknife+ or CV+).
 
         Barber, Candès, Ramdas, Tibshirani, "Predictive inference with the jackknife+",
@@ -542,6 +553,9 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
         coverage : float in (0, 1), default=0.9
             Target coverage ``1 - α``. With fewer than ``1/α - 1`` training bags the
             intervals are ``(-inf, inf)``.
+        domain_scores : ndarray of shape (n_bags,), optional
+            The bags' domain scores (:meth:`domain_check`) when the caller has them
+            already; computed here otherwise.
 
         Returns
         -------
@@ -559,7 +573,7 @@ class DistributionRidge(RegressorMixin, _DistributionKernelRidge):
         self._check_loo()
         residuals = self._calibration_residuals()
         parts = []
-        for _, loo, scores in self._loo_chunks(X):
+        for _, loo, scores in self._loo_chunks(X, domain_scores):
             new_scale, train_scale = self._scaled(scores)
             parts.append(
                 jackknife_plus_interval(
@@ -662,7 +676,13 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
         emb = X if isinstance(X, Embedding) else self.representation_.embed(X)
         return softmax(self.proba_scale_ * self._decision_embedded(emb))
 
-    def predict_set(self, X: Any, coverage: float = 0.9) -> NDArray[np.bool_]:
+    def predict_set(
+        self,
+        X: Any,
+        coverage: float = 0.9,
+        *,
+        domain_scores: NDArray[np.float64] | None = None,
+    ) -> NDArray[np.bool_]:
         r"""Conformal prediction sets from the calibration models (jackknife+ or CV+).
 
         The nonconformity of label ``c`` for bag ``P`` under a model ``f`` is
@@ -693,6 +713,9 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
         ----------
         X : Bags, list of 2-D arrays, or their Embedding by ``representation_``
         coverage : float in (0, 1), default=0.9
+        domain_scores : ndarray of shape (n_bags,), optional
+            The bags' domain scores (:meth:`domain_check`) when the caller has them
+            already; computed here otherwise.
 
         Returns
         -------
@@ -704,7 +727,7 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
         coverage = check_coverage(coverage)
         self._check_loo()
         parts = []
-        for _, loo, scores in self._loo_chunks(X):
+        for _, loo, scores in self._loo_chunks(X, domain_scores):
             new_scale, train_scale = self._scaled(scores)
             parts.append(
                 jackknife_plus_set(
