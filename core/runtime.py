@@ -397,6 +397,25 @@ class ArtifactInfo:
         # A policy this version does not know (a newer bagserve's) fails safe.
         return policy if policy in POLICIES else "withhold"
 
+    def domain_note(self, domain: DomainReport, i: int) -> str:
+        """Bag ``i``'s applicability domain in words, for a report's notes (FHIR
+        ``note``, HL7 ``NTE``): in or out, its score, its nearest training samples, and
+        whether the fallback answered."""
+        nearest = ", ".join(self.nearest_names(domain, i)) or "not recorded"
+        score = float(domain.score[i])
+        if not bool(domain.out_of_range[i]):
+            return (
+                f"Within the model's applicability domain (score {score:.4g}); nearest "
+                f"training samples: {nearest}."
+            )
+        fallback = domain.fallback is not None and bool(domain.fallback[i])
+        return (
+            f"Outside the model's applicability domain (score {score:.4g}): the sample is "
+            f"unlike every training sample; nearest training samples: {nearest}."
+            + (" Answered by the model's fallback on the per-sample standardised sample."
+               if fallback else "")
+        )  # fmt: skip
+
     def withheld_reason(self, domain: DomainReport, i: int) -> str:
         """Why bag ``i``'s answer was withheld, with its nearest training samples."""
         threshold = self._state.get("domain_threshold_")

@@ -586,24 +586,9 @@ class _Observations:
             )
             flags.append(_flag(code))
         if domain is not None:
-            nearest = ", ".join(self.info.nearest_names(domain, i)) or "not recorded"
             if bool(domain.out_of_range[i]):
                 flags.append(_flag(code="EX", text="outside the model's applicability domain"))
-                notes.append(
-                    "Outside the model's applicability domain (score "
-                    f"{float(domain.score[i]):.4g}): the sample is unlike every training "
-                    f"sample; nearest training samples: {nearest}."
-                    + (
-                        " Answered by the model's fallback on the per-sample standardised sample."
-                        if bool(domain.fallback[i])
-                        else ""
-                    )
-                )
-            else:
-                notes.append(
-                    f"Within the model's applicability domain (score "
-                    f"{float(domain.score[i]):.4g}); nearest training samples: {nearest}."
-                )
+            notes.append(self.info.domain_note(domain, i))
         r = self.result
         if isinstance(r, ClassificationPrediction) and r.sets is not None and r.released(i):
             level = f"{100 * self.coverage:g}% " if self.coverage is not None else ""

@@ -259,12 +259,7 @@ def _notes(result: Prediction, i: int, info: ArtifactInfo, coverage: float | Non
         out.append(f"{level}prediction set: {members}")
     domain = result.domain
     if domain is not None:
-        nearest = ", ".join(info.nearest_names(domain, i)) or "not recorded"
-        where = "outside" if bool(domain.out_of_range[i]) else "within"
-        out.append(
-            f"{where} the model's applicability domain (score {float(domain.score[i]):.4g}); "
-            f"nearest training samples: {nearest}"
-        )
+        out.append(info.domain_note(domain, i))
         if not released:
             out.append(info.withheld_reason(domain, i))
     return out

@@ -115,8 +115,8 @@ def test_the_oru_message_says_what_the_json_says(peer_and_url):
     (yeast, mouse) = answer["predictions"]
     lo, hi = yeast["interval"]
     assert notes[0] == f"90% prediction interval: {lo:.6g} to {hi:.6g}"
-    assert notes[1].startswith("within the model's applicability domain")
-    assert notes[3].startswith("outside the model's applicability domain")
+    assert notes[1].startswith("Within the model's applicability domain")
+    assert notes[3].startswith("Outside the model's applicability domain")
     assert ", ".join(mouse["domain"]["nearest"]) in notes[3]
     # The acquisition time from the FCS keywords (02-DEC-2012 09:51:35).
     assert str(obrs[0][7]) == "20121202095135"
@@ -265,8 +265,8 @@ def test_classifiers_answer_a_coded_cwe_value_and_withheld_values_are_absent(tmp
     notes = [str(s[3]) for s in segments(message, "NTE")]
     members = ", ".join(str(c) for c in result.set_of(0)) or "empty"
     assert notes[0] == f"90% prediction set: {members}"
-    assert notes[1].startswith("within the model's applicability domain")
-    assert notes[2].startswith("outside the model's applicability domain")
+    assert notes[1].startswith("Within the model's applicability domain")
+    assert notes[2].startswith("Outside the model's applicability domain")
     assert notes[3].startswith("withheld: the sample lies outside")  # no set for it
     assert len(notes) == 4
 
