@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BatchTable", "batch", "sample_files"]
+__all__ = ["BatchTable", "answer_fields", "batch", "sample_files"]
 
 #: Columns every table starts and ends with; the prediction's own columns go between.
 HEAD = ["file", "file_sha256", "status"]
@@ -49,17 +49,36 @@ def sample_files(folder: Path, exclude: Path | None = None) -> list[Path]:
     return out
 
 
+def answer_fields(r: dict[str, Any]) -> dict[str, Any]:
+    """One bag's trust fields from its JSON answer, as table cells: interval (or set)
+    where it has one, ``out_of_range``, ``domain_score``, ``status``, ``file_sha256``
+    and why a withheld value is absent (also the command line's ``--format csv``)."""
+    domain = r.get("domain") or {}
+    flag = domain.get("out_of_range", (r.get("report") or {}).get("out_of_range"))
+    out: dict[str, Any] = {}
+    if "interval" in r:
+        out["interval_lo"], out["interval_hi"] = r["interval"]
+    if "set" in r:
+        out["set"] = "|".join(str(c) for c in r["set"])
+    out.update(
+        out_of_range="" if flag is None else int(bool(flag)),
+        domain_score=domain.get("score", ""),
+        status=r.get("status", ""),
+        file_sha256=r.get("input_sha256", ""),
+        withheld=r.get("withheld", ""),
+    )
+    return out
+
+
 def row_of(result: dict[str, Any], name: str) -> dict[str, Any]:
     """One file's row from its answer (:func:`~bagserve.cli.predict_files` or a
     service's, as :class:`~bagserve.cli.RemoteModel` gives it)."""
     (r,) = result["results"]
-    domain = r.get("domain") or {}
-    report = r.get("report") or {}
-    flag = domain.get("out_of_range", report.get("out_of_range"))
+    fields = answer_fields(r)
     row: dict[str, Any] = {
         "file": name,
-        "file_sha256": r.get("input_sha256", ""),
-        "status": r.get("status", ""),
+        "file_sha256": fields["file_sha256"],
+        "status": fields["status"],
     }
     if "report" in r:  # a per-cell model: the population summary, one column per class
         row["n_cells"] = r.get("n_points", "")
@@ -73,20 +92,14 @@ def row_of(result: dict[str, Any], name: str) -> dict[str, Any]:
             row.update({f"prediction_{j}": v for j, v in enumerate(value)})
         else:
             row["prediction"] = "" if value is None else value
-        if "interval" in r:
-            row["interval_lo"], row["interval_hi"] = r["interval"]
-        if "set" in r:
-            row["set"] = "|".join(str(c) for c in r["set"])
+        row.update({k: fields[k] for k in ("interval_lo", "interval_hi", "set") if k in fields})
+    warnings = [*result.get("warnings", []), fields["withheld"]]
     row.update(
-        {
-            "out_of_range": "" if flag is None else int(bool(flag)),
-            "domain_score": domain.get("score", ""),
-            "model_sha256": result["model"].get("sha256", ""),
-            "warnings": " | ".join([*result.get("warnings", []), r.get("withheld", "")]).strip(
-                " |"
-            ),
-            "error": "",
-        }
+        out_of_range=fields["out_of_range"],
+        domain_score=fields["domain_score"],
+        model_sha256=result["model"].get("sha256", ""),
+        warnings=" | ".join(w for w in warnings if w),
+        error="",
     )
     return row
 

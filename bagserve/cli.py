@@ -264,6 +264,8 @@ def results_table(result: dict[str, Any]) -> list[list[Any]]:
     (per file and population for per-cell models, per cell with ``cells``), each with
     its trust fields: interval, out_of_range, domain score, status, the file's and the
     model's sha256, and why a withheld value is absent."""
+    from .batch import answer_fields
+
     rows = result["results"]
     model_sha = result["model"].get("sha256", "")
     per_cell = any("report" in r for r in rows)
@@ -293,19 +295,8 @@ def results_table(result: dict[str, Any]) -> list[list[Any]]:
     ]
     table: list[list[Any]] = [["file", *values, *trust]]
     for r in rows:
-        domain = r.get("domain") or {}
-        report = r.get("report") or {}
-        flag = domain.get("out_of_range", report.get("out_of_range"))
-        tail = [
-            *(list(r.get("interval") or ["", ""]) if interval else []),
-            *(["|".join(str(c) for c in r["set"]) if "set" in r else ""] if sets else []),
-            "" if flag is None else int(bool(flag)),
-            domain.get("score", ""),
-            r.get("status", ""),
-            r.get("input_sha256", ""),
-            model_sha,
-            r.get("withheld", ""),
-        ]
+        fields = {**answer_fields(r), "model_sha256": model_sha}
+        tail = [fields.get(column, "") for column in trust]
         if with_cells:
             body = [[j, label] for j, label in enumerate(r.get("labels") or [])] or [["", ""]]
         elif per_cell:
