@@ -83,32 +83,31 @@ def assert_valid(validator: jsonschema.Draft6Validator, doc: dict[str, Any]) -> 
     assert not errors, [f"{list(e.absolute_path)}: {e.message[:200]}" for e in errors[:5]]
 
 
+def train_coded_dose(tmp: Path, directory: Path, name: str = "coded-dose", **tables) -> Path:
+    """The yeast example coded by DOSE_FHIR (one representation, the estimator's own
+    search), trained into ``directory/name/1``; ``tables`` override the configuration."""
+    (tmp / name).mkdir()
+    cfg = example(
+        "yeast_dose",
+        tmp / name,
+        model={"name": name, "output": str(directory)},
+        search={"representation__p": [2]},
+        fhir=DOSE_FHIR,
+        **tables,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GridEdgeWarning)  # reported in test_training_honesty
+        return train(cfg, progress=False).path
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("fhir")
     directory = tmp / "models"
     build_demo_models(directory)
-    cfg = example(
-        "yeast_dose",
-        tmp,
-        model={"name": "coded-dose", "output": str(directory)},
-        search={"representation__p": [2]},
-        fhir=DOSE_FHIR,
-    )
+    train_coded_dose(tmp, directory)
     # The same model under the policy that withholds out-of-domain answers.
-    (tmp / "withhold").mkdir()
-    withhold = example(
-        "yeast_dose",
-        tmp / "withhold",
-        model={"name": "withheld-dose", "output": str(directory)},
-        search={"representation__p": [2]},
-        fhir=DOSE_FHIR,
-        serving={"out_of_domain": "withhold"},
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GridEdgeWarning)  # reported in test_training_honesty
-        train(cfg, progress=False)
-        train(withhold, progress=False)
+    train_coded_dose(tmp, directory, "withheld-dose", serving={"out_of_domain": "withhold"})
     # A bag classifier from the same files: the upper half of the doses is "high".
     rows = (ROOT / "examples" / "yeast_dose" / "doses.csv").read_text().splitlines()[1:]
     doses = {r.split(",")[0]: float(r.split(",")[2]) for r in rows}

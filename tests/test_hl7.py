@@ -11,7 +11,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,14 +29,12 @@ from bagserve.core import (
 from bagserve.core.datasets import make_gmm_modes
 from bagserve.core.demo import build_demo_models, demo_samples
 from bagserve.core.runtime import ModelRuntime
-from bagserve.core.training import GridEdgeWarning, train
 from bagserve.service.hl7 import MllpError, oru_r01, send
 
 from .conftest import SHARED_DATA
 from .mllp_peer import mllp_peer
 from .service_harness import running_service
-from .test_cli import example
-from .test_fhir import DOSE_FHIR
+from .test_fhir import train_coded_dose
 
 YEAST = SHARED_DATA / "cytoflow_yeast" / "dose_response"
 MOUSE = SHARED_DATA / "flowsom_example" / "not_preprocessed.fcs"
@@ -49,16 +46,7 @@ def models(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("hl7")
     directory = tmp / "models"
     build_demo_models(directory)
-    cfg = example(
-        "yeast_dose",
-        tmp,
-        model={"name": "coded-dose", "output": str(directory)},
-        search={"representation__p": [2]},
-        fhir=DOSE_FHIR,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GridEdgeWarning)
-        train(cfg, progress=False)
+    train_coded_dose(tmp, directory)
     return directory
 
 
