@@ -214,7 +214,14 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
         if mode == "auto":
             mode = "cv+" if fit.searched else "jackknife+"
         self.calibration_ = mode
-        closed = closed_form_state(design, fit, Y, self.fit_intercept, blocks)
+        # The closed-form leave-one-out state: jackknife+'s calibration, and the
+        # out-of-sample scores a classifier's probabilities are fitted on; a CV+
+        # regressor needs neither.
+        closed = (
+            closed_form_state(design, fit, Y, self.fit_intercept, blocks)
+            if mode == "jackknife+" or self._fits_on_loo_scores
+            else None
+        )
         if mode == "cv+":
             state = cv_plus_state(
                 design,
@@ -225,13 +232,16 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
                 fit_params=fit_params,
             )
         else:
+            assert closed is not None
             state = closed
         for name, value in state.items():
             setattr(self, name, value)
-        # Probabilities are calibrated on the leave-one-out scores of the model's own
-        # γ and λ, which behave as the model does; coverage (sets, intervals) rests on
-        # the calibration models above.
-        self._fit_calibration(Y, closed["loo_residuals_"])
+        if self._fits_on_loo_scores:
+            # Probabilities are calibrated on the leave-one-out scores of the model's
+            # own γ and λ, which behave as the model does; coverage (sets, intervals)
+            # rests on the calibration models above.
+            assert closed is not None
+            self._fit_calibration(Y, closed["loo_residuals_"])
         warn_grid_edges(self)
         return self
 
@@ -239,6 +249,10 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
         """``γ`` and ``λ`` where they were chosen from a grid (see
         :mod:`._grid_choices`)."""
         return ridge_choices(self)
+
+    #: Whether :meth:`_fit_calibration` fits state on the closed-form leave-one-out
+    #: residuals (the classifier's probabilities and sets).
+    _fits_on_loo_scores = False
 
     def _fit_calibration(self, Y: NDArray[np.float64], loo_residuals: NDArray[np.float64]) -> None:
         """Hook for state fitted from the out-of-sample residuals (classifier)."""
@@ -637,6 +651,8 @@ class DistributionRidgeClassifier(ClassifierMixin, _DistributionKernelRidge):
     def predict_embedded(self, embedding: Embedding) -> NDArray[Any]:
         """:meth:`predict` for bags already embedded by ``representation_``."""
         return self.classes_[np.argmax(self._decision_embedded(embedding), axis=1)]
+
+    _fits_on_loo_scores = True
 
     def _fit_calibration(self, Y: NDArray[np.float64], loo_residuals: NDArray[np.float64]) -> None:
         codes = np.argmax(Y, axis=1)
