@@ -12,7 +12,7 @@ BENCH_ENV := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 
 MODELS ?= models
 
-.PHONY: test lint bench serve clean
+.PHONY: test lint bench serve clean docs
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ $(BIN)/.dev-installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@ $(BIN)/.installed
+
+# The user guide and the API reference (mkdocs.yml) into site/, offline; --strict fails on
+# a broken link or anchor, an unknown Python name or a page missing from the navigation.
+docs: $(BIN)/.dev-installed
+	$(BIN)/mkdocs build --strict
 
 lint: $(BIN)/.dev-installed
 	$(BIN)/ruff check .
