@@ -48,6 +48,7 @@ from sklearn.utils.validation import check_is_fitted
 from threadpoolctl import threadpool_limits
 
 from .._random import check_generator
+from ..alignment import CALIBRATIONS, calibrate, reference_quantiles
 from ..bags import (
     Bags,
     BagValidationError,
@@ -63,6 +64,12 @@ from ..representations.base import BagRepresentation, Embedding
 from ..representations.mean import _median_distance
 from ..selection import leave_one_group_out_folds, leave_tasks_out_folds, median_heuristic_gamma
 from ._grid_choices import GridChoice, transfer_choices, warn_grid_edges
+from ._transfer_calibration import (
+    CalibratedHeldOut,
+    calibrated_by_batch,
+    choose_calibration,
+    reference_points,
+)
 from ._transfer_cv import (
     FoldEvaluator,
     SearchSetup,
@@ -76,6 +83,13 @@ from ._transfer_exact import ExactKernelStrategy
 from ._transfer_nystroem import NystroemFeatureStrategy
 from ._transfer_paper_rff import PaperRFFStrategy
 from ._transfer_refine import refine_scores
+from ._transfer_reject import (
+    REJECT_THRESHOLDS,
+    choose_reject,
+    far_from_populations,
+    population_statistics,
+    reject_scores,
+)
 from ._transfer_strategy import (
     POINT_KERNELS,
     FeatureMaps,
@@ -153,6 +167,11 @@ class TaskReport:
         Share of the task's points whose label the per-task mixture changed (the
         model that answered refines, ``refine_ == "mixture"``); ``None`` where no
         refinement ran.
+    calibrated : str or None
+        How the task, out of range, was calibrated to the training reference before
+        the primary model answered it (``calibration_``: ``"quantile"`` or ``"mmd"``);
+        ``None`` where it was not. The distance and the flag are the task's own, as
+        it arrived.
     """
 
     nearest_tasks: NDArray[np.int64]
@@ -162,6 +181,7 @@ class TaskReport:
     fallback: bool = False
     disagreement: float | None = None
     relabelled: float | None = None
+    calibrated: str | None = None
 
 
 @dataclass
@@ -240,6 +260,9 @@ class _MarginalTransfer(BaseEstimator):
         max_exact_points: int = 4000,
         normalise: Literal["auto", "standard", "quantile", "none"] = "auto",
         refine: Literal["auto", "mixture", "none"] = "auto",
+        unassigned: Any = None,
+        reject: Literal["auto", "off"] | float = "auto",
+        calibrate: Literal["auto", "none", "quantile", "mmd"] = "auto",
         random_state: Any = None,
     ):
         self.solver = solver
@@ -263,6 +286,9 @@ class _MarginalTransfer(BaseEstimator):
         self.max_exact_points = max_exact_points
         self.normalise = normalise
         self.refine = refine
+        self.unassigned = unassigned
+        self.reject = reject
+        self.calibrate = calibrate
         self.random_state = random_state
 
     # ================================================================= validation
@@ -325,6 +351,97 @@ class _MarginalTransfer(BaseEstimator):
                 raise ValueError("refine='mixture' labels a task's points: classifiers only")
             return ("none",)
         return REFINEMENTS if self.refine == "auto" else (self.refine,)
+
+    def _rest_code(self) -> int | None:
+        """Column of the rest class (``unassigned``) among ``classes_``, or None."""
+        if self.unassigned is None or not self._is_classifier:
+            return None
+        names = self.classes_.tolist()
+        # Labels read from files are strings; a number given in Python names "0" too.
+        where = [k for k, c in enumerate(names) if c == self.unassigned] or [
+            k for k, c in enumerate(names) if str(c) == str(self.unassigned)
+        ]
+        if not where:
+            raise BagValidationError(
+                [
+                    f"unassigned={self.unassigned!r} names no training label; the labels "
+                    f"are {self.classes_.tolist()}"
+                ]
+            )
+        return int(where[0])
+
+    def _fit_calibration(self, raw: Bags) -> None:
+        """The calibration of tasks out of range (``calibration_``) and its reference:
+        chosen on held-out batches, fixed by ``calibrate``, or, without batches to
+        show it helps, none (the stated rule of :mod:`._transfer_calibration`)."""
+        if self.calibrate not in ("auto", *CALIBRATIONS):
+            raise ValueError(
+                f"calibrate must be 'auto' or one of {CALIBRATIONS}, got {self.calibrate!r}"
+            )
+        record = self.selection_.get("calibration")
+        if self.calibrate != "auto":
+            how = self.calibrate
+        elif record is not None:
+            how = record["chosen"]
+        else:
+            how = "none"
+            self.selection_["calibration"] = {
+                "rule": "no two batches to measure it on: not calibrated",
+                "chosen": "none",
+            }
+        self.calibration_ = how
+        if how != "none":
+            self.calibration_quantiles_ = reference_quantiles(raw)
+            self.calibration_points_ = reference_points(raw, self.seed_)
+
+    def _calibrated(self, raw: Bags) -> tuple[Bags, dict[int, TaskReport]]:
+        """``raw`` with every task out of range calibrated to the training reference
+        (``calibration_``), and those tasks' reports as they arrived."""
+        how = getattr(self, "calibration_", "none")
+        if how == "none":
+            return raw, {}
+        reports = self._reports(self._task_similarities(self._normalise(raw))[1])
+        far = [i for i, r in enumerate(reports) if r.out_of_range]
+        if not far:
+            return raw, {}
+        done = calibrate(
+            raw[np.array(far)],
+            how,
+            self.calibration_quantiles_,
+            self.calibration_points_,
+            self.seed_,
+        )
+        arrays = [np.asarray(raw[t]) for t in range(len(raw))]
+        for j, t in enumerate(far):
+            arrays[t] = np.asarray(done[j])
+        return Bags.from_arrays(arrays), {t: replace(reports[t], calibrated=how) for t in far}
+
+    def _fit_open_set(self, tasks: Bags, Y: NDArray[np.float64]) -> None:
+        """The open-set state: the rest class's column, the reject threshold (chosen by
+        the folds, fixed, or off) and every population's Gaussian description for
+        :meth:`far_from_populations`, on the tasks as the model sees them."""
+        self.rest_code_ = self._rest_code()
+        record = self.selection_.get("reject")
+        if record is not None:
+            self.reject_threshold_ = record["threshold"]
+        elif self.rest_code_ is not None and isinstance(self.reject, int | float):
+            self.reject_threshold_ = float(self.reject)
+        else:
+            self.reject_threshold_ = None
+        if not self._is_classifier:
+            return
+        codes = np.argmax(Y, axis=1) if Y.shape[1] > 1 else (Y[:, 0] > 0).astype(np.int64)
+        self.population_means_, self.population_precisions_ = population_statistics(
+            tasks.points, codes, self.classes_.size, self.rest_code_
+        )
+
+    def _reject_options(self) -> tuple[float, ...] | None:
+        """The thresholds the folds choose among, or None when ``reject`` fixes one."""
+        if self.reject == "auto":
+            return REJECT_THRESHOLDS
+        if self.reject == "off" or isinstance(self.reject, int | float):
+            return None
+        raise ValueError(f"reject must be 'auto', 'off' or a number, got {self.reject!r}")
 
     def _folds(
         self, n_tasks: int, groups: NDArray[Any] | None
@@ -424,7 +541,7 @@ class _MarginalTransfer(BaseEstimator):
             # The search is thousands of small products: BLAS threads only add
             # synchronisation (and spin badly when the cores are busy).
             with threadpool_limits(1):
-                chosen, best = self._search(strategy, variants, Y, grid, alphas, groups)
+                chosen, best = self._search(strategy, variants, Y, grid, alphas, groups, raw)
         else:
             chosen = choices[0]
             best = {name: values[0] for name, values in grid.items()}
@@ -432,6 +549,8 @@ class _MarginalTransfer(BaseEstimator):
             self.selection_ = {"evaluated": [], "folds": [], "best": best}
         self._fit_on(strategy, variants[chosen], Y, chosen, best)
         self.refine_ = (self.selection_.get("refine") or {}).get("chosen", refinements[0])
+        self._fit_open_set(variants[chosen], Y)
+        self._fit_calibration(raw)
         self.fallback_ = None
         record = self.selection_.get("normalisation") or {}
         self.disagreement_threshold_ = None
@@ -620,6 +739,7 @@ class _MarginalTransfer(BaseEstimator):
         grid: dict[str, list[Any]],
         alphas: NDArray[np.float64],
         groups: NDArray[Any] | None,
+        raw: Bags,
     ) -> tuple[str, dict[str, Any]]:
         """Cross-validation: the normalisation (:func:`~._transfer_cv.choose_normalisation`)
         when there is a choice, then the kernel (:func:`~._transfer_cv.coordinate_search`)
@@ -678,10 +798,61 @@ class _MarginalTransfer(BaseEstimator):
             self.selection_ = coordinate_search(searched, grid)
             self.selection_["cv"] = "leave-one-batch-out"
         self.selection_["refine"] = self._choose_refinement([(searched, self.selection_["best"])])
+        rest = self._rest_code()
+        thresholds = self._reject_options()
+        if rest is not None and thresholds is not None:
+            seed = self.seed_
+            refined = self.selection_["refine"]["chosen"] == "mixture"
+            self.selection_["reject"] = choose_reject(
+                [(searched, self.selection_["best"])],
+                (lambda x, s: refine_scores(x, s, seed)[0]) if refined else None,
+                rest,
+                thresholds,
+            )
         if with_fallback:
             self._choose_fallback(evaluators, chosen, grid, Y, batch_folds, record)
         self.selection_["normalisation"] = record
+        if batch_folds is not None and self.calibrate == "auto":
+            self.selection_["calibration"] = self._choose_calibration(
+                raw, evaluators[chosen], chosen, batch_folds, record
+            )
         return chosen, self.selection_["best"]
+
+    def _choose_calibration(
+        self,
+        raw: Bags,
+        primary: FoldEvaluator,
+        normalisation: str,
+        batch_folds: list[Any],
+        record: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """Whether tasks out of range are calibrated to the training reference and then
+        answered by the primary model, on leave-one-batch-out folds
+        (:mod:`._transfer_calibration`)."""
+        best = self.selection_["best"]
+        seed = self.seed_
+        refines = self.selection_["refine"]["chosen"] == "mixture"
+        transform = (lambda x, sc: refine_scores(x, sc, seed)[0]) if refines else None
+        if record is not None and "fallback" in record:
+            uncalibrated = np.asarray(record["fallback_fold_errors"])
+        else:
+            on_batches = primary.on_folds(batch_folds)
+            if transform is not None:
+                on_batches = on_batches.transformed(transform, best["alpha"])
+            on_batches.score(best)
+            uncalibrated = on_batches.per_fold(best)
+        evaluators = {}
+        for how in CALIBRATIONS[1:]:
+            held = _normalised(
+                calibrated_by_batch(raw, batch_folds, how, seed),
+                normalisation,
+                self.quantile_reference_,
+            )
+            emb = subsample_bags(held, self.embedding_points, seed, canonical=True)
+            evaluators[how] = CalibratedHeldOut(
+                primary, batch_folds, held, emb, transform, best["alpha"]
+            )
+        return choose_calibration(uncalibrated, evaluators, best)
 
     def _choose_refinement(
         self, members: list[tuple[FoldEvaluator, dict[str, Any]]], for_fallback: bool = False
@@ -901,9 +1072,14 @@ class _MarginalTransfer(BaseEstimator):
         check_is_fitted(self, "tau_")
         if raw.sizes.min() < 1:  # pragma: no cover - Bags never holds empty bags
             raise BagValidationError(["empty task"])
+        # Tasks out of range are calibrated first where the fit chose that; the primary
+        # model answers them then, as the batch folds that chose it measured.
+        raw, calibrated = self._calibrated(raw)
         tasks = self._normalise(raw)
         emb, sq_new = self._task_similarities(tasks)
         reports = self._reports(sq_new)
+        for i, arrived in calibrated.items():
+            reports[i] = replace(arrived, fallback=False)
         far = [i for i, r in enumerate(reports) if r.fallback]
         near = [i for i, r in enumerate(reports) if not r.fallback]
         threshold = getattr(self, "disagreement_threshold_", None)
@@ -940,7 +1116,7 @@ class _MarginalTransfer(BaseEstimator):
             for i, sc, share in zip(near, answered, relabelled, strict=True):
                 scores[i] = sc
                 reports[i] = replace(reports[i], relabelled=share)
-                if check:
+                if check and i not in calibrated:
                     d = self._disagreement(sc, fallback_answers[i][0])
                     unlike = d > threshold
                     reports[i] = replace(
@@ -953,6 +1129,10 @@ class _MarginalTransfer(BaseEstimator):
             if reports[i].fallback:
                 scores[i], theirs = fallback_answers[i]
                 reports[i] = replace(reports[i], relabelled=theirs.relabelled)
+        reject = getattr(self, "reject_threshold_", None)
+        if reject is not None:
+            # Whichever model answered: its scores share the ±1 coding.
+            scores = [reject_scores(sc, self.rest_code_, reject) for sc in scores]
         return scores, reports
 
     def _refines(self) -> bool:
@@ -1010,13 +1190,15 @@ class _MarginalTransfer(BaseEstimator):
         """Similarity of each new task to the training tasks, and the out-of-range flag.
 
         With a fallback the flag also depends on how the two models answer the task
-        (:class:`TaskReport`), and with a refinement the report says how much it
-        relabelled, so the tasks are scored as :meth:`predict` scores them.
+        (:class:`TaskReport`), with a refinement the report says how much it
+        relabelled, and with a calibration whether it ran, so the tasks are scored as
+        :meth:`predict` scores them.
         """
         check_is_fitted(self, "tau_")
         fallback = getattr(self, "fallback_", None)
         refines = self._refines() or (fallback is not None and fallback._refines())
-        if getattr(self, "disagreement_threshold_", None) is not None or refines:
+        calibrates = getattr(self, "calibration_", "none") != "none"
+        if getattr(self, "disagreement_threshold_", None) is not None or refines or calibrates:
             return self._scores_per_task(_as_tasks(X)[0])[1]
         return self._reports(self._task_similarities(self._tasks(X))[1])
 
@@ -1176,6 +1358,26 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         ``"auto"`` or ``"none"``, both none. :attr:`TaskReport.relabelled` reports the
         share of labels it changed. Like ``normalise="auto"``, ``"auto"`` runs the
         cross-validation even with every other hyperparameter fixed.
+    unassigned : label or None
+        The *rest label*: cells of this training label belong to no population (the
+        ungated cells), modelled as their own class and, at prediction, joined by
+        every cell no population claims with enough confidence (its best population
+        score below ``reject_threshold_``; :mod:`._transfer_reject`). ``None``: every
+        label is a population (cells far from all of them can still be reported, on
+        request, by :meth:`far_from_populations`).
+    reject : "auto", "off" or float, default="auto"
+        With ``unassigned`` set, the reject threshold on the best population score
+        (``±1`` coding: ``θ`` reads as a posterior ``(1 + θ) / 2``). ``"auto"``:
+        chosen among ``REJECT_THRESHOLDS`` by the folds with the one-standard-error
+        rule, the rule off first (``selection_["reject"]``).
+    calibrate : {"auto", "none", "quantile", "mmd"}, default="auto"
+        How a new task out of the training tasks' range is calibrated to the training
+        reference before the primary model answers it (:mod:`core.alignment`):
+        per-marker quantile landmarks, or a monotone per-marker map with an affine
+        part fitted on the MMD. ``"auto"``: chosen on leave-one-batch-out folds when
+        ``fit`` is given two batches or more (every held-out batch calibrated to the
+        others' reference, set against the uncalibrated answer, none first); without
+        batches, none (``selection_["calibration"]`` records the rule).
     random_state : int, Generator or None
 
     Attributes
@@ -1198,6 +1400,15 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         on a task at most that much disagree on it at most that much (triangle
         inequality); a task where they disagree more is out of range and the
         fallback answers it (:attr:`TaskReport.disagreement`).
+    rest_code_, reject_threshold_ : int or None, float or None
+        Column of the rest class among ``classes_`` and the reject threshold in use.
+    population_means_, population_precisions_ : ndarray
+        Every population's mean and inverse covariance on the training cells as the
+        model sees them (NaN for the rest class), for :meth:`far_from_populations`.
+    calibration_ : str
+        ``"none"``, ``"quantile"`` or ``"mmd"``: how tasks out of range are
+        calibrated (``calibration_quantiles_`` and ``calibration_points_`` the
+        training reference).
     point_kernel_ : str
         ``k_X`` used; ``linear_centre_`` and ``linear_scale_`` standardise its linear
         part.
@@ -1252,6 +1463,36 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         :meth:`predict` would give), without scoring twice."""
         s = np.asarray(scores, dtype=np.float64)
         return self._decode(s[:, None] if s.ndim == 1 else s)
+
+    def far_from_populations(
+        self, X: Any, labels: NDArray[Any], level: float = 0.999
+    ) -> NDArray[np.bool_]:
+        """Whether each cell lies far from the population it was labelled with: its
+        squared Mahalanobis distance to that population's training mean, under its
+        training covariance (on the cells as the model sees them, normalised), beyond
+        the χ² quantile ``level`` (:func:`~._transfer_reject.far_from_populations`).
+
+        What a caller asks for to report cells no population claims when the model
+        has no rest class (``unassigned`` unset); cells of the rest class are never far.
+
+        Parameters
+        ----------
+        X : tasks as for :meth:`predict`
+        labels : ndarray of shape (n_points,)
+            The labels :meth:`predict` gave them.
+        level : float, default=0.999
+        """
+        check_is_fitted(self, "population_means_")
+        tasks = self._tasks(X)
+        labels = np.asarray(labels)
+        if labels.shape[0] != tasks.n_points:
+            raise BagValidationError(
+                [f"got {labels.shape[0]} label(s) for {tasks.n_points} point(s)"]
+            )
+        codes = np.searchsorted(self.classes_, labels)
+        return far_from_populations(
+            tasks.points, codes, self.population_means_, self.population_precisions_, level
+        )
 
 
 class MarginalTransferRegressor(RegressorMixin, _MarginalTransfer):

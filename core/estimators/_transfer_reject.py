@@ -1,0 +1,178 @@
+"""The open-set outcome of a per-cell classifier: cells no population claims.
+
+A gated sample holds cells no gate claims (debris, doublets, populations the panel
+does not resolve: 17-29 % of the FlowCAP-I samples). They are not one population:
+modelled as one class they are a heterogeneous mixture that a classifier's boundaries
+cut through. With a *rest label* named (``unassigned=``), such cells are a class
+during training and, at prediction, a cell also becomes unassigned when no population
+claims it with enough confidence: its best score among the populations (the rest class
+excluded) falls below a threshold ``θ``.
+
+The scores are the one-vs-rest ridge codes ``±1``, whose least-squares target is
+``E[Y_k | x] = 2 P(k | x) - 1``: ``θ`` reads as a posterior ``(1 + θ) / 2`` (for two
+classes, the margin of the population over the rest). Which threshold, if any, is
+chosen by the model's own folds (:func:`choose_reject`), never assumed: on the
+emulated instrument batches of ``bench/bench_new_batch.py`` no reject rule beat the
+rest class modelled as a class, and a rule the folds cannot show helping is off.
+
+Without a rest label a cell far from every population can still be reported
+unassigned on request (:func:`far_from_populations`): its squared Mahalanobis
+distance to the population it was given, under that population's training
+covariance, exceeds the χ² quantile of the requested level (a Gaussian description
+of each population, which the caller asks for knowingly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from scipy.stats import chi2
+
+from ._transfer_cv import FoldEvaluator, one_standard_error_choice
+
+__all__ = [
+    "REJECT_THRESHOLDS",
+    "UNASSIGNED",
+    "choose_reject",
+    "far_from_populations",
+    "population_statistics",
+    "reject_scores",
+]
+
+#: The label of a cell no population claims, where no rest label names it.
+UNASSIGNED = "unassigned"
+#: Thresholds on the best population score the folds choose among (posteriors
+#: 0.25, 0.375, 0.5 and 0.625 under the ±1 coding); "off" is tried first.
+REJECT_THRESHOLDS = (-0.5, -0.25, 0.0, 0.25)
+
+
+def _per_class(scores: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Scores as one column per class (two classes: ``[-s, s]``)."""
+    return np.hstack([-scores, scores]) if scores.shape[1] == 1 else scores
+
+
+def reject_scores(
+    scores: NDArray[np.float64], rest: int, threshold: float | None
+) -> NDArray[np.float64]:
+    """``scores`` with every point whose best population score is below ``threshold``
+    given to the rest class ``rest`` (a column index into the per-class scores).
+
+    The returned scores keep their shape and decode to the rest class where the rule
+    fires (its score is raised above every other); elsewhere they are unchanged.
+    ``threshold=None`` is the rule switched off.
+    """
+    if threshold is None:
+        return scores
+    per = _per_class(scores)
+    others = np.delete(per, rest, axis=1)
+    fire = others.max(axis=1) < threshold
+    if not fire.any():
+        return scores
+    out = scores.copy()
+    if scores.shape[1] == 1:
+        # Two classes: the one margin decides; push it to the rest class's side.
+        sign = 1.0 if rest == 1 else -1.0
+        out[fire, 0] = sign * (np.abs(scores[fire, 0]) + 1.0)
+    else:
+        out[fire, rest] = per[fire].max(axis=1) + 1.0
+    return out
+
+
+def choose_reject(
+    members: list[tuple[FoldEvaluator, dict[str, Any]]],
+    answer: Callable[[NDArray[np.float64], NDArray[np.float64]], NDArray[np.float64]] | None,
+    rest: int,
+    thresholds: tuple[float, ...] = REJECT_THRESHOLDS,
+) -> dict[str, Any]:
+    """The reject threshold, by the one-standard-error rule with the rule off first.
+
+    Each threshold is scored on the members' own folds at their chosen ``λ``, on the
+    answers the model gives (``answer``: its refinement, where it refines), every
+    cell counted (the rest class included): the rule must lower the error of all
+    cells by more than the folds' noise to be switched on. A model of several members
+    counts, fold by fold, as its worst member.
+
+    Returns
+    -------
+    dict
+        ``cv_error`` and ``fold_errors`` per option (``"off"`` and each threshold as a
+        string), ``chosen`` (the option's name) and ``threshold`` (a float or None).
+    """
+
+    def transform(theta: float | None):
+        def apply(points: NDArray[np.float64], scores: NDArray[np.float64]):
+            given = answer(points, scores) if answer is not None else scores
+            return reject_scores(given, rest, theta)
+
+        return apply
+
+    options: dict[str, float | None] = {"off": None, **{f"{t:g}": t for t in thresholds}}
+    per_fold: dict[str, NDArray[np.float64]] = {}
+    for name, theta in options.items():
+        errs = []
+        for ev, best in members:
+            other = ev.transformed(transform(theta), best["alpha"])
+            other.score(best)
+            errs.append(other.fold_errors[FoldEvaluator.key(best)][:, 0])
+        per_fold[name] = np.max(errs, axis=0)
+    chosen = one_standard_error_choice(per_fold)
+    return {
+        "rule": "one standard error, off first",
+        "cv_error": {n: float(e.mean()) for n, e in per_fold.items()},
+        "fold_errors": {n: e.tolist() for n, e in per_fold.items()},
+        "chosen": chosen,
+        "threshold": options[chosen],
+    }
+
+
+def population_statistics(
+    points: NDArray[np.float64], codes: NDArray[np.int64], n_classes: int, rest: int | None
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Every population's mean and inverse covariance on the model's (normalised)
+    training cells, for :func:`far_from_populations`.
+
+    The rest class and populations with fewer cells than markers get no statistics
+    (their rows are NaN): a cell given to them is never called far. A ridge of
+    ``1e-6`` times the mean marker variance keeps each covariance invertible.
+    """
+    d = points.shape[1]
+    means = np.full((n_classes, d), np.nan)
+    precisions = np.full((n_classes, d, d), np.nan)
+    ridge = 1e-6 * float(np.mean(points.var(axis=0))) or 1e-12
+    for k in range(n_classes):
+        if k == rest:
+            continue
+        cells = points[codes == k]
+        if cells.shape[0] <= d:
+            continue
+        means[k] = cells.mean(axis=0)
+        cov = np.cov(cells, rowvar=False).reshape(d, d) + ridge * np.eye(d)
+        precisions[k] = np.linalg.inv(cov)
+    return means, precisions
+
+
+def far_from_populations(
+    points: NDArray[np.float64],
+    codes: NDArray[np.int64],
+    means: NDArray[np.float64],
+    precisions: NDArray[np.float64],
+    level: float,
+) -> NDArray[np.bool_]:
+    """Whether each point lies beyond the ``level`` χ² quantile (``d`` degrees of
+    freedom) of squared Mahalanobis distance from the population it was given."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must lie in (0, 1), got {level!r}")
+    d = points.shape[1]
+    cut = float(chi2.ppf(level, d))
+    far = np.zeros(points.shape[0], dtype=bool)
+    for k in np.unique(codes):
+        if np.isnan(means[k]).any():
+            continue
+        rows = np.flatnonzero(codes == k)
+        diff = points[rows] - means[k]
+        d2 = np.einsum("ij,jk,ik->i", diff, precisions[k], diff)
+        far[rows] = d2 > cut
+    return far
