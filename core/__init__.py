@@ -9,30 +9,69 @@ Public API (DESIGN.md section 4)::
 
 Every error the core raises on purpose derives from :class:`CoreError` (and from
 ``ValueError``): see :mod:`core.errors`.
+
+The names above are imported on first use (PEP 562): ``import bagserve.core`` and the
+light modules under it (:mod:`.errors`, :mod:`.hashing`, :mod:`.atomic`) load neither
+scikit-learn nor scipy, so that ``bagserve --version``, ``bagserve models list`` and
+the service's auditor start in a fraction of a second.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .. import __version__
-from .artifacts import ArtifactError, load, read_manifest, save
-from .bags import Bags, BagValidationError, as_bags
-from .errors import CoreError
-from .estimators import (
-    ConditionalMeanEmbedding,
-    DistributionRidge,
-    DistributionRidgeClassifier,
-    MarginalTransferClassifier,
-    MarginalTransferRegressor,
-    TaskPrediction,
-    TaskReport,
-)
-from .kernels import DistanceKernel, get_kernel
-from .representations import (
-    DensityFeatures,
-    HistogramEmbedding,
-    MeanEmbedding,
-    SlicedWasserstein,
-    sliced_wasserstein_distance,
-    wasserstein_1d,
-)
+
+if TYPE_CHECKING:  # the eager imports, for type checkers and IDEs only
+    from .artifacts import ArtifactError, load, read_manifest, save
+    from .bags import Bags, BagValidationError, as_bags
+    from .errors import CoreError
+    from .estimators import (
+        ConditionalMeanEmbedding,
+        DistributionRidge,
+        DistributionRidgeClassifier,
+        MarginalTransferClassifier,
+        MarginalTransferRegressor,
+        TaskPrediction,
+        TaskReport,
+    )
+    from .kernels import DistanceKernel, get_kernel
+    from .representations import (
+        DensityFeatures,
+        HistogramEmbedding,
+        MeanEmbedding,
+        SlicedWasserstein,
+        sliced_wasserstein_distance,
+        wasserstein_1d,
+    )
+
+#: Where each public name lives (a submodule relative to this package).
+_EXPORTS: dict[str, str] = {
+    "ArtifactError": ".errors",
+    "BagValidationError": ".errors",
+    "CoreError": ".errors",
+    "load": ".artifacts",
+    "read_manifest": ".artifacts",
+    "save": ".artifacts",
+    "Bags": ".bags",
+    "as_bags": ".bags",
+    "ConditionalMeanEmbedding": ".estimators",
+    "DistributionRidge": ".estimators",
+    "DistributionRidgeClassifier": ".estimators",
+    "MarginalTransferClassifier": ".estimators",
+    "MarginalTransferRegressor": ".estimators",
+    "TaskPrediction": ".estimators",
+    "TaskReport": ".estimators",
+    "DistanceKernel": ".kernels",
+    "get_kernel": ".kernels",
+    "DensityFeatures": ".representations",
+    "HistogramEmbedding": ".representations",
+    "MeanEmbedding": ".representations",
+    "SlicedWasserstein": ".representations",
+    "sliced_wasserstein_distance": ".representations",
+    "wasserstein_1d": ".representations",
+}
 
 __all__ = [
     "ArtifactError",
@@ -60,3 +99,17 @@ __all__ = [
     "sliced_wasserstein_distance",
     "wasserstein_1d",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access and keep the name here."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later accesses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -33,18 +33,19 @@ import platform
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from sklearn.base import BaseEstimator
 
 from .atomic import atomic_directory
 from .bags import Bags
 from .errors import ArtifactError
 from .hashing import canonical_json, file_sha256, json_sha256
-from .kernels import DistanceKernel
-from .representations.base import FeatureEmbedding
-from .representations.mean import SetKernelEmbedding
+
+# Imported where a model is saved, loaded or aligned: reading and verifying a manifest
+# (``bagserve models list``, the service's registry) needs neither scikit-learn nor scipy.
+if TYPE_CHECKING:
+    from sklearn.base import BaseEstimator
 
 __all__ = ["FORMAT_VERSION", "ArtifactError", "load", "read_manifest", "save"]
 
@@ -114,6 +115,11 @@ def canonical_alignment(obj: Any) -> Any:
     """Move every array of a fitted model (its estimators, representations, embeddings
     and bags) to :func:`aligned` memory, in place, dropping what was cached from the
     old copies; returns ``obj`` (or its aligned copy, for an array)."""
+    from sklearn.base import BaseEstimator
+
+    from .representations.base import FeatureEmbedding
+    from .representations.mean import SetKernelEmbedding
+
     if isinstance(obj, np.ndarray):
         return aligned(obj)
     if isinstance(obj, list):
@@ -164,6 +170,12 @@ class _Encoder:
         return {"__array__": name}
 
     def encode(self, value: Any, hint: str) -> Any:
+        from sklearn.base import BaseEstimator
+
+        from .kernels import DistanceKernel
+        from .representations.base import FeatureEmbedding
+        from .representations.mean import SetKernelEmbedding
+
         registry = _registry()
         if isinstance(value, np.ndarray):
             return self._array(value, hint)
@@ -262,14 +274,20 @@ class _Decoder:
             w = None if body["weights"] is None else self.decode(body["weights"])
             return Bags.from_stored(self.decode(body["points"]), self.decode(body["offsets"]), w)
         if tag == "__feature_embedding__":
+            from .representations.base import FeatureEmbedding
+
             return FeatureEmbedding(self.decode(body["features"]), body["geometry"])
         if tag == "__set_kernel_embedding__":
+            from .representations.mean import SetKernelEmbedding
+
             emb = SetKernelEmbedding(
                 self.decode(body["bags"]), body["kernel"], body["bandwidth"], body["n_jobs"]
             )
             emb._self = np.asarray(self.decode(body["self_inner"]))
             return emb
         if tag == "__distance_kernel__":
+            from .kernels import DistanceKernel
+
             return DistanceKernel(body["name"], dict(body["params"]))
         raise ArtifactError(f"malformed manifest: unknown tag {tag!r}")
 
@@ -380,6 +398,8 @@ def save(
             estimator = {"class": type(model).__name__, "format": "joblib"}
             state = None
         else:
+            from sklearn.base import BaseEstimator
+
             if not (isinstance(model, BaseEstimator) and type(model).__name__ in _registry()):
                 raise ArtifactError(
                     f"{type(model).__name__} is not one of the core's estimators; "

@@ -30,14 +30,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
-from sklearn.base import ClassifierMixin
 
+# The estimators (scikit-learn, scipy) are imported where a model is loaded or its
+# class asked about: reading a manifest (ArtifactInfo, ``bagserve models list``) does
+# without them.
 from .artifacts import ArtifactError, estimator_class, load, read_manifest
 from .bags import Bags
-from .calibration import probabilities as calibrated_probabilities
 from .domain import DomainReport
-from .estimators import ConditionalMeanEmbedding
-from .estimators.transfer import _MarginalTransfer
 from .fhir_coding import OutputCoding
 from .io import Panel, Preprocessing, Sample
 from .policy import DEFAULT_POLICY, FINAL, POLICIES, WITHHELD, statuses, withheld_reason
@@ -77,6 +76,11 @@ class ModelKind(enum.StrEnum):
 
 def kind_of(cls: type) -> ModelKind:
     """The kind of answer of a core estimator class (the one place that decides it)."""
+    from sklearn.base import ClassifierMixin
+
+    from .estimators import ConditionalMeanEmbedding
+    from .estimators.transfer import _MarginalTransfer
+
     if issubclass(cls, _MarginalTransfer):
         return ModelKind.CELL
     if issubclass(cls, ConditionalMeanEmbedding):
@@ -84,6 +88,18 @@ def kind_of(cls: type) -> ModelKind:
     if issubclass(cls, ClassifierMixin):
         return ModelKind.CLASSIFICATION
     return ModelKind.REGRESSION
+
+
+#: :func:`kind_of` of the core's estimator classes, by name, so that reading a manifest
+#: does not import every estimator to ask its class hierarchy (tests/test_imports.py
+#: checks it against :func:`kind_of`). A name not listed is asked :func:`kind_of`.
+_KNOWN_KINDS: dict[str, ModelKind] = {
+    "ConditionalMeanEmbedding": ModelKind.CONDITIONAL,
+    "DistributionRidge": ModelKind.REGRESSION,
+    "DistributionRidgeClassifier": ModelKind.CLASSIFICATION,
+    "MarginalTransferClassifier": ModelKind.CELL,
+    "MarginalTransferRegressor": ModelKind.CELL,
+}
 
 
 # ----------------------------------------------------------------------------- results
@@ -350,11 +366,14 @@ class ArtifactInfo:
     @cached_property
     def kind(self) -> ModelKind:
         """What the model answers (:class:`ModelKind`)."""
-        return kind_of(estimator_class(self.estimator))
+        known = _KNOWN_KINDS.get(self.estimator)
+        return known if known is not None else kind_of(estimator_class(self.estimator))
 
     @cached_property
     def classifies(self) -> bool:
         """The model answers classes (per bag, or per point for per-cell models)."""
+        from sklearn.base import ClassifierMixin
+
         return issubclass(estimator_class(self.estimator), ClassifierMixin)
 
     @cached_property
@@ -796,6 +815,8 @@ class ModelRuntime:
         temperature = self.info.probability_temperature
         mean_p = per_cell = None
         if temperature is not None:
+            from .calibration import probabilities as calibrated_probabilities
+
             per_cell = calibrated_probabilities(
                 np.concatenate([r.scores for r in results]), temperature
             )

@@ -20,10 +20,14 @@ import io
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import numpy as np
+
+# numpy is imported by the two calls that encode arrays: a pipeline that sends files,
+# or only lists models, starts without it (and a caller with arrays has it loaded).
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["AsyncClient", "BagserveError", "Client"]
 
@@ -51,6 +55,7 @@ class BagserveError(Exception):
 def _json_body(
     bags: Sequence[np.ndarray], markers: Sequence[str] | None, ids: Sequence[str] | None
 ) -> bytes:
+    import numpy as np
     import orjson
 
     items = []
@@ -183,6 +188,8 @@ class Client:
         version: str | None = None,
     ) -> dict[str, Any]:
         """Predict one bag sent as NPY (the fastest encoding)."""
+        import numpy as np
+
         buf = io.BytesIO()
         np.save(buf, np.asarray(cells, dtype=np.float64), allow_pickle=False)
         params = {"markers": ",".join(markers)} if markers else None
