@@ -1,0 +1,169 @@
+"""In-memory training: every bag read first, preprocessing fitted per fold.
+
+:func:`_train_in_memory` reads the data (:func:`core.training.data.read_data`), checks
+that the estimator and the labels agree (one per bag, or one per cell), builds the folds
+from the batches or groups, runs the search (:class:`_InMemorySearch`), calibrates a
+per-cell classifier's class probabilities on its out-of-fold scores, and fingerprints
+the training bags.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from sklearn.base import BaseEstimator, is_classifier
+
+from ..bags import Bags
+from ..calibration import fit_temperature
+from ..errors import ConfigError
+from ..hashing import file_sha256
+from ..io import Preprocessing
+from .config import CELL_LEVEL
+from .data import _bag_names, bag_fingerprints, read_data
+from .folds import _cv_predictions, _folds, _params_key
+from .groups import _grouping, _groups_kw, config_batches
+from .saving import _Fitted
+from .search import Candidate, _run_search
+
+
+class _InMemorySearch:
+    """The search on bags held in memory: preprocessing fitted per fold."""
+
+    def __init__(
+        self,
+        bags: Bags,
+        y: np.ndarray,
+        folds: list[tuple[np.ndarray, np.ndarray]],
+        cell_level: bool,
+        pre_spec: dict[str, Any],
+        markers: list[str],
+        progress: bool,
+        fit_groups: np.ndarray | None = None,
+    ) -> None:
+        self.bags, self.y, self.folds = bags, y, folds
+        self.fit_groups = fit_groups
+        self.cell_level, self.pre_spec, self.markers = cell_level, pre_spec, markers
+        self.progress = progress
+        self.preprocessing = Preprocessing(**pre_spec).fit(bags, markers)
+        #: Out-of-fold scores of per-cell classifiers, by :func:`_params_key`.
+        self.oof_scores: dict[str, np.ndarray] = {}
+
+    def cross_validate(self, candidates: Sequence[Candidate], desc: str) -> list[np.ndarray]:
+        from tqdm.auto import tqdm
+
+        # One bar: over the candidates, or over the folds of a single candidate.
+        per_fold = self.progress and len(candidates) == 1
+        return [
+            _cv_predictions(
+                est,
+                self.bags,
+                self.y,
+                self.folds,
+                self.cell_level,
+                self.pre_spec,
+                self.markers,
+                per_fold,
+                self.oof_scores,
+                self.fit_groups,
+            )
+            for est, _ in tqdm(
+                candidates,
+                desc=desc,
+                unit="config",
+                disable=not self.progress or len(candidates) == 1,
+            )
+        ]
+
+    def fit_final(self, estimator: BaseEstimator) -> BaseEstimator:
+        bags = self.preprocessing.apply(self.bags, self.markers)
+        every = np.arange(len(self.bags))
+        return estimator.fit(bags, self.y, **_groups_kw(self.fit_groups, every))
+
+
+def _train_in_memory(
+    config: Mapping[str, Any],
+    estimator: BaseEstimator,
+    candidates: list[Candidate],
+    grid: dict[str, list[Any]],
+    widen: bool,
+    pre_spec: dict[str, Any],
+    progress: bool,
+) -> _Fitted:
+    cell_level = isinstance(estimator, CELL_LEVEL)
+    classifier = is_classifier(estimator)
+    data = read_data(config, progress=progress)
+    if data.y is None:
+        raise ConfigError(
+            "[data] gives no labels: set labels (one per bag), or cell_label_column or "
+            "cell_label_files (one per cell)"
+        )
+    if cell_level != (data.level == "cell"):
+        want = "one label per cell" if cell_level else "one label per bag"
+        raise ConfigError(
+            f"[estimator] {type(estimator).__name__} needs {want}; [data] gives the other kind"
+        )
+    y = data.y if classifier else data.y.astype(np.float64)
+    markers = list(data.panel.markers)
+    if pre_spec.get("max_points") is not None and cell_level:
+        raise ConfigError(
+            "[preprocessing] max_points drops cells, which a per-cell model needs labelled"
+        )
+    batches = config_batches(config, data.files)
+    if batches is not None and not cell_level:
+        raise ConfigError(
+            "[data] batches: batch-aware selection is for per-cell models "
+            "(MarginalTransferClassifier, MarginalTransferRegressor)"
+        )
+    subjects, grouping = _grouping(config, data.files)
+    folds = _folds(
+        config,
+        len(data.bags),
+        None if cell_level else y,
+        classifier,
+        cell_level,
+        batches,
+        subjects,
+    )
+    # A per-cell model's fit takes the batches (its fallback for new batches); a
+    # bag-level model's, the subjects (its search, calibration and domain check).
+    fit_groups = batches if cell_level else subjects
+    searcher = _InMemorySearch(
+        data.bags, y, folds, cell_level, pre_spec, markers, progress, fit_groups
+    )
+    outcome = _run_search(candidates, estimator, grid, widen, searcher, y, classifier)
+    calibration = None
+    oof = searcher.oof_scores.get(_params_key(outcome.final))
+    if oof is not None:
+        calibration = fit_temperature(oof, y, outcome.final.classes_)
+    # The file digests are not kept by load_dataset; reading the files' bytes once more
+    # costs far less than parsing them did.
+    training_bags = bag_fingerprints(
+        _bag_names(config, data.files),
+        [file_sha256(f) for f in data.files],
+        [data.bags[t] for t in range(len(data.bags))],
+    )
+    return _Fitted(
+        outcome.final,
+        searcher.preprocessing,
+        outcome.scores,
+        outcome.best,
+        y,
+        data.panel,
+        data.files,
+        data.sha256,
+        data.level,
+        int(data.bags.n_points),
+        len(folds),
+        {"mode": "in-memory"}
+        if batches is None
+        else {"mode": "in-memory", "batches": sorted({str(b) for b in batches})},
+        training_bags,
+        outcome.edges,
+        outcome.widening,
+        folds,
+        np.asarray(data.bags.sizes),
+        calibration,
+        grouping,
+    )

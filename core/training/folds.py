@@ -1,0 +1,128 @@
+"""Cross-validation folds, and the out-of-fold predictions made on them.
+
+The folds (``[cv]``: ``n_splits``, ``repeats``, ``seed``) leave out one batch at a time
+when the data have batches, whole subjects when they have groups, whole tasks (bags) for
+a per-cell model, and otherwise bags, stratified by class for a classifier where every
+class is frequent enough. :func:`_cv_predictions` predicts every bag (or cell) with a
+model, preprocessing included, fitted without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from sklearn.base import BaseEstimator
+from sklearn.model_selection import KFold, StratifiedKFold
+
+from ..bags import Bags
+from ..errors import ConfigError
+from ..estimators._ridge_calibration import for_point_predictions
+from ..io import Preprocessing
+from ..selection import group_folds, leave_one_group_out_folds, leave_tasks_out_folds
+from .groups import _groups_kw
+
+
+def _folds(
+    config: Mapping[str, Any],
+    n_bags: int,
+    y: np.ndarray | None,
+    classifier: bool,
+    cell_level: bool,
+    batches: np.ndarray | None = None,
+    subjects: np.ndarray | None = None,
+):
+    if batches is not None and np.unique(batches).size > 1:
+        # A model for new batches is judged on batches it has not seen.
+        return leave_one_group_out_folds(batches)
+    cv = dict(config.get("cv", {}))
+    n_splits = int(cv.get("n_splits", 5))
+    repeats = int(cv.get("repeats", 1))
+    seed = int(cv.get("seed", 0))
+    if subjects is not None:
+        # Whole subjects per fold: a subject's other bags must not vouch for it.
+        n_subjects = np.unique(subjects).size
+        if n_splits < 2:
+            raise ConfigError(f"[cv] n_splits must be 2 or more, got {n_splits}")
+        folds = []
+        for r in range(repeats):
+            fold = group_folds(subjects, n_bags, min(n_splits, n_subjects), seed + r)
+            folds += [
+                (np.flatnonzero(fold != f), np.flatnonzero(fold == f))
+                for f in range(int(fold.max()) + 1)
+            ]
+        return folds
+    if n_splits < 2 or n_splits > n_bags:
+        raise ConfigError(
+            f"[cv] n_splits must be between 2 and the number of bags ({n_bags}), got {n_splits}"
+        )
+    if cell_level:
+        return leave_tasks_out_folds(n_bags, n_splits, repeats, seed)
+    folds = []
+    for r in range(repeats):
+        if classifier:
+            _, counts = np.unique(y, return_counts=True)
+            if counts.min() >= n_splits:
+                splitter = StratifiedKFold(n_splits, shuffle=True, random_state=seed + r)
+                folds += list(splitter.split(np.zeros(n_bags), y))
+                continue
+        folds += list(KFold(n_splits, shuffle=True, random_state=seed + r).split(np.zeros(n_bags)))
+    return folds
+
+
+def _cv_predictions(
+    est: BaseEstimator,
+    raw: Bags,
+    y: np.ndarray,
+    folds: list[tuple[np.ndarray, np.ndarray]],
+    cell_level: bool,
+    pre_spec: Mapping[str, Any],
+    markers: list[str],
+    progress: bool = False,
+    scores_out: dict[str, np.ndarray] | None = None,
+    fit_groups: np.ndarray | None = None,
+) -> np.ndarray:
+    """Out-of-fold predictions: each bag (or cell) is predicted by a model, preprocessing
+    included, that never saw it (a progress bar over the folds with ``progress``).
+
+    ``fit_groups`` (one per bag) go to each fold's fit as ``groups``: the batches of a
+    per-cell model, the subjects of a bag-level one.
+
+    For a per-cell classifier the out-of-fold scores (``decision_function``) also go
+    into ``scores_out`` under the estimator's key (:func:`_params_key`): they calibrate
+    its class probabilities (:mod:`core.calibration`).
+    """
+    from tqdm.auto import tqdm
+
+    pred = np.empty(y.shape, dtype=object if y.dtype.kind in "OUS" else np.float64)
+    keep_scores = cell_level and scores_out is not None and hasattr(est, "decode_scores")
+    scores: np.ndarray | None = None
+    for train, val in tqdm(folds, desc="folds", unit="fold", disable=not progress, leave=False):
+        pre = Preprocessing(**pre_spec).fit(raw[train], markers)
+        bags_tr, bags_va = pre.apply(raw[train], markers), pre.apply(raw[val], markers)
+        model = for_point_predictions(est)
+        if cell_level:
+            y_tr = np.concatenate([y[raw.offsets[t] : raw.offsets[t + 1]] for t in train])
+            rows = np.concatenate([np.arange(raw.offsets[t], raw.offsets[t + 1]) for t in val])
+            model.fit(bags_tr, y_tr, **_groups_kw(fit_groups, train))
+            if keep_scores:
+                s = model.decision_function(bags_va)
+                if scores is None:
+                    scores = np.empty((y.shape[0], *s.shape[1:]))
+                scores[rows] = s
+                pred[rows] = model.decode_scores(s)
+            else:
+                pred[rows] = model.predict(bags_va)
+        else:
+            model.fit(bags_tr, y[train], **_groups_kw(fit_groups, train))
+            pred[val] = model.predict(bags_va)
+    if keep_scores and scores is not None:
+        assert scores_out is not None
+        scores_out[_params_key(est)] = scores
+    return pred
+
+
+def _params_key(est: BaseEstimator) -> str:
+    """The same string for estimators with the same parameters (fitted or not)."""
+    return repr(sorted(est.get_params(deep=False).items()))
