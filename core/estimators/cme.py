@@ -209,6 +209,14 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
         self.kernel_ = get_kernel(self.kernel, self.kernel_params)
         self.output_kernel_ = get_kernel(self.output_kernel, self.output_kernel_params)
         emb = self._embed(X, fit=True)
+        # The n x n distances (or Gram) are computed once for the whole fit: the model
+        # and the domain check's calibration both read them.
+        with emb.reusing_products():
+            return self._fit_embedded(emb, Y, groups)
+
+    def _fit_embedded(
+        self, emb: Embedding, Y: ArrayLike, groups: ArrayLike | None
+    ) -> ConditionalMeanEmbedding:
         Yt = _outputs(Y)
         n = len(emb)
         if Yt.shape[0] != n:

@@ -171,6 +171,15 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
     def _fit_embedded(
         self, rep: BagRepresentation, emb: Embedding, y: ArrayLike, groups: ArrayLike | None
     ) -> _DistributionKernelRidge:
+        # The T x T distances (or Gram) are computed once for the whole fit: the design
+        # and the domain check's calibration both read them, and for the exact mean
+        # embedding they are most of the fit's cost.
+        with emb.reusing_products():
+            return self._fit_reusing(rep, emb, y, groups)
+
+    def _fit_reusing(
+        self, rep: BagRepresentation, emb: Embedding, y: ArrayLike, groups: ArrayLike | None
+    ) -> _DistributionKernelRidge:
         T = len(emb)
         Y = self._targets(y, T)
         blocks = self._groups(groups, T)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import numpy as np
@@ -47,8 +49,46 @@ def n_threads_for(n_jobs: int | None) -> int:
 class Embedding(ABC):
     """Embedded bags: squared distances and inner products between them."""
 
+    #: The matrices among these bags kept while :meth:`reusing_products` is open, by
+    #: name (``"sq"``, ``"inner"``); ``None`` outside it (nothing is kept).
+    _products: dict[str, NDArray[np.float64]] | None = None
+
     @abstractmethod
     def __len__(self) -> int: ...
+
+    @contextmanager
+    def reusing_products(self) -> Iterator[Embedding]:
+        """Within the block, ``sq_distances()`` and ``inner()`` among these bags (no
+        ``other``) are computed once each and returned read-only.
+
+        A fit asks for the same ``T x T`` matrix more than once (the model's design,
+        then the calibration of its domain check); for the exact mean embedding each
+        costs ``O(N² n²)`` kernel evaluations. The matrices are dropped when the
+        outermost block ends: a fitted model keeps its training embedding, and must not
+        keep a ``T x T`` matrix alive (or saved) with it.
+        """
+        if self._products is not None:  # nested: the outer block keeps and drops them
+            yield self
+            return
+        self._products = {}
+        try:
+            yield self
+        finally:
+            self._products = None
+
+    def _reused(self, name: str, compute: Callable[[], NDArray[np.float64]]) -> NDArray[np.float64]:
+        """``compute()``, or its result kept under ``name`` in a :meth:`reusing_products`
+        block. A kept matrix is read-only: every reader gets the same array, so one that
+        wrote into it would change what the others read."""
+        products = self._products
+        if products is None:
+            return compute()
+        value = products.get(name)
+        if value is None:
+            value = compute()
+            value.flags.writeable = False
+            products[name] = value
+        return value
 
     @abstractmethod
     def sq_distances(self, other: Embedding | None = None) -> NDArray[np.float64]:
@@ -108,8 +148,8 @@ class FeatureEmbedding(Embedding):
         o = self._other(other)
         if o is None:
             if self.geometry == "euclidean":
-                return squared_euclidean_distances(self.features)
-            return cityblock_distances(self.features)
+                return self._reused("sq", lambda: squared_euclidean_distances(self.features))
+            return self._reused("sq", lambda: cityblock_distances(self.features))
         if self.geometry == "l1":
             return cityblock_distances(self.features, o.features)
         # Row by row in effect (batch_invariant_matmul): new bags never change each other.
@@ -126,7 +166,7 @@ class FeatureEmbedding(Embedding):
         B = self.features if o is None else o.features
         if self.geometry == "euclidean":
             if o is None:
-                return self.features @ B.T
+                return self._reused("inner", lambda: self.features @ B.T)
             return batch_invariant_matmul(self.features, B.T)
         na = np.abs(self.features).sum(axis=1)
         nb = np.abs(B).sum(axis=1)

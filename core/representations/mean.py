@@ -259,10 +259,7 @@ class SetKernelEmbedding(Embedding):
     def inner(self, other: Embedding | None = None) -> NDArray[np.float64]:
         o = self._other(other)
         if o is None:
-            G = set_kernel_gram(self.bags, None, self.kernel, self.bandwidth, n_jobs=self.n_jobs)
-            if self._self is None:
-                self._self = np.diag(G).copy()
-            return G
+            return self._reused("inner", self._gram)
         # One new bag at a time: its values never depend on the other bags sent with it.
         return np.vstack(
             [
@@ -273,8 +270,22 @@ class SetKernelEmbedding(Embedding):
             ]
         )
 
+    def _gram(self) -> NDArray[np.float64]:
+        """The set-kernel Gram among these bags; its diagonal becomes the self terms."""
+        G = set_kernel_gram(self.bags, None, self.kernel, self.bandwidth, n_jobs=self.n_jobs)
+        if self._self is None:
+            self._self = np.diag(G).copy()
+        return G
+
     def sq_distances(self, other: Embedding | None = None) -> NDArray[np.float64]:
         o = self._other(other)
+        if o is None:
+            # From the Gram ``inner()`` keeps too: a linear-kernel fit's design and its
+            # domain check then share one set-kernel Gram.
+            return self._reused("sq", lambda: self._sq_distances(None))
+        return self._sq_distances(o)
+
+    def _sq_distances(self, o: SetKernelEmbedding | None) -> NDArray[np.float64]:
         G = self.inner(o)
         s_self = self.self_inner()
         s_other = s_self if o is None else o.self_inner()
