@@ -8,7 +8,7 @@ per cell), refits on everything, and saves the artifact with its report
 One module per concept; each imports only modules listed below it::
 
     evaluation.py     a saved model evaluated on the bags it did not see
-    fit.py            train(): checks the configuration, picks the path, saves
+    fit.py            train(): checks, refuses an existing version, picks the path, saves
     fit_memory.py     in-memory training: every bag read, preprocessing fitted per fold
     fit_streaming.py  streamed training: bags read a few at a time (threads or Dask)
     saving.py         the artifact, its report, card and manifest

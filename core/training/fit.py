@@ -1,5 +1,5 @@
-"""Training end to end: :func:`train` checks the configuration, trains in memory or
-streamed, warns of grid edges and saves.
+"""Training end to end: :func:`train` checks the configuration, refuses a model version
+that exists before any work, trains in memory or streamed, warns of grid edges and saves.
 
 The two training paths are :mod:`core.training.fit_memory` (every bag read first) and
 :mod:`core.training.fit_streaming` (bags streamed from their files, on threads or a Dask
@@ -15,6 +15,7 @@ from typing import Any
 
 from sklearn.model_selection import ParameterGrid
 
+from ..artifacts import ArtifactError
 from ..errors import ConfigError
 from ..io import Preprocessing
 from ..progress import progress_enabled
@@ -47,12 +48,24 @@ def train(
 
     Parameters
     ----------
+    overwrite : bool, default=False
+        Replace an existing model version (once the new one is complete). Without it an
+        existing version is refused before training starts.
     scheduler : str or dask.distributed.Client, optional
         Train on a Dask cluster (``[compute] scheduler``): bags are read and featurised
         by its workers (:mod:`core.streaming`).
     streaming : bool, optional
         Stream bags from their files on local threads (``[compute] streaming``), so that
         memory holds a few bags at a time, not the data set. Same model as in memory.
+
+    Raises
+    ------
+    ArtifactError
+        The model version exists (``output/name/version``) and ``overwrite`` is false:
+        refused before any data is read, so nothing is trained and nothing stored is
+        touched.
+    ConfigError
+        The configuration is invalid.
 
     Warns
     -----
@@ -81,6 +94,15 @@ def train(
     grid, widen = _search_table(config)
     candidates = _candidates(estimator, list(ParameterGrid(grid)) or [{}])
     serving = _serving(config)
+    path = out_dir / name / version
+    if path.exists() and not overwrite:
+        # Before the data are read: training only to be refused at the end wastes it all.
+        # The artifact's own check (core.artifacts.save) still guards the directory
+        # appearing while this trains.
+        raise ArtifactError(
+            f"{path} already exists: pass --overwrite (bagserve train) or overwrite=True "
+            "(train()) to replace it, or give the model another [model] version"
+        )
     # Bars inside the estimators' own searches too (core.progress), unless quiet. The
     # estimators' own grid-edge warnings (one per fold) are left to the search, which
     # widens those grids and reports each edge once below.
@@ -95,4 +117,4 @@ def train(
                 config, estimator, candidates, grid, widen, pre_spec, progress
             )
     _warn_edges(fitted.edges)
-    return _save(fitted, config, out_dir / name / version, name, version, overwrite, serving)
+    return _save(fitted, config, path, name, version, overwrite, serving)
