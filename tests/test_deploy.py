@@ -1,16 +1,15 @@
 """Deployment files: the image's properties, its exact command served from a clean
-environment, the compose file, the example requests of the README, and the wheel."""
+environment, the compose file and the example requests of the README (the wheel and the
+locks: test_packaging.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import httpx
@@ -75,16 +74,20 @@ def test_compose_file_properties():
     )
 
 
+def image_bin() -> Path:
+    """Where the image's command is found: the image's environment that `make image-env`
+    built (the wheel on the image's lock; CI sets BAGSERVE_IMAGE_ENV), else this one."""
+    env = os.environ.get("BAGSERVE_IMAGE_ENV")
+    return Path(env) / "bin" if env else Path(sys.executable).parent
+
+
 def test_image_command_serves_from_a_clean_environment(tmp_path):
     """Run the image's exact CMD with the image's ENV (only the models directory and
     the port moved), from an empty working directory, and ask it for a prediction."""
     models = tmp_path / "models"
     build_demo_models(models)
     port = free_port()
-    env = {
-        "PATH": str(Path(sys.executable).parent) + os.pathsep + "/usr/bin:/bin",
-        **env_of_image(),
-    }
+    env = {"PATH": str(image_bin()) + os.pathsep + "/usr/bin:/bin", **env_of_image()}
     env.update(
         BAGSERVE_MODELS_DIR=str(models),
         BAGSERVE_DATA_DIR=str(tmp_path / "data"),
@@ -116,52 +119,3 @@ def test_image_command_serves_from_a_clean_environment(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
-
-
-def test_wheel_installs_one_bagserve_package(tmp_path):
-    # Built from what the Dockerfile copies into its build stage, in a fresh directory:
-    # a stale build/ folder of the work tree must not decide what the wheel holds.
-    src = tmp_path / "src"
-    src.mkdir()
-    for line in (ROOT / "Dockerfile").read_text().splitlines():
-        if line.startswith("COPY ") and "--from" not in line:
-            for name in line.split()[1:-1]:
-                source = ROOT / name
-                if source.is_dir():
-                    shutil.copytree(
-                        source, src / name, ignore=shutil.ignore_patterns("__pycache__")
-                    )
-                else:
-                    shutil.copy2(source, src / name)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(src),
-        ],
-        check=True,
-    )
-    (wheel,) = tmp_path.glob("bagserve-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "bagserve/core/__init__.py" in names and "bagserve/service/app.py" in names
-    assert "bagserve/cli.py" in names and "bagserve/core/estimators/transfer.py" in names
-    # The pages' assets ship with the package (offline docs and console).
-    for asset in (
-        "static/console/index.html",
-        "static/console/console.js",
-        "static/vendor/swagger-ui/swagger-ui-bundle.js",
-        "static/vendor/redoc/redoc.standalone.js",
-        "static/vendor/redoc/LICENSE",
-    ):
-        assert f"bagserve/service/{asset}" in names, asset
-    # Nothing lands as a top-level `core` or `service`: PyPI's `service` package, or a
-    # lab repository's own `core/` folder, would otherwise replace or shadow ours.
-    top = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
-    assert top == {"bagserve"}, top
-    assert any(n.endswith("entry_points.txt") for n in names)
