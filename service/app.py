@@ -27,6 +27,7 @@ from .audit import AuditLog
 from .database import Database
 from .deps import Services, ServicesDep
 from .errors import install_handlers
+from .exposure import anonymous_exposure
 from .file_import import import_files
 from .idempotency import IdempotencyStore
 from .job_runner import JobRunner
@@ -202,6 +203,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not on Windows
             loop.add_signal_handler(signal.SIGHUP, on_hangup)
+        # At every start (not in create_app: `bagserve openapi` builds an app too), and
+        # again in /readyz for whoever checks the deployment rather than the log.
+        exposure = anonymous_exposure(settings)
+        if exposure:
+            log.warning(exposure, extra={"host": settings.host})
         log.info(
             "serving",
             extra={

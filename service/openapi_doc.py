@@ -178,6 +178,19 @@ _READINESS: dict[str, Any] = {
             "type": "string",
             "description": "`ok`, or why the state database cannot be reached",
         },
+        "anonymous_public": {
+            "type": "boolean",
+            "description": (
+                "anyone may call the service without a key on a non-loopback address "
+                "(no BAGSERVE_API_KEYS, no BAGSERVE_ALLOW_ANONYMOUS=true); the service "
+                "is still ready"
+            ),
+        },
+        "warnings": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "what the deployment should change, in words (empty: nothing)",
+        },
     },
 }
 _JOB_ACCEPTED: dict[str, Any] = {

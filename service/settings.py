@@ -60,6 +60,13 @@ class Settings(BaseSettings):
             "empty: no authentication"
         ),
     )
+    allow_anonymous: bool = Field(
+        False,
+        description=(
+            "no API keys on a non-loopback host is meant (e.g. behind a gateway that "
+            "authenticates): no start-up warning, no warning in /readyz"
+        ),
+    )
     trusted_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description=(

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..deps import ServicesDep
+from ..exposure import anonymous_exposure
 
 router = APIRouter(tags=["health"])
 
@@ -59,7 +60,10 @@ async def readyz(request: Request, svc: ServicesDep) -> JSONResponse:
     """Ready when every worker is alive, at least one model is served and the database
     (jobs, idempotency, audit) answers: a replica that cannot record its audit trail
     must not take predictions. Without a key: the status and the reasons; with a valid
-    key (or no keys configured): the models, refused artifacts, workers and database."""
+    key (or no keys configured): the models, refused artifacts, workers and database,
+    and whether anyone may call it anonymously on a non-loopback address
+    (``anonymous_public``, explained in ``warnings``): reported, not a reason to be
+    unready, since the image's health check reads this probe."""
     # A presented key must be valid (401 otherwise); none at all is an outsider.
     detailed = not svc.auth.enabled or (
         svc.auth.presented(request) is not None and svc.auth.check(request) is not None
@@ -76,10 +80,14 @@ async def readyz(request: Request, svc: ServicesDep) -> JSONResponse:
     ready = pool.ready and not reasons
     body: dict[str, Any] = {"status": "ready" if ready else "not ready", "reasons": reasons}
     if detailed:
+        # Keys configured means no anonymous exposure: warnings are empty for insiders.
+        exposure = anonymous_exposure(svc.settings)
         body.update(
             models=models,
             model_failures=svc.registry.failures,
             workers=workers,
             database=database,
+            anonymous_public=exposure is not None,
+            warnings=[exposure] if exposure else [],
         )
     return JSONResponse(body, status_code=200 if ready else 503)
