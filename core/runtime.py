@@ -563,6 +563,20 @@ class ArtifactInfo:
             )
         return None
 
+    def far_cells_problem(self) -> str | None:
+        """Why cells far from every population cannot be reported unassigned by this
+        model (``None`` when they can: a per-cell classifier that kept its
+        populations' statistics)."""
+        if self.kind is not ModelKind.CELL or not self.classifies:
+            return "unassigned cells come from per-cell classifiers only"
+        state = (self.manifest.get("model") or {}).get("state") or {}
+        if "population_means_" not in state:
+            return (
+                "this model keeps no statistics of its populations (trained before "
+                "bagserve reported cells far from them): retrain it with `bagserve train`"
+            )
+        return None
+
     def card(self) -> str:
         """The model card (Markdown, :func:`core.card.render_card`) with provenance."""
         from .card import render_card
@@ -667,6 +681,7 @@ class ModelRuntime:
         exceed: Sequence[float] = (),
         coverage: float | None = None,
         probabilities: bool = False,
+        unassigned: float | None = None,
         preprocessed: bool = False,
     ) -> Prediction:
         """The model's typed answer for aligned bags.
@@ -684,6 +699,14 @@ class ModelRuntime:
         probabilities : bool, default=False
             Per-cell classifiers: every cell's class probabilities (the population
             summary's mean probabilities come without asking).
+        unassigned : float in (0, 1), optional
+            Per-cell classifiers: cells beyond this χ² level of Mahalanobis distance
+            from the population they were given (under its training covariance) are
+            answered ``"unassigned"`` (:meth:`MarginalTransferClassifier.far_from_populations`),
+            a row of their own in the population summary. The model's probabilities
+            say nothing of that rule: asked together with ``probabilities`` it is
+            refused, and the summary's mean probabilities are left out where it adds
+            the row.
         preprocessed : bool, default=False
             The bags already went through :meth:`preprocess`.
 
@@ -698,11 +721,17 @@ class ModelRuntime:
             problem = self.info.interval_problem(coverage)
         if problem is None and probabilities:
             problem = self.info.probability_problem()
+        if problem is None and unassigned is not None:
+            problem = self.info.far_cells_problem()
+            if problem is None and not 0.0 < unassigned < 1.0:
+                problem = f"unassigned must be a level in (0, 1) such as 0.999, got {unassigned!r}"
+            if problem is None and probabilities:
+                problem = "ask for probabilities or unassigned cells, not both"
         if problem is not None:
             raise ValueError(problem)
         if not preprocessed:
             bags = self.preprocess(bags)
-        result = self._predict(bags, quantiles, exceed, coverage, probabilities)
+        result = self._predict(bags, quantiles, exceed, coverage, probabilities, unassigned)
         # The one place the out-of-domain policy is applied: every door reads status.
         domain = result.domain
         status = statuses(
@@ -719,10 +748,11 @@ class ModelRuntime:
         exceed: Sequence[float],
         coverage: float | None,
         probabilities: bool,
+        unassigned: float | None = None,
     ) -> Prediction:
         sizes = np.asarray(bags.sizes, dtype=np.int64)
         if self.kind is ModelKind.CELL:
-            return self._predict_cells(bags, sizes, probabilities)
+            return self._predict_cells(bags, sizes, probabilities, unassigned)
         parts = [
             self._predict_chunk(bags[a:b], quantiles, exceed, coverage) for a, b in _chunks(sizes)
         ]
@@ -797,7 +827,11 @@ class ModelRuntime:
         return out
 
     def _predict_cells(
-        self, bags: Bags, sizes: NDArray[np.int64], probabilities: bool
+        self,
+        bags: Bags,
+        sizes: NDArray[np.int64],
+        probabilities: bool,
+        unassigned: float | None = None,
     ) -> CellPrediction:
         results = self.model.predict_tasks(bags)
         labels = np.concatenate([r.predictions for r in results])
@@ -806,15 +840,28 @@ class ModelRuntime:
         if classes is None:
             return CellPrediction(labels=labels, sizes=sizes, domain=domain)
         classes = np.asarray(classes)
+        codes = np.searchsorted(classes, labels)
+        added = False
+        if unassigned is not None:
+            from .estimators._transfer_reject import UNASSIGNED
+
+            far = self.model.far_from_populations(bags, labels, unassigned)
+            rest = [k for k, c in enumerate(classes.tolist()) if c == UNASSIGNED]
+            if not rest:
+                # The model has no rest class: "unassigned" becomes a row of its own.
+                classes = np.append(classes.astype(str), UNASSIGNED)
+                rest, added = [classes.size - 1], True
+            # Strings throughout: the answer crosses processes as plain arrays.
+            labels = np.where(far, UNASSIGNED, labels.astype(str))
+            codes = np.where(far, rest[0], codes)
         # Counts per (bag, class) in one bincount: bag index times K plus class code.
         bag_of = np.repeat(np.arange(sizes.shape[0]), sizes)
-        codes = np.searchsorted(classes, labels)
         counts = np.bincount(
             bag_of * classes.size + codes, minlength=sizes.shape[0] * classes.size
         ).reshape(sizes.shape[0], classes.size)
         temperature = self.info.probability_temperature
         mean_p = per_cell = None
-        if temperature is not None:
+        if temperature is not None and not added:
             from .calibration import probabilities as calibrated_probabilities
 
             per_cell = calibrated_probabilities(

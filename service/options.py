@@ -53,6 +53,10 @@ class PredictOptions:
     plot : int
         Per-cell models: ``?plot=N`` adds up to ``N`` cells per bag (a seeded draw),
         preprocessed as the model sees them, with their labels, for a scatter plot.
+    unassigned : float or None
+        Per-cell classifiers: ``?unassigned=0.999`` answers ``"unassigned"`` for every
+        cell beyond that χ² level of Mahalanobis distance from the population it was
+        given (a row of its own in the summary); not with ``probabilities``.
     """
 
     quantiles: tuple[float, ...] = ()
@@ -62,6 +66,7 @@ class PredictOptions:
     cells: bool = True
     probabilities: bool = False
     plot: int = 0
+    unassigned: float | None = None
 
     @classmethod
     def parse(cls, entry: ModelEntry, params: Mapping[str, Any]) -> PredictOptions:
@@ -104,6 +109,20 @@ class PredictOptions:
             unavailable = entry.info.probability_problem()
             if unavailable is not None:
                 problems.append(f"{entry.key}: {unavailable}")
+        if params.get("unassigned") not in (None, ""):
+            level = _level(params["unassigned"])
+            unavailable = entry.info.far_cells_problem()
+            if level is None:
+                problems.append(
+                    f"unassigned must be a level in (0, 1) such as 0.999, "
+                    f"got {params['unassigned']!r}"
+                )
+            elif unavailable is not None:
+                problems.append(f"{entry.key}: {unavailable}")
+            elif parsed.get("probabilities"):
+                problems.append("ask for probabilities or unassigned cells, not both")
+            else:
+                parsed["unassigned"] = level
         if interval is not None and interval.strip():
             try:
                 parsed["coverage"] = float(interval)
@@ -142,7 +161,7 @@ class PredictOptions:
         out: dict[str, Any] = {k: list(v) for k, v in asked if v}
         if self.coverage is not None:
             out["coverage"] = self.coverage
-        for name in ("compensated", "cells", "probabilities", "plot"):
+        for name in ("compensated", "cells", "probabilities", "plot", "unassigned"):
             if getattr(self, name) != getattr(PredictOptions, name):
                 out[name] = getattr(self, name)
         return out
@@ -154,6 +173,15 @@ class PredictOptions:
         for name in ("quantiles", "exceed"):
             spec[name] = tuple(spec.get(name, ()))
         return cls(**spec)
+
+
+def _level(value: Any) -> float | None:
+    """A level in (0, 1) as a query string or JSON gives it; None if it is not one."""
+    try:
+        level = float(value)
+    except (TypeError, ValueError):
+        return None
+    return level if 0.0 < level < 1.0 else None
 
 
 def _flag(value: Any) -> bool | None:

@@ -83,6 +83,7 @@ def predict_message(
         exceed=options.exceed,
         coverage=options.coverage,
         probabilities=options.probabilities,
+        unassigned=options.unassigned,
     )
     plots = plot_samples(entry, points, result, options.plot) if options.plot else None
     t3 = time.perf_counter()

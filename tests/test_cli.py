@@ -243,14 +243,17 @@ def test_train_gvhd_example_cell_level(tmp_path, capsys):
     assert f"Weakest class: `{weakest}`" in card and "95 % limits of agreement" in card
     assert "Population frequencies: Bland–Altman" in page and "Weak spots" in page
     model = load(path)
-    assert set(model.classes_) == {"gate 1", "gate 3", "gate 4", "other"}
+    # [labels] unassigned = "other": those cells are the rest class, "unassigned".
+    assert set(model.classes_) == {"gate 1", "gate 3", "gate 4", "unassigned"}
+    assert model.unassigned == "unassigned" and "reject" in model.selection_
+    assert "unassigned" in labels and "unassigned" in page
     code, out, _ = run(
         capsys, "predict", str(path), str(GVHD / "sample5.csv.gz"), "--format", "csv"
     )
     rows = list(csv.DictReader(io.StringIO(out)))
     # The population summary per file, with the trust fields; every cell with --cells.
     assert list(rows[0])[:4] == ["file", "class", "count", "percent"]
-    assert {r["class"] for r in rows} <= {"gate 1", "gate 3", "gate 4", "other"}
+    assert {r["class"] for r in rows} == {"gate 1", "gate 3", "gate 4", "unassigned"}
     n_cells = sum(int(r["count"]) for r in rows)
     assert sum(float(r["percent"]) for r in rows) == pytest.approx(100)
     assert {r["status"] for r in rows} <= {"final", "preliminary"} and rows[0]["file_sha256"]

@@ -370,6 +370,38 @@ def test_marginal_transfer_model_labels_every_cell(http, models):
     )
 
 
+def test_cells_far_from_every_population_are_unassigned_on_request(http, models):
+    tasks, _, markers = demo_samples("gating", 1, 6)
+    cells = np.asarray(tasks[0]).copy()
+    cells[:7] += 40.0  # seven cells no population is anywhere near
+    body = {"bags": [{"id": "p", "markers": markers, "points": cells.tolist()}]}
+    r = http.post("/v1/models/demo-gating/predict?unassigned=0.999", json=body)
+    assert r.status_code == 200, r.text
+    (pred,) = r.json()["predictions"]
+    model = load(models / "demo-gating" / "1")
+    labels = model.predict([cells])
+    # Oracle: the model's own labels, with its far-cell rule applied.
+    far = model.far_from_populations([cells], labels, 0.999)
+    assert far[:7].all()
+    expected = np.where(far, "unassigned", labels.astype(str))
+    np.testing.assert_array_equal(np.asarray(pred["labels"], dtype=str), expected)
+    rows = {row["class"]: row for row in pred["population"]}
+    assert rows["unassigned"]["count"] == int(far.sum())
+    assert sum(row["count"] for row in rows.values()) == cells.shape[0]
+    # Without asking, no cell is unassigned; bad levels and the mix with probabilities
+    # are refused before the body is read.
+    plain = http.post("/v1/models/demo-gating/predict", json=body).json()["predictions"][0]
+    assert "unassigned" not in {row["class"] for row in plain["population"]}
+    for query, message in (
+        ("unassigned=2", "unassigned must be a level in (0, 1)"),
+        ("unassigned=0.99&probabilities=true", "not both"),
+    ):
+        r = http.post(f"/v1/models/demo-gating/predict?{query}", json=body)
+        assert r.status_code == 422 and message in r.text
+    r = http.post("/v1/models/demo-dose/predict?unassigned=0.99", json={"bags": []})
+    assert r.status_code == 422 and "per-cell classifiers only" in r.text
+
+
 # ----------------------------------------------------------------- errors
 def test_density_feature_model_serves_and_reports_clipped_cells(http, models):
     """Paper 001 features: same answer as in process; clipped cells are reported."""

@@ -460,7 +460,7 @@ def test_training_configuration_names_batches(tmp_path):
     # A data file the sheet does not name is an error naming it.
     (tmp_path / "samples.csv").write_text("\n".join(sheet.splitlines()[:-1]) + "\n")
     with pytest.raises(ConfigError, match=names[-1]):
-        train(cfg)
+        train(cfg, overwrite=True)
 
 
 def test_runtime_answers_say_which_tasks_the_fallback_answered(tmp_path):

@@ -7,9 +7,12 @@ import numpy as np
 import pytest
 from bagserve.core import Bags, MarginalTransferClassifier
 from bagserve.core.alignment import calibrate, mmd_map
+from bagserve.core.artifacts import load
 from bagserve.core.bags import BagValidationError, align_quantiles, bag_quantiles
 from bagserve.core.datasets import make_batched_cytometry_tasks
+from bagserve.core.errors import ConfigError
 from bagserve.core.estimators._transfer_reject import far_from_populations, reject_scores
+from bagserve.core.training import train
 from scipy.spatial.distance import mahalanobis
 from scipy.stats import chi2
 
@@ -175,3 +178,63 @@ def test_a_task_out_of_range_is_calibrated_then_answered_by_the_primary_model():
     np.testing.assert_array_equal(model.predict([new]), plain.predict(aligned))
     (arrived,) = plain.task_report([new])
     assert report.distance == arrived.distance  # the flag is the task's own
+
+
+# ----------------------------------------------------------------- configuration
+def _config(tmp_path, labels: str, estimator: str = "MarginalTransferClassifier") -> str:
+    tasks, y, _ = batched(60)
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    for t in range(len(tasks)):
+        x = np.asarray(tasks[t])
+        lab = y[tasks.offsets[t] : tasks.offsets[t + 1]]
+        rows = "\n".join(
+            ",".join(f"{v:.6f}" for v in r) + f",{c}" for r, c in zip(x, lab, strict=True)
+        )
+        (data / f"s{t}.csv").write_text("M0,M1,M2,M3,y\n" + rows + "\n")
+    params = "random_state = 0"
+    if estimator == "MarginalTransferClassifier":
+        params += "\nn_components = 16\ntau = [0.0, 1.0]\nalpha = [1e-3]"
+    cfg = tmp_path / "open.toml"
+    cfg.write_text(
+        f"""
+[model]
+name = "open"
+output = "models"
+[data]
+files = "data/*.csv"
+cell_label_column = "y"
+{labels}
+[panel]
+markers = ["M0", "M1", "M2", "M3"]
+[estimator]
+class = "{estimator}"
+{params}
+[search]
+widen_edges = false
+"""
+    )
+    return str(cfg)
+
+
+def test_the_configuration_names_the_rest_label_and_answers_call_it_unassigned(tmp_path):
+    result = train(_config(tmp_path, '[labels]\nunassigned = "0"'))
+    model = load(result.path)
+    assert model.classes_.tolist() == ["1", "2", "unassigned"]
+    assert model.unassigned == "unassigned" and model.rest_code_ == 2
+    assert "unassigned" in result.metrics["cv"]["labels"]
+
+
+@pytest.mark.parametrize(
+    ("labels", "estimator", "message"),
+    [
+        ('[labels]\nunassigned = "7"', "MarginalTransferClassifier", "names no label of the data"),
+        ('[labels]\nrest = "0"', "MarginalTransferClassifier", r"\[labels\] unknown key"),
+        ('[labels]\nunassigned = "0"', "DistributionRidgeClassifier", "labels no cells"),
+    ],
+)
+def test_a_rest_label_the_data_or_model_cannot_take_is_refused(
+    tmp_path, labels, estimator, message
+):
+    with pytest.raises(ConfigError, match=message):
+        train(_config(tmp_path, labels, estimator))

@@ -13,6 +13,11 @@ A configuration (see ``examples/``) has these tables; paths are relative to the 
                      "group": the subject, patient or donor of each file; the folds,
                      the estimator's own search and calibration and the domain check
                      then leave whole subjects out); n_jobs (parallel reading)
+    [labels]         unassigned: the label (after ``label_map``) of cells no
+                     population claims (e.g. the ungated ones); they are answered
+                     as ``"unassigned"``, their own row everywhere, and the model
+                     may add cells no population claims to them (per-cell
+                     classifiers; see ``MarginalTransferClassifier(unassigned=)``)
     [panel]          markers (names, in model order), aliases (name -> other names)
     [preprocessing]  compensation ("none" | "file" | a spillover CSV), transform
                      ("none" | "arcsinh" | "log" | "logicle" | "hyperlog"), cofactor,
@@ -57,6 +62,7 @@ from ..estimators import (
     MarginalTransferClassifier,
     MarginalTransferRegressor,
 )
+from ..estimators._transfer_reject import UNASSIGNED
 from ..fhir_coding import OutputCoding
 from ..io import Compensation, Panel
 from ..policy import DEFAULT_POLICY, POLICIES
@@ -90,6 +96,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
         "model",
         "data",
         "panel",
+        "labels",
         "preprocessing",
         "estimator",
         "search",
@@ -126,6 +133,37 @@ def build_estimator(spec: Mapping[str, Any], where: str = "estimator") -> BaseEs
             f"[{where}] {name} has no parameter(s) {sorted(bad)}; allowed: {sorted(allowed)}"
         )
     return cls(**params)
+
+
+def config_rest_label(config: Mapping[str, Any]) -> str | None:
+    """``[labels] unassigned``: the data's label of cells no population claims, or None."""
+    table = dict(config.get("labels", {}))
+    unknown = set(table) - {"unassigned"}
+    if unknown:
+        raise ConfigError(f"[labels] unknown key(s) {sorted(unknown)}; expected unassigned")
+    rest = table.get("unassigned")
+    if rest is not None and not isinstance(rest, str | int):
+        raise ConfigError(f"[labels] unassigned must be a label (a string), got {rest!r}")
+    return None if rest is None else str(rest)
+
+
+def with_rest_label(config: Mapping[str, Any], estimator: BaseEstimator) -> BaseEstimator:
+    """The estimator told which class is the rest class (``[labels] unassigned``): its
+    cells are labelled :data:`UNASSIGNED` when the data are read."""
+    if config_rest_label(config) is None:
+        return estimator
+    params = estimator.get_params(deep=False)
+    if "unassigned" not in params:
+        raise ConfigError(
+            f"[labels] unassigned: {type(estimator).__name__} labels no cells; only "
+            "per-cell classifiers (MarginalTransferClassifier) have a rest class"
+        )
+    if params["unassigned"] not in (None, UNASSIGNED):
+        raise ConfigError(
+            "[labels] unassigned and [estimator] unassigned both name the rest class: "
+            "give it once, in [labels]"
+        )
+    return estimator.set_params(unassigned=UNASSIGNED)
 
 
 def _resolve(base: Path, value: str | list[str]) -> list[Path]:

@@ -20,9 +20,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..errors import ConfigError, DataError
+from ..estimators._transfer_reject import UNASSIGNED
 from ..io import Compensation, Dataset, Panel, load_dataset, read_file_table
 from ..streaming import points_sha256
-from .config import _config_compensation, _config_panel, _resolve
+from .config import _config_compensation, _config_panel, _resolve, config_rest_label
 
 
 def read_data(
@@ -74,8 +75,29 @@ def read_data(
         compensation=compensation,
     )
     if dataset.y is not None:
-        dataset.y = _apply_label_map(label_map, dataset.y)
+        dataset.y = _mark_unassigned(config, _apply_label_map(label_map, dataset.y))
     return dataset
+
+
+def _mark_unassigned(config: Mapping[str, Any], y: np.ndarray) -> np.ndarray:
+    """The rest label of ``[labels] unassigned`` renamed :data:`UNASSIGNED`, so that
+    every answer, summary and report shows those cells as their own row."""
+    rest = config_rest_label(config)
+    if rest is None:
+        return y
+    keys = np.array([_label_key(v) for v in y.tolist()])
+    if not np.any(keys == rest):
+        present = sorted(set(keys.tolist()))
+        raise ConfigError(
+            f"[labels] unassigned = {rest!r} names no label of the data (after "
+            f"[data] label_map); the labels are {present[:20]}"
+        )
+    if UNASSIGNED in keys.tolist() and rest != UNASSIGNED:
+        raise ConfigError(
+            f"[labels] unassigned = {rest!r}: the data already has a label "
+            f"{UNASSIGNED!r}; map one of them to another name in [data] label_map"
+        )
+    return np.where(keys == rest, UNASSIGNED, keys.astype(object)).astype(str)
 
 
 def _apply_label_map(label_map: Mapping[str, Any] | None, y: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ from .config import (
     _serving,
     build_estimator,
     load_config,
+    with_rest_label,
 )
 from .edges import _warn_edges
 from .fit_memory import _train_in_memory
@@ -79,7 +80,7 @@ def train(
     name = str(model_cfg.get("name", Path(config_path).stem))
     version = str(model_cfg.get("version", "1"))
     out_dir = Path(output) if output is not None else base / model_cfg.get("output", "models")
-    estimator = build_estimator(config["estimator"])
+    estimator = with_rest_label(config, build_estimator(config["estimator"]))
     scheduler, stream = _compute_options(config, scheduler, streaming)
     pre_spec = dict(config.get("preprocessing", {}))
     # A spillover CSV is read once here and travels in the spec (and the manifest).

@@ -193,6 +193,19 @@ _PREDICT_DOC: dict[str, Any] = {
                 "classes). Column order of CSV and NPY: the `Bagserve-Classes` header."
             ),
         },
+        {
+            "name": "unassigned",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+            "example": 0.999,
+            "description": (
+                "Per-cell classifiers: every cell farther from the population it was given "
+                "than this chi-square level of Mahalanobis distance (under that "
+                "population's training covariance) is answered `unassigned`, a row of its "
+                "own in the `population` summary. Not with `probabilities`."
+            ),
+        },
         *(
             {
                 "name": name,
