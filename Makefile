@@ -129,6 +129,7 @@ bench: $(BIN)/.dev-installed
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg_baselines.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_reference_sample.py
+	$(BENCH_ENV) $(BIN)/python bench/bench_new_batch.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg_regression.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_scale.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_conformal.py
