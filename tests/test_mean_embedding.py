@@ -183,3 +183,38 @@ def test_several_bandwidths_in_one_pass(rng, kernel, weighted):
     cross = set_kernel_gram(other, bags, kernel, sigmas)
     single = set_kernel_gram(other, bags, kernel, sigmas[3])
     np.testing.assert_allclose(cross[3], single, rtol=1e-11)
+
+
+@pytest.mark.parametrize("block_entries", [1, 2, 10, 49, 400, 4000])
+@pytest.mark.parametrize("kernel", ["gaussian", "laplace"])
+def test_every_block_grid_counts_each_point_pair_once(rng, block_entries, kernel):
+    """Row chunks are shorter than column chunks: the symmetric Gram skips the blocks
+    below the diagonal and mirrors those above it, which is exact only if every point
+    pair is counted once (directly or mirrored), whatever the grid."""
+    bags = random_bags(rng, n_bags=9, sizes=(1, 40), weighted=True)
+    naive = naive_set_kernel(bags, kernel, 1.1)
+    sym = set_kernel_gram(bags, None, kernel, 1.1, block_entries=block_entries)
+    np.testing.assert_allclose(sym, naive, rtol=1e-12)
+    np.testing.assert_allclose(
+        set_kernel_gram(bags, None, kernel, 1.1, block_entries=block_entries, n_jobs=2),
+        naive,
+        rtol=1e-12,
+    )
+
+
+def test_the_gram_holds_blas_to_one_thread(monkeypatch):
+    """A block's GEMM is thin (inner dimension d + 2): BLAS threads only spin."""
+    from bagserve.core.representations import mean
+    from threadpoolctl import threadpool_info
+
+    seen = []
+    real = np.matmul
+
+    def spy(*args, **kwargs):
+        seen.append({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
+        return real(*args, **kwargs)
+
+    bags = random_bags(np.random.default_rng(0), n_bags=4, sizes=(5, 9))
+    monkeypatch.setattr(mean.np, "matmul", spy)
+    set_kernel_gram(bags, None, "gaussian", 1.0)
+    assert seen and all(threads == {1} for threads in seen)

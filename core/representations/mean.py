@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy.spatial.distance import cdist, pdist
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 from .._random import check_generator
 from ..bags import Bags
@@ -39,11 +39,34 @@ from .base import n_threads_for as _n_threads
 
 __all__ = ["MeanEmbedding", "SetKernelEmbedding", "set_kernel_gram"]
 
-# Point-kernel blocks hold at most this many float64 entries (8 MiB): small enough
-# to stay in cache through the exp and the two reductions.
+# Random-feature and Nyström chunks hold at most this many float64 entries (8 MiB).
 _BLOCK_ENTRIES = 1 << 20
+# Point-kernel blocks of the exact Gram hold at most this many float64 entries (2 MiB,
+# 256 x 1024 points): a block is written by the GEMM, then read and written by the exp,
+# then read by the reduction, and at this size those passes stay in the caches. On this
+# 2-core machine 256 x 1024 blocks were as fast as 1024 x 1024 ones or up to 15 % faster
+# in the same runs, the more so under load.
+_GRAM_BLOCK_ENTRIES = 1 << 18
 # The median heuristic looks at pairwise distances of at most this many points.
 _MEDIAN_SUBSAMPLE = 2000
+
+
+_BLAS: ThreadpoolController | None = None
+
+
+def _one_blas_thread() -> Any:
+    """A context holding BLAS to one thread (the controller, which inspects the loaded
+    libraries for ~5 ms, is made once; entering and leaving then costs microseconds).
+
+    A block's GEMM has an inner dimension of only ``d + 2``: too little work per entry
+    for BLAS threads to pay off. On a loaded machine their spin-waiting made the whole
+    exact Gram about 4x slower than one thread (bench_gram.py), and with ``n_jobs``
+    threads sharing the blocks they would only compete with them.
+    """
+    global _BLAS
+    if _BLAS is None:
+        _BLAS = ThreadpoolController()
+    return _BLAS.limit(limits=1, user_api="blas")
 
 
 def _chunk_bounds(n_points: int, chunk: int) -> list[tuple[int, int]]:
@@ -103,18 +126,20 @@ def set_kernel_gram(
     kernel: str,
     bandwidth: float | ArrayLike,
     *,
-    block_entries: int = _BLOCK_ENTRIES,
+    block_entries: int = _GRAM_BLOCK_ENTRIES,
     n_jobs: int | None = None,
 ) -> NDArray[np.float64]:
     """Set-kernel Gram ``⟨μ_a, μ_b⟩`` between all bags of ``A`` and ``B``, by blocks.
 
     Points of both sides are cut into chunks (independently of bag boundaries) so a
     block of the point kernel has at most ``block_entries`` entries (small enough to
-    stay in cache); each block is weighted and reduced to bag pairs with segment
-    sums, and partial bags at chunk edges accumulate into the same cells. With
-    ``B=None`` only chunk pairs on or above the diagonal are computed and mirrored.
-    ``n_jobs`` threads share the row chunks (numpy's ``exp`` and the reductions
-    release the GIL; BLAS is held to one thread meanwhile).
+    stay in cache). A Gaussian block is one GEMM of factors that carry the points'
+    squared norms, computed once per call (:func:`_kernel_factors`), then one ``exp``;
+    each block is weighted and reduced to bag pairs with segment sums, and partial bags
+    at chunk edges accumulate into the same cells. With ``B=None`` only chunk pairs on
+    or above the diagonal are computed and mirrored. ``n_jobs`` threads share the row
+    chunks (numpy's ``exp`` and the reductions release the GIL); BLAS is held to one
+    thread throughout (:func:`_one_blas_thread`).
 
     Several bandwidths cost one pass over the points: each block's distances are
     computed once, and on a geometric grid of ratio ``2^(j/2)`` (Gaussian) or
@@ -142,9 +167,15 @@ def set_kernel_gram(
     left, right = _kernel_factors(A, B, kernel, float(sigmas[order[0]]))
     wa, wb = A.point_weights(), B.point_weights()
     inv_b = 1.0 / B.sizes
-    chunk = max(1, math.isqrt(block_entries))
-    rows = _chunk_bounds(A.n_points, chunk)
+    # Short row chunks, column chunks a whole multiple of them (4x where the budget
+    # allows): every column boundary is then a row boundary, which the symmetric case
+    # needs to count each point pair exactly once (directly, or as a mirrored block).
+    rchunk = max(1, math.isqrt(block_entries) // 2)
+    chunk = rchunk * max(1, min(4, block_entries // rchunk**2))
+    rows = _chunk_bounds(A.n_points, rchunk)
     cols = _chunk_bounds(B.n_points, chunk)
+    # Each column chunk's bags, found once rather than once per row chunk.
+    col_segments = [_segments_in(B.offsets, c0, c1) for c0, c1 in cols]
     G = np.zeros((sigmas.size, len(A), len(B)))
     lock = threading.Lock()
 
@@ -163,10 +194,9 @@ def set_kernel_gram(
         buf_l = np.empty(n_buf)
         buf_k = np.empty(n_buf) if sigmas.size > 1 else buf_l
         buf_w = np.empty(n_buf) if B.is_weighted else None
-        for c0, c1 in cols:
+        for (c0, c1), (cb0, cb1, cstarts) in zip(cols, col_segments, strict=True):
             if sym and c1 <= r0:
                 continue  # below the diagonal: the mirror of a block computed elsewhere
-            cb0, cb1, cstarts = _segments_in(B.offsets, c0, c1)
             shape = (r1 - r0, c1 - c0)
             size = shape[0] * shape[1]
             L = buf_l[:size].reshape(shape)
@@ -198,12 +228,13 @@ def set_kernel_gram(
                         G[order[k], cb0:cb1, ra0:ra1] += part.T
 
     n_threads = min(_n_threads(n_jobs), len(rows))
-    if n_threads == 1:
-        for r in rows:
-            row_task(r)
-    else:
-        with threadpool_limits(1), ThreadPoolExecutor(n_threads) as pool:
-            list(pool.map(row_task, rows))
+    with _one_blas_thread():
+        if n_threads == 1:
+            for r in rows:
+                row_task(r)
+        else:
+            with ThreadPoolExecutor(n_threads) as pool:
+                list(pool.map(row_task, rows))
     if sym:
         G = 0.5 * (G + G.transpose(0, 2, 1))
     return G if np.ndim(bandwidth) else G[0]
