@@ -8,6 +8,13 @@ every marker and no label can be recovered that the data do not support):
 * ``"quantile"``: per marker, the sample's quantiles at a few levels are mapped onto
   the reference's, piecewise linearly (:func:`~core.bags.align_quantiles`; the
   landmark idea of CytoNorm, Van Gassen et al., *Cytometry A* 97, 2020);
+* ``"landmarks"`` (classifiers): every marker shifted so that the sample's
+  populations, as the model labels them, sit where the training populations sit; the
+  labels are renewed on the shifted sample and the shift refitted, a few times
+  (:func:`landmark_shift`). The landmarks are the populations' centres, not the
+  sample's pooled quantiles, so a sample whose proportions differ from the reference's
+  is not distorted by them (the landmark registration of Hahne et al., *Cytometry A*
+  77, 2010, with the model's own gates for landmarks);
 * ``"mmd"``: a per-marker monotone piecewise-linear map through knots at the
   sample's own quantiles, followed by an affine map of all markers, fitted by
   gradient steps on the maximum mean discrepancy between the mapped sample and the
@@ -32,10 +39,13 @@ from numpy.typing import NDArray
 from ._random import check_generator
 from .bags import QUANTILE_LEVELS, Bags, align_quantiles, bag_quantiles
 
-__all__ = ["CALIBRATIONS", "calibrate", "mmd_map"]
+__all__ = ["CALIBRATIONS", "calibrate", "landmark_shift", "mmd_map"]
 
-#: The calibrations a model may choose among, simplest first.
-CALIBRATIONS = ("none", "quantile", "mmd")
+#: The calibrations a model may choose among, simplest first (``"landmarks"`` needs
+#: the model's labels: classifiers only, see the estimator).
+CALIBRATIONS = ("none", "landmarks", "quantile", "mmd")
+#: A population takes part in the landmark shift with at least this many cells.
+LANDMARK_MIN_CELLS = 20
 #: Points of the sample and of the reference the MMD is estimated on.
 MMD_POINTS = 800
 #: Gradient steps (Adam) and their size, in units of the reference's marker sd.
@@ -146,6 +156,46 @@ def mmd_map(
     return (out @ A.T + c) * scale + centre
 
 
+def landmark_shift(
+    x: NDArray[np.float64],
+    codes: NDArray[np.int64],
+    centres: NDArray[np.float64],
+    skip: int | None = None,
+) -> NDArray[np.float64] | None:
+    """The per-marker shift that moves the sample's population centres onto the
+    training ones, each population weighted by its share of the sample.
+
+    Parameters
+    ----------
+    x : ndarray of shape (n, d)
+        The sample's cells, as they arrived.
+    codes : ndarray of shape (n,)
+        Each cell's population (column of ``centres``), as the model labels it.
+    centres : ndarray of shape (n_classes, d)
+        The training populations' centres, on the cells as they arrived.
+    skip : int, optional
+        A class that is no population (the rest class): not a landmark.
+
+    Returns
+    -------
+    ndarray of shape (d,) or None
+        ``None`` when fewer than two populations have :data:`LANDMARK_MIN_CELLS`
+        cells (one landmark cannot tell a shift from a different population).
+    """
+    counts = np.bincount(codes, minlength=centres.shape[0]).astype(np.float64)
+    use = counts >= LANDMARK_MIN_CELLS
+    if skip is not None:
+        use[skip] = False
+    use &= np.isfinite(centres).all(axis=1)
+    if use.sum() < 2:
+        return None
+    sums = np.zeros_like(centres)
+    np.add.at(sums, codes, x)
+    mine = sums[use] / counts[use, None]
+    w = counts[use] / counts[use].sum()
+    return (w[:, None] * (centres[use] - mine)).sum(axis=0)
+
+
 def calibrate(
     tasks: Bags,
     how: Literal["none", "quantile", "mmd"],
@@ -169,6 +219,8 @@ def calibrate(
         return tasks
     if how == "quantile":
         return align_quantiles(tasks, reference_quantiles)
+    if how == "landmarks":
+        raise ValueError("the landmark calibration needs a model's labels (the estimator's)")
     if how != "mmd":
         raise ValueError(f"calibration must be one of {CALIBRATIONS}, got {how!r}")
     if reference_points is None:

@@ -422,8 +422,10 @@ def test_far_task_is_flagged_and_falls_back_to_the_pooled_part(ellipses):
     # γ_P relative to the median heuristic (searched), so k_P decays on the tasks' scale.
     # The embedding bandwidth from the median heuristic too: the MMD is bounded, so a
     # too narrow inner kernel would make every task look alike.
+    # The task as it arrives (no calibration): what the pooled part alone answers.
     params = {**FIXED, "task_gamma": None, "alpha": [1e-4], "embedding": MeanEmbedding()}
-    model = MarginalTransferClassifier(random_state=0, **params).fit(tasks, y)
+    model = MarginalTransferClassifier(random_state=0, calibrate="none", **params)
+    model.fit(tasks, y)
     near = make_ellipse_tasks(1, 200, random_state=11)[0][0]
     # A new instrument: every marker scaled and offset.
     far = near * 3.0 + np.array([4.0, -2.0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from bagserve.core import Bags, MarginalTransferClassifier
-from bagserve.core.alignment import calibrate, mmd_map
+from bagserve.core.alignment import calibrate, landmark_shift, mmd_map
 from bagserve.core.artifacts import load
 from bagserve.core.bags import BagValidationError, align_quantiles, bag_quantiles
 from bagserve.core.datasets import make_batched_cytometry_tasks
@@ -157,10 +157,52 @@ def test_calibration_is_chosen_on_held_out_batches_and_none_without_them():
     record = model.selection_["calibration"]
     assert list(record["cv_error"]) == ["none", "quantile", "mmd"]
     assert model.calibration_ == record["chosen"]
+    landmarks = record["landmarks"]  # measured on refits of held-out batches
+    assert list(landmarks["cv_error"]) == ["none", "landmarks"]
+    assert len(landmarks["fold_errors"]["none"]) == 2
+    if landmarks["chosen"] == "landmarks":
+        assert model.calibration_ == "landmarks"
+    # Without batches nothing measures it: the stated rule, landmarks for classifiers.
     alone = MarginalTransferClassifier(**kw).fit(tasks, y)
-    assert (
-        alone.calibration_ == "none" and "no two batches" in alone.selection_["calibration"]["rule"]
-    )
+    assert alone.calibration_ == "landmarks"
+    assert "stated rule" in alone.selection_["calibration"]["rule"]
+
+
+def test_landmark_shift_is_the_share_weighted_mean_of_the_centre_differences():
+    rng = np.random.default_rng(3)
+    centres = np.array([[0.0, 0.0], [4.0, 1.0], [1.0, 5.0], [9.0, 9.0]])
+    codes = rng.choice(4, size=400, p=[0.5, 0.3, 0.15, 0.05])
+    x = centres[codes] + rng.normal(0, 0.3, (400, 2)) + np.array([2.0, -1.0])
+    shift = landmark_shift(x, codes, centres, skip=3)
+    # Naive oracle: per population (rest and rare ones left out), its mean's distance
+    # to the training centre, weighted by its cell count.
+    use = [k for k in range(3) if np.sum(codes == k) >= 20]
+    w = np.array([np.sum(codes == k) for k in use], dtype=float)
+    diffs = np.array([centres[k] - x[codes == k].mean(axis=0) for k in use])
+    np.testing.assert_allclose(shift, (w[:, None] * diffs).sum(0) / w.sum())
+    np.testing.assert_allclose(shift, [-2.0, 1.0], atol=0.1)
+    assert landmark_shift(x, np.zeros(400, dtype=np.int64), centres) is None
+
+
+def test_a_task_shifted_beyond_the_training_tasks_is_moved_back_by_its_landmarks():
+    tasks, y, _ = batched(300)
+    train = Bags.from_arrays([np.asarray(tasks[t]) for t in range(4)])
+    y_train = y[: train.n_points]
+    kw = {**SMALL, "tau": [0.0], "normalise": "none", "refine": "none", "point_bandwidth": 1.0}
+    model = MarginalTransferClassifier(calibrate="landmarks", **kw).fit(train, y_train)
+    original = np.asarray(tasks[1])
+    truth = y[train.offsets[1] : train.offsets[2]]
+    moved = original + np.array([3.0, -2.5, 2.0, 1.5])  # an instrument's offsets
+    (report,) = model.task_report([moved])
+    assert report.calibrated == "landmarks" and report.out_of_range
+    here = np.mean(model.predict([original]) == truth)
+    calibrated = np.mean(model.predict([moved]) == truth)
+    model.calibration_ = "none"
+    plain = np.mean(model.predict([moved]) == truth)
+    assert calibrated >= here - 0.02 and calibrated > plain + 0.03
+    # A training task itself is within the training tasks' landmark range: untouched.
+    model.calibration_ = "landmarks"
+    assert model.task_report([original])[0].calibrated is None
 
 
 def test_a_task_out_of_range_is_calibrated_then_answered_by_the_primary_model():
