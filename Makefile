@@ -121,6 +121,7 @@ test: lint
 
 # Timings first (they want a quiet machine), then the long paper reproductions.
 bench: $(BIN)/.dev-installed
+	$(BIN)/python bench/bench_cli_start.py
 	$(BIN)/python bench/bench_gram.py
 	$(BIN)/python bench/bench_service.py
 	$(BIN)/python bench/bench_jobs.py
