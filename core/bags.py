@@ -26,6 +26,7 @@ __all__ = [
     "align_quantiles",
     "as_bags",
     "bag_quantiles",
+    "normalise_each_bag",
     "segment_sum",
     "standardise_each_bag",
     "subsample_bags",
@@ -460,6 +461,22 @@ def standardise_each_bag(bags: Bags) -> Bags:
     sd = np.sqrt(segment_sum(w[:, None] * centred**2, bags.offsets))
     sd = np.where(sd > 0, sd, 1.0)
     return Bags(centred / sd[idx], bags.offsets, bags.weights, validate=False)
+
+
+def normalise_each_bag(bags: Bags, how: str, reference: NDArray[np.float64] | None) -> Bags:
+    """Bags after the per-bag normalisation ``how``: ``"standard"`` (each bag by its own
+    mean and standard deviation, :func:`standardise_each_bag`), ``"quantile"`` (each
+    bag's marker quantiles mapped onto ``reference``, :func:`align_quantiles`) or
+    ``"none"``."""
+    if how == "standard":
+        return standardise_each_bag(bags)
+    if how == "quantile":
+        if reference is None:
+            raise ValueError("the quantile normalisation needs reference quantiles")
+        return align_quantiles(bags, reference)
+    if how != "none":
+        raise ValueError(f"normalisation must be 'none', 'standard' or 'quantile', got {how!r}")
+    return bags
 
 
 #: Quantile levels of :func:`align_quantiles`' landmarks: dense in the tails, where

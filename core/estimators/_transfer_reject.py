@@ -31,11 +31,13 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.stats import chi2
 
+from ..bags import Bags, BagValidationError
 from ._transfer_cv import FoldEvaluator, one_standard_error_choice
 
 __all__ = [
     "REJECT_THRESHOLDS",
     "UNASSIGNED",
+    "OpenSetMixin",
     "choose_reject",
     "far_from_populations",
     "population_statistics",
@@ -176,3 +178,53 @@ def far_from_populations(
         d2 = np.einsum("ij,jk,ik->i", diff, precisions[k], diff)
         far[rows] = d2 > cut
     return far
+
+
+class OpenSetMixin:
+    """The rest class and the reject threshold of a fitted model (mixed into the
+    estimator)."""
+
+    def _rest_code(self) -> int | None:
+        """Column of the rest class (``unassigned``) among ``classes_``, or None."""
+        if self.unassigned is None or not self._is_classifier:
+            return None
+        names = self.classes_.tolist()
+        # Labels read from files are strings; a number given in Python names "0" too.
+        where = [k for k, c in enumerate(names) if c == self.unassigned] or [
+            k for k, c in enumerate(names) if str(c) == str(self.unassigned)
+        ]
+        if not where:
+            raise BagValidationError(
+                [
+                    f"unassigned={self.unassigned!r} names no training label; the labels "
+                    f"are {self.classes_.tolist()}"
+                ]
+            )
+        return int(where[0])
+
+    def _fit_open_set(self, tasks: Bags, Y: NDArray[np.float64]) -> None:
+        """The open-set state: the rest class's column, the reject threshold (chosen by
+        the folds, fixed, or off) and every population's Gaussian description for
+        :meth:`far_from_populations`, on the tasks as the model sees them."""
+        self.rest_code_ = self._rest_code()
+        record = self.selection_.get("reject")
+        if record is not None:
+            self.reject_threshold_ = record["threshold"]
+        elif self.rest_code_ is not None and isinstance(self.reject, int | float):
+            self.reject_threshold_ = float(self.reject)
+        else:
+            self.reject_threshold_ = None
+        if not self._is_classifier:
+            return
+        codes = np.argmax(Y, axis=1) if Y.shape[1] > 1 else (Y[:, 0] > 0).astype(np.int64)
+        self.population_means_, self.population_precisions_ = population_statistics(
+            tasks.points, codes, self.classes_.size, self.rest_code_
+        )
+
+    def _reject_options(self) -> tuple[float, ...] | None:
+        """The thresholds the folds choose among, or None when ``reject`` fixes one."""
+        if self.reject == "auto":
+            return REJECT_THRESHOLDS
+        if self.reject == "off" or isinstance(self.reject, int | float):
+            return None
+        raise ValueError(f"reject must be 'auto', 'off' or a number, got {self.reject!r}")

@@ -29,68 +29,56 @@ behind :class:`~._transfer_strategy.SolverStrategy`:
   for comparison: far from the training tasks its features do not vanish and it
   predicts noise.
 
-The estimator validates the parameters, resolves the hyperparameters (leave-tasks-out
-search in :mod:`._transfer_cv`), and keeps the fitted state under the attribute names
-model artifacts store; the strategy does the numerics. Each prediction reports, per new
-task, its similarity to the nearest training tasks and an out-of-range flag
-(:class:`TaskReport`).
+The estimator validates the parameters, fits, routes each new task to the model that
+answers it and keeps the fitted state under the attribute names model artifacts store;
+the strategy does the numerics. Its other concepts have a module each, mixed into it:
+
+* :mod:`._transfer_search` — folds, grids and the hyperparameter search (fold
+  evaluations in :mod:`._transfer_cv`);
+* :mod:`._transfer_fallback` — the invariant fallback for tasks out of range, and the
+  disagreement test between it and the primary model;
+* :mod:`._transfer_calibration` — calibrating a new batch to the training reference
+  (landmarks, quantiles, an MMD map), chosen on held-out batches;
+* :mod:`._transfer_reject` — the rest class and the cells no population claims;
+* :mod:`._transfer_refine` — the per-task mixture refinement of labels;
+* :mod:`._transfer_reports` — what each prediction reports per new task
+  (:class:`TaskReport`: similarity to the nearest training tasks, out of range, which
+  model answered).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin, clone
+from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
 from threadpoolctl import threadpool_limits
 
 from .._random import check_generator
-from ..alignment import CALIBRATIONS, calibrate, landmark_shift, reference_quantiles
 from ..bags import (
     Bags,
     BagValidationError,
-    align_quantiles,
     as_bags,
     bag_quantiles,
-    standardise_each_bag,
+    normalise_each_bag,
     subsample_bags,
 )
 from ..domain import NEAREST, DomainReport
 from ..kernels import get_kernel
 from ..representations.base import BagRepresentation, Embedding
-from ..representations.mean import _median_distance
-from ..selection import leave_one_group_out_folds, leave_tasks_out_folds, median_heuristic_gamma
 from ._grid_choices import GridChoice, transfer_choices, warn_grid_edges
-from ._transfer_calibration import (
-    CalibratedHeldOut,
-    calibrated_by_batch,
-    choose_calibration,
-    reference_points,
-)
-from ._transfer_cv import (
-    FoldEvaluator,
-    SearchSetup,
-    choose_normalisation,
-    choose_refinement,
-    coordinate_search,
-    mean_squared_error,
-    misclassification_rate,
-    one_standard_error_choice,
-)
+from ._transfer_calibration import CalibrationMixin
 from ._transfer_exact import ExactKernelStrategy
+from ._transfer_fallback import FallbackMixin
 from ._transfer_nystroem import NystroemFeatureStrategy
 from ._transfer_paper_rff import PaperRFFStrategy
 from ._transfer_refine import refine_scores
-from ._transfer_reject import (
-    REJECT_THRESHOLDS,
-    choose_reject,
-    far_from_populations,
-    population_statistics,
-    reject_scores,
-)
+from ._transfer_reject import OpenSetMixin, far_from_populations, reject_scores
+from ._transfer_reports import TaskPrediction, TaskReport
+from ._transfer_search import SearchMixin
 from ._transfer_strategy import (
     POINT_KERNELS,
     FeatureMaps,
@@ -109,100 +97,11 @@ __all__ = [
     "TaskReport",
 ]
 
-#: Default ridge grid ``λ`` of the weighted objective (per-task mean loss ~ 1).
-ALPHA_GRID = np.logspace(-6, -1, 6)
-#: Default shares of pooling searched besides the pooled model itself (τ = 1).
-TAU_GRID = (0.0, 0.2)
-#: Multipliers of the median heuristic searched for each bandwidth or ``γ``; the
-#: search is coordinate-wise (see ``_search``), so each grid costs its length, not
-#: the product of all lengths.
-BANDWIDTH_FACTORS = (0.5, 1.0, 2.0)
-TASK_GAMMA_FACTORS = (0.3, 1.0, 3.0)
-#: The embedding's own bandwidth stays at its median heuristic by default: searching it
-#: (×{0.5, 1, 2}) fits an embedding per fold and factor and costs more than it gained
-#: on the benchmarks; give ``embedding`` a fixed bandwidth to set it yourself.
-EMBEDDING_BANDWIDTH_FACTORS = (1.0,)
-#: The low-capacity fallback for tasks out of range: the pooled linear model (on
-#: per-task standardised tasks), ``λ`` searched.
-LINEAR_FALLBACK_GRID: dict[str, list[Any]] = {
-    "sigma": [("absolute", 1.0)],
-    "tau": [1.0],
-    "gamma": [None],
-    "emb": [1.0],
-}
 #: Per-task normalisations, simplest first: ``normalise="auto"`` applies one only where
 #: the folds show it helps (:func:`~._transfer_cv.choose_normalisation`).
 NORMALISATIONS = ("none", "standard", "quantile")
-#: Rounds of labelling and shifting of ``calibrate="landmarks"``.
-LANDMARK_ITERATIONS = 3
-#: The calibration of a classifier fitted without batches, and why.
-LANDMARK_RULE = (
-    "no two batches to measure it on: landmarks, the stated rule (a task out of range, "
-    "or whose populations sit farther from the training ones than any training "
-    "task's, is shifted onto the training populations' centres; on emulated "
-    "instrument batches of the GvHD samples it raised accuracy in 4 of 6 directions "
-    "and lowered it in one, and it left real GvHD samples, none beyond that range, "
-    "as they were: bench/bench_new_batch.py)"
-)
 #: Refinements of a new task's labels, simplest first (:mod:`._transfer_refine`).
 REFINEMENTS = ("none", "mixture")
-
-
-@dataclass(frozen=True)
-class TaskReport:
-    """How a new task relates to the training tasks.
-
-    Attributes
-    ----------
-    nearest_tasks : ndarray of int
-        Training tasks sorted by decreasing similarity (at most 3).
-    similarities : ndarray of float
-        ``k_P`` to those tasks (1 = identical embedding, → 0 far away).
-    distance : float
-        Hilbertian embedding distance to the nearest training task.
-    out_of_range : bool
-        ``distance`` exceeds ``range_factor`` times the largest nearest-neighbour
-        distance among the training tasks: the task is unlike every training task,
-        and a ``τ > 0`` model answers with its pooled part there. With a fallback,
-        also when ``disagreement`` exceeds ``range_factor`` times what the two
-        models' cross-validation errors allow on tasks like the training ones.
-    fallback : bool
-        The task was out of range and was answered by the model's invariant
-        fallback (``normalise="auto"`` only: a model of per-task standardised tasks,
-        see :class:`MarginalTransferClassifier`).
-    disagreement : float or None
-        How differently the primary model and the fallback answer the task: the
-        share of its points they label differently (classifiers), or the root mean
-        square difference of their values (regressors). ``None`` without a fallback,
-        or where only the fallback was asked (the task was already out of range).
-    relabelled : float or None
-        Share of the task's points whose label the per-task mixture changed (the
-        model that answered refines, ``refine_ == "mixture"``); ``None`` where no
-        refinement ran.
-    calibrated : str or None
-        How the task, out of range, was calibrated to the training reference before
-        the primary model answered it (``calibration_``: ``"quantile"`` or ``"mmd"``);
-        ``None`` where it was not. The distance and the flag are the task's own, as
-        it arrived.
-    """
-
-    nearest_tasks: NDArray[np.int64]
-    similarities: NDArray[np.float64]
-    distance: float
-    out_of_range: bool
-    fallback: bool = False
-    disagreement: float | None = None
-    relabelled: float | None = None
-    calibrated: str | None = None
-
-
-@dataclass
-class TaskPrediction:
-    """Labels (or values) and scores of every point of one task, plus its report."""
-
-    predictions: NDArray[Any]
-    scores: NDArray[np.float64]
-    report: TaskReport = field(repr=False)
 
 
 def _as_tasks(X: Any) -> tuple[Bags, bool]:
@@ -210,29 +109,6 @@ def _as_tasks(X: Any) -> tuple[Bags, bool]:
     if isinstance(X, np.ndarray) and X.ndim == 2:
         return Bags.from_arrays([X]), True
     return as_bags(X), False
-
-
-def _normalised(tasks: Bags, how: str, reference: NDArray[np.float64] | None) -> Bags:
-    """Tasks after the per-task normalisation ``how``: ``"standard"`` (each task by its
-    own mean and standard deviation, :func:`~core.bags.standardise_each_bag`),
-    ``"quantile"`` (each task's marker quantiles mapped onto ``reference``,
-    :func:`~core.bags.align_quantiles`) or ``"none"``."""
-    if how == "standard":
-        return standardise_each_bag(tasks)
-    if how == "quantile":
-        assert reference is not None
-        return align_quantiles(tasks, reference)
-    return tasks
-
-
-def _fits_linear_pooled(strategy: SolverStrategy, loss: str) -> bool:
-    """Whether the strategy can fit the pooled linear model (the paper's two-layer
-    map cannot)."""
-    try:
-        strategy.check_parameters(loss, "linear", 1.0)
-    except ValueError:
-        return False
-    return True
 
 
 def _single_point_problems(tasks: Bags) -> list[str]:
@@ -244,7 +120,7 @@ def _single_point_problems(tasks: Bags) -> list[str]:
     ]
 
 
-class _MarginalTransfer(BaseEstimator):
+class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMixin, BaseEstimator):
     """Shared implementation; see :class:`MarginalTransferClassifier`."""
 
     _is_classifier = False
@@ -364,233 +240,6 @@ class _MarginalTransfer(BaseEstimator):
             return ("none",)
         return REFINEMENTS if self.refine == "auto" else (self.refine,)
 
-    def _rest_code(self) -> int | None:
-        """Column of the rest class (``unassigned``) among ``classes_``, or None."""
-        if self.unassigned is None or not self._is_classifier:
-            return None
-        names = self.classes_.tolist()
-        # Labels read from files are strings; a number given in Python names "0" too.
-        where = [k for k, c in enumerate(names) if c == self.unassigned] or [
-            k for k, c in enumerate(names) if str(c) == str(self.unassigned)
-        ]
-        if not where:
-            raise BagValidationError(
-                [
-                    f"unassigned={self.unassigned!r} names no training label; the labels "
-                    f"are {self.classes_.tolist()}"
-                ]
-            )
-        return int(where[0])
-
-    def _fit_calibration(
-        self, raw: Bags, Y: NDArray[np.float64], groups: NDArray[Any] | None
-    ) -> None:
-        """The calibration of tasks out of range (``calibration_``) and its reference:
-        chosen on held-out batches, fixed by ``calibrate``, or, without batches, the
-        stated rule of :mod:`._transfer_calibration` (classifiers: landmarks)."""
-        if self.calibrate not in ("auto", *CALIBRATIONS):
-            raise ValueError(
-                f"calibrate must be 'auto' or one of {CALIBRATIONS}, got {self.calibrate!r}"
-            )
-        record = self.selection_.get("calibration")
-        batches = groups is not None and np.unique(groups).size > 1
-        if self.calibrate != "auto":
-            how = self.calibrate
-        elif record is not None:
-            how = record["chosen"]
-            if self._is_classifier and batches:
-                folds = leave_one_group_out_folds(groups)
-                record["landmarks"] = self._landmark_fold_errors(raw, Y, folds)
-                if record["landmarks"]["chosen"] == "landmarks":
-                    how = record["chosen"] = "landmarks"
-        elif self._is_classifier and self.calibrate == "auto":
-            how = "landmarks"
-            self.selection_["calibration"] = {
-                "rule": LANDMARK_RULE,
-                "chosen": how,
-            }
-        else:
-            how = "none"
-            self.selection_["calibration"] = {
-                "rule": "no two batches to measure it on: not calibrated",
-                "chosen": "none",
-            }
-        if how == "landmarks" and not self._is_classifier:
-            raise ValueError("calibrate='landmarks' needs class labels: classifiers only")
-        self.calibration_ = how
-        if how in ("quantile", "mmd"):
-            self.calibration_quantiles_ = reference_quantiles(raw)
-            self.calibration_points_ = reference_points(raw, self.seed_)
-
-    def _landmark_fold_errors(
-        self, raw: Bags, Y: NDArray[np.float64], folds: list[Any]
-    ) -> dict[str, Any]:
-        """Landmark calibration against none on held-out batches: the model at its
-        chosen configuration refitted on each fold's other batches, its held-out
-        tasks answered both ways (paired per fold, one standard error, none first)."""
-        labels = self._decode(Y)
-        fixed = {
-            "normalise": self.normalise_,
-            "refine": self.refine_,
-            "point_bandwidth": self.point_bandwidth_,
-            "task_gamma": 1.0 if self.task_gamma_ is None else self.task_gamma_,
-            "tau": self.tau_,
-            "alpha": self.alpha_,
-            "reject": "off",
-            "calibrate": "landmarks",
-        }
-        owner = raw.bag_index()
-        per_fold: dict[str, list[float]] = {"none": [], "landmarks": []}
-        for train, val in folds:
-            model = clone(self).set_params(**fixed)
-            model.fit(raw[train], labels[np.isin(owner, train)])
-            truth = [labels[owner == v] for v in val]
-            for how in ("none", "landmarks"):
-                model.calibration_ = how
-                answers = model.predict_tasks(raw[val])
-                wrong = [np.mean(a.predictions != t) for a, t in zip(answers, truth, strict=True)]
-                per_fold[how].append(float(np.mean(wrong)))
-        errs = {k: np.asarray(v) for k, v in per_fold.items()}
-        return {
-            "rule": "one standard error on leave-one-batch-out refits, none first",
-            "cv_error": {k: float(v.mean()) for k, v in errs.items()},
-            "fold_errors": per_fold,
-            "chosen": one_standard_error_choice(errs),
-        }
-
-    def _fit_landmarks(self, raw: Bags, Y: NDArray[np.float64]) -> None:
-        """The training populations' centres on the cells as they arrived (the
-        landmarks of ``calibrate="landmarks"``)."""
-        codes = np.argmax(Y, axis=1) if Y.shape[1] > 1 else (Y[:, 0] > 0).astype(np.int64)
-        sums = np.zeros((self.classes_.size, raw.dim))
-        np.add.at(sums, codes, raw.points)
-        counts = np.bincount(codes, minlength=self.classes_.size)[:, None]
-        self.landmark_centres_ = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
-        sd = raw.points.std(axis=0)
-        self.landmark_scale_ = np.where(sd > 0, sd, 1.0)
-        # How far the training tasks' own populations sit from the pooled centres: a
-        # new task whose populations sit farther is shifted by more than patients
-        # differ (an instrument, a stain), whatever its embedding distance says.
-        owner = raw.bag_index()
-        norms = []
-        for t in range(len(raw)):
-            rows = owner == t
-            shift = landmark_shift(
-                raw.points[rows], codes[rows], self.landmark_centres_, self.rest_code_
-            )
-            if shift is not None:
-                norms.append(float(np.linalg.norm(shift / self.landmark_scale_)))
-        self.landmark_threshold_ = self.range_factor * max(norms) if norms else np.inf
-
-    def _primary_scores(self, raw: Bags) -> list[NDArray[np.float64]]:
-        """The primary model's scores of ``raw``, whatever their range (no fallback,
-        refinement or reject rule)."""
-        tasks = self._normalise(raw)
-        emb, sq_new = self._task_similarities(tasks)
-        strategy = self._strategy()
-        state = self._fitted_state(strategy)
-        return strategy.task_scores(state, self._new_tasks(tasks, emb, sq_new))
-
-    def _landmark_aligned(
-        self, x: NDArray[np.float64], only_beyond: bool = False
-    ) -> NDArray[np.float64] | None:
-        """One task shifted per marker until its populations, as the primary model
-        labels them, sit on the training populations' centres
-        (:func:`~core.alignment.landmark_shift`, :data:`LANDMARK_ITERATIONS` rounds).
-        With ``only_beyond``, None unless the first shift exceeds what the training
-        tasks show (``landmark_threshold_``)."""
-        z = x
-        for round_ in range(LANDMARK_ITERATIONS):
-            (scores,) = self._primary_scores(Bags.from_arrays([z]))
-            codes = np.argmax(scores, axis=1) if scores.shape[1] > 1 else (scores[:, 0] > 0)
-            shift = landmark_shift(
-                x, codes.astype(np.int64), self.landmark_centres_, self.rest_code_
-            )
-            if shift is None:
-                break
-            if only_beyond and round_ == 0:
-                size = float(np.linalg.norm(shift / self.landmark_scale_))
-                if size <= self.landmark_threshold_:
-                    return None
-            z = x + shift
-        return None if only_beyond and z is x else z
-
-    def _calibrated(self, raw: Bags) -> tuple[Bags, dict[int, TaskReport]]:
-        """``raw`` with every task out of range calibrated to the training reference
-        (``calibration_``), and those tasks' reports as they arrived."""
-        how = getattr(self, "calibration_", "none")
-        if how == "none":
-            return raw, {}
-        reports = self._reports(self._task_similarities(self._normalise(raw))[1])
-        far = [i for i, r in enumerate(reports) if r.out_of_range]
-        if how == "landmarks":
-            # Tasks whose populations sit farther from the training ones than any
-            # training task's do (then out of range too), and tasks out of range where
-            # there is no invariant fallback to answer them: on the synthetic batches,
-            # whose populations move apart, the fallback answers those better.
-            has_fallback = getattr(self, "fallback_", None) is not None
-            done, moved = [], []
-            for t in range(len(raw)):
-                if t in far and has_fallback:
-                    continue
-                shifted = self._landmark_aligned(np.asarray(raw[t]), only_beyond=t not in far)
-                if shifted is not None:
-                    done.append(shifted)
-                    moved.append(t)
-                    reports[t] = replace(reports[t], out_of_range=True)
-            far = moved
-        elif not far:
-            return raw, {}
-        else:
-            done = calibrate(
-                raw[np.array(far)],
-                how,
-                self.calibration_quantiles_,
-                self.calibration_points_,
-                self.seed_,
-            )
-        arrays = [np.asarray(raw[t]) for t in range(len(raw))]
-        for j, t in enumerate(far):
-            arrays[t] = np.asarray(done[j])
-        return Bags.from_arrays(arrays), {t: replace(reports[t], calibrated=how) for t in far}
-
-    def _fit_open_set(self, tasks: Bags, Y: NDArray[np.float64]) -> None:
-        """The open-set state: the rest class's column, the reject threshold (chosen by
-        the folds, fixed, or off) and every population's Gaussian description for
-        :meth:`far_from_populations`, on the tasks as the model sees them."""
-        self.rest_code_ = self._rest_code()
-        record = self.selection_.get("reject")
-        if record is not None:
-            self.reject_threshold_ = record["threshold"]
-        elif self.rest_code_ is not None and isinstance(self.reject, int | float):
-            self.reject_threshold_ = float(self.reject)
-        else:
-            self.reject_threshold_ = None
-        if not self._is_classifier:
-            return
-        codes = np.argmax(Y, axis=1) if Y.shape[1] > 1 else (Y[:, 0] > 0).astype(np.int64)
-        self.population_means_, self.population_precisions_ = population_statistics(
-            tasks.points, codes, self.classes_.size, self.rest_code_
-        )
-
-    def _reject_options(self) -> tuple[float, ...] | None:
-        """The thresholds the folds choose among, or None when ``reject`` fixes one."""
-        if self.reject == "auto":
-            return REJECT_THRESHOLDS
-        if self.reject == "off" or isinstance(self.reject, int | float):
-            return None
-        raise ValueError(f"reject must be 'auto', 'off' or a number, got {self.reject!r}")
-
-    def _folds(
-        self, n_tasks: int, groups: NDArray[Any] | None
-    ) -> tuple[list[Any], list[Any] | None]:
-        """Leave-tasks-out folds, and leave-one-batch-out folds when ``groups`` names
-        two batches or more (else ``None``)."""
-        by_task = leave_tasks_out_folds(n_tasks, self.cv, self.cv_repeats, self.seed_)
-        if groups is not None and np.unique(groups).size > 1:
-            return by_task, leave_one_group_out_folds(groups)
-        return by_task, None
-
     def _labels(self, y: ArrayLike, tasks: Bags) -> NDArray[np.float64]:
         """Per-point targets as a float matrix (n_points, n_outputs)."""
         if (
@@ -671,7 +320,7 @@ class _MarginalTransfer(BaseEstimator):
         self.quantile_reference_ = (
             bag_quantiles(raw).mean(axis=0) if "quantile" in choices else None
         )
-        variants = {n: _normalised(raw, n, self.quantile_reference_) for n in choices}
+        variants = {n: normalise_each_bag(raw, n, self.quantile_reference_) for n in choices}
 
         grid, alphas = self._grid(strategy)
         sizes = [len(v) for v in grid.values()]
@@ -720,38 +369,6 @@ class _MarginalTransfer(BaseEstimator):
         emb_tasks = subsample_bags(data.tasks, self.embedding_points, self.seed_, canonical=True)
         self._fit_final(strategy, data, emb_tasks, best)
 
-    def _fallback(
-        self, strategy: SolverStrategy, tasks: Bags, Y: NDArray[np.float64], best: dict
-    ) -> _MarginalTransfer:
-        """The invariant fallback: per-task standardised tasks, at the configuration
-        ``best`` chosen for them (:meth:`_choose_fallback`; its point kernel under
-        ``"point_kernel"``), with this fit's random draws.
-
-        The cross-validation can only judge a normalisation on tasks like the training
-        tasks; a new task outside their range (another batch, instrument, centre) is
-        where a per-task affine batch effect is most likely, and where undoing it is the
-        safer bet.
-        """
-        kernel = best.get("point_kernel", self.point_kernel_)
-        fallback = clone(self).set_params(normalise="standard", point_kernel=kernel)
-        for name in (
-            "n_features_in_", "n_tasks_", "loss_", "seed_", "task_kernel_",
-            "point_frequencies_", "joint_frequencies_", "classes_", "y_ndim_",
-        ):  # fmt: skip
-            if hasattr(self, name):
-                setattr(fallback, name, getattr(self, name))
-        fallback.point_kernel_ = kernel
-        fallback.quantile_reference_ = None
-        fallback.selection_ = {"evaluated": [], "folds": [], "best": best}
-        fallback.disagreement_threshold_ = None
-        fallback._fit_on(strategy, tasks, Y, "standard", best)
-        fallback.fallback_ = None
-        fallback.blend_ = None
-        # A blend's members are averaged first; whatever refines, refines the average.
-        fallback.refine_ = "none"
-        return fallback
-
-    # ----------------------------------------------------------------- pieces
     def _training_data(
         self, tasks: Bags, Y: NDArray[np.float64], loss: str, point_kernel: str | None = None
     ) -> TrainingData:
@@ -783,7 +400,7 @@ class _MarginalTransfer(BaseEstimator):
         """Tasks normalised as the fit chose."""
         # Models saved before normalise_ existed had normalise "none" or "standard".
         how = getattr(self, "normalise_", None) or self.normalise
-        return _normalised(tasks, how, getattr(self, "quantile_reference_", None))
+        return normalise_each_bag(tasks, how, getattr(self, "quantile_reference_", None))
 
     def _tasks(self, X: Any) -> Bags:
         """New tasks as :class:`Bags`, normalised as the fit chose."""
@@ -793,332 +410,7 @@ class _MarginalTransfer(BaseEstimator):
         """Rows ``z(x)`` with ``z(x)ᵀz(x') ≈ k_X(x, x')`` (:meth:`FeatureMaps.point_features`)."""
         return self._feature_maps().point_features(pts, sigma)
 
-    def _make_embedding(self) -> BagRepresentation:
-        if self.embedding is not None:
-            rep = clone(self.embedding)
-        else:
-            rep = self._strategy().default_embedding(self.n_components)
-        params = rep.get_params(deep=False)
-        if "random_state" in params and params["random_state"] is None:
-            rep.set_params(random_state=self.seed_)
-        return rep
-
-    def _fit_embedding(self, emb_tasks: Bags, factor: float) -> tuple[BagRepresentation, Embedding]:
-        """The task representation fitted on ``emb_tasks``, its bandwidth scaled by ``factor``,
-        and their embedding."""
-        rep = self._make_embedding().fit(emb_tasks)
-        if factor != 1.0:
-            rep = rep.set_params(bandwidth=factor * rep.bandwidth_).fit(emb_tasks)
-        emb = rep.embed(emb_tasks)
-        self._strategy().check_embedding(emb)
-        return rep, emb
-
-    def _searches_embedding_bandwidth(self) -> bool:
-        rep = self._make_embedding()
-        return "bandwidth" in rep.get_params(deep=False) and rep.get_params()["bandwidth"] is None
-
-    def _grid(self, strategy: SolverStrategy) -> tuple[dict[str, list[Any]], NDArray[np.float64]]:
-        """Values the search may visit for each hyperparameter (first = default), and the
-        ridge grid ``λ``."""
-        # Relative values are resolved on the tasks at hand: a fold's training tasks
-        # during the search, all training tasks in the final fit.
-        if self.point_kernel_ == "linear":
-            sigmas: list[Any] = [("absolute", 1.0)]
-        elif self.point_bandwidth is None:
-            sigmas = [("relative", f) for f in BANDWIDTH_FACTORS]
-        else:
-            sigmas = [("absolute", float(v)) for v in np.atleast_1d(self.point_bandwidth)]
-            if any(not v > 0 for _, v in sigmas):
-                raise ValueError(f"point_bandwidth must be > 0, got {self.point_bandwidth!r}")
-        alphas = ALPHA_GRID if self.alpha is None else np.atleast_1d(np.asarray(self.alpha, float))
-        if np.any(alphas <= 0):
-            raise ValueError(f"alpha must be > 0, got {self.alpha!r}")
-        if self.pooling:
-            taus: list[float] = [1.0]
-        elif strategy.fixed_tau is not None:
-            taus = [strategy.fixed_tau]
-        elif self.tau is None:
-            taus = [*TAU_GRID, 1.0]
-        else:
-            taus = [float(v) for v in np.atleast_1d(self.tau)]
-            if any(not 0.0 <= t <= 1.0 for t in taus):
-                raise ValueError(f"tau must lie in [0, 1], got {self.tau!r}")
-        if self.task_gamma is None:
-            gammas: list[Any] = [("relative", f) for f in TASK_GAMMA_FACTORS]
-        else:
-            gammas = [("absolute", float(v)) for v in np.atleast_1d(self.task_gamma)]
-        if taus == [1.0]:
-            gammas = [None]
-        embs = list(EMBEDDING_BANDWIDTH_FACTORS) if self._searches_embedding_bandwidth() else [1.0]
-        if taus == [1.0]:
-            embs = [1.0]
-        return {"sigma": sigmas, "tau": taus, "gamma": gammas, "emb": embs}, alphas
-
-    def _sigma_value(self, spec: tuple[str, float], points: NDArray[np.float64]) -> float:
-        """The point bandwidth ``σ`` of a spec; relative ones scale the median distance."""
-        kind, value = spec
-        if kind == "absolute":
-            return value
-        return value * _median_distance(points, "gaussian", np.random.default_rng(self.seed_))
-
-    def _gamma_value(self, spec: tuple[str, float] | None, sq: NDArray[np.float64]) -> float | None:
-        """``γ`` of ``k_P`` of a spec; relative ones scale the median heuristic on ``sq``."""
-        if spec is None:
-            return None
-        kind, value = spec
-        if kind == "absolute":
-            return value
-        return value * median_heuristic_gamma(sq, self.task_kernel_) if sq.shape[0] > 1 else value
-
     # ----------------------------------------------------------------- search
-    def _search(
-        self,
-        strategy: SolverStrategy,
-        variants: dict[str, Bags],
-        Y: NDArray[np.float64],
-        grid: dict[str, list[Any]],
-        alphas: NDArray[np.float64],
-        groups: NDArray[Any] | None,
-        raw: Bags,
-    ) -> tuple[str, dict[str, Any]]:
-        """Cross-validation: the normalisation (:func:`~._transfer_cv.choose_normalisation`)
-        when there is a choice, then the kernel (:func:`~._transfer_cv.coordinate_search`)
-        on the tasks so normalised. Sets ``selection_``; returns the normalisation and
-        the best configuration."""
-        N = len(next(iter(variants.values())))
-        if N < 2:
-            raise BagValidationError(
-                [
-                    "choosing hyperparameters needs at least 2 training tasks; fix "
-                    "normalise, point_bandwidth, task_gamma, tau and alpha to fit on one task"
-                ]
-            )
-        folds, batch_folds = self._folds(N, groups)
-        evaluators = {}
-        for name, tasks in variants.items():
-            emb_tasks = subsample_bags(tasks, self.embedding_points, self.seed_, canonical=True)
-            setup = SearchSetup(
-                data=self._training_data(tasks, Y, self.loss_),
-                emb_tasks=emb_tasks,
-                folds=folds,
-                alphas=alphas,
-                task_kernel=self.task_kernel_,
-                fit_embedding=self._fit_embedding,
-                resolve_sigma=self._sigma_value,
-                resolve_gamma=self._gamma_value,
-                error=misclassification_rate if self._is_classifier else mean_squared_error,
-                cv_points=self.cv_points,
-                seed=self.seed_,
-            )
-            evaluators[name] = FoldEvaluator(setup, strategy)
-        record = None
-        chosen = next(iter(variants))
-        if len(variants) > 1:
-            # Compared as the pooled model where the strategy has one: the cheapest fit,
-            # and the one a normalisation's effect on the points shows in alone.
-            pooled = 1.0 in grid["tau"]
-            cand = {
-                "sigma": grid["sigma"][len(grid["sigma"]) // 2],
-                "tau": 1.0 if pooled else grid["tau"][0],
-                "gamma": None if pooled else grid["gamma"][len(grid["gamma"]) // 2],
-                "emb": 1.0 if pooled else grid["emb"][len(grid["emb"]) // 2],
-            }
-            chosen, record = choose_normalisation(evaluators, cand)
-        # Each model is chosen on folds like the tasks it will answer. With a fallback
-        # for the tasks out of range, the primary answers tasks like the training ones
-        # (leave-tasks-out); a model that answers every task, new batches included, is
-        # chosen leave-one-batch-out when batches are named.
-        with_fallback = self.normalise == "auto" and chosen != "standard"
-        searched = evaluators[chosen]
-        if batch_folds is None or with_fallback:
-            self.selection_ = coordinate_search(searched, grid)
-            self.selection_["cv"] = "leave-tasks-out"
-        else:
-            searched = searched.on_folds(batch_folds)
-            self.selection_ = coordinate_search(searched, grid)
-            self.selection_["cv"] = "leave-one-batch-out"
-        self.selection_["refine"] = self._choose_refinement([(searched, self.selection_["best"])])
-        rest = self._rest_code()
-        thresholds = self._reject_options()
-        if rest is not None and thresholds is not None:
-            seed = self.seed_
-            refined = self.selection_["refine"]["chosen"] == "mixture"
-            self.selection_["reject"] = choose_reject(
-                [(searched, self.selection_["best"])],
-                (lambda x, s: refine_scores(x, s, seed)[0]) if refined else None,
-                rest,
-                thresholds,
-            )
-        if with_fallback:
-            self._choose_fallback(evaluators, chosen, grid, Y, batch_folds, record)
-        self.selection_["normalisation"] = record
-        if batch_folds is not None and self.calibrate == "auto":
-            self.selection_["calibration"] = self._choose_calibration(
-                raw, evaluators[chosen], chosen, batch_folds, record
-            )
-        return chosen, self.selection_["best"]
-
-    def _choose_calibration(
-        self,
-        raw: Bags,
-        primary: FoldEvaluator,
-        normalisation: str,
-        batch_folds: list[Any],
-        record: dict[str, Any] | None,
-    ) -> dict[str, Any]:
-        """Whether tasks out of range are calibrated to the training reference and then
-        answered by the primary model, on leave-one-batch-out folds
-        (:mod:`._transfer_calibration`)."""
-        best = self.selection_["best"]
-        seed = self.seed_
-        refines = self.selection_["refine"]["chosen"] == "mixture"
-        transform = (lambda x, sc: refine_scores(x, sc, seed)[0]) if refines else None
-        if record is not None and "fallback" in record:
-            uncalibrated = np.asarray(record["fallback_fold_errors"])
-        else:
-            on_batches = primary.on_folds(batch_folds)
-            if transform is not None:
-                on_batches = on_batches.transformed(transform, best["alpha"])
-            on_batches.score(best)
-            uncalibrated = on_batches.per_fold(best)
-        evaluators = {}
-        for how in ("quantile", "mmd"):
-            held = _normalised(
-                calibrated_by_batch(raw, batch_folds, how, seed),
-                normalisation,
-                self.quantile_reference_,
-            )
-            emb = subsample_bags(held, self.embedding_points, seed, canonical=True)
-            evaluators[how] = CalibratedHeldOut(
-                primary, batch_folds, held, emb, transform, best["alpha"]
-            )
-        return choose_calibration(uncalibrated, evaluators, best)
-
-    def _choose_refinement(
-        self, members: list[tuple[FoldEvaluator, dict[str, Any]]], for_fallback: bool = False
-    ) -> dict:
-        """Whether the model of ``members`` refines its answers by the per-task mixture
-        (:func:`~._transfer_refine.refine_scores`), by its folds (``refine="auto"``;
-        otherwise as fixed, the fold errors recorded alike), and its fold errors as it
-        answers (a blend: its worse member, fold by fold).
-
-        The primary model answers tasks like the training ones, as its folds are: it
-        refines only where they show the refinement helps by more than their noise.
-        The fallback answers tasks unlike every training task, where a model's labels
-        deserve least trust and the task's own populations say most; folds of tasks
-        like the training ones cannot show that gain (the fallback may err on none of
-        them), only harm (populations no Gaussian describes hurt on any batch): it
-        refines unless they show the refinement hurts by more than their noise.
-        """
-        if "mixture" not in self._refinements():
-            none = np.max([ev.per_fold(best) for ev, best in members], axis=0)
-            return {"chosen": "none", "fold_errors": {"none": none}}
-        seed = self.seed_
-        record = choose_refinement(
-            members, lambda x, s: refine_scores(x, s, seed)[0], "mixture", first=for_fallback
-        )
-        if self.refine != "auto":
-            record["chosen"] = self.refine
-        return record
-
-    def _choose_fallback(
-        self,
-        evaluators: dict[str, FoldEvaluator],
-        chosen: str,
-        grid: dict[str, list[Any]],
-        Y: NDArray[np.float64],
-        batch_folds: list[Any] | None,
-        record: dict[str, Any],
-    ) -> None:
-        """The invariant fallback's configuration, into ``record["fallback"]`` if kept.
-
-        The fallback answers new tasks out of the training tasks' range: most likely
-        another batch. Two models of standardised tasks are candidates: the pooled
-        linear one (low capacity) and the model's own kernel (its point bandwidth and
-        shares of pooling, at the middle task bandwidths). Without batches no fold can
-        say which capacity carries over to a batch none of them contains: the fallback
-        averages both (``blend_``), each chosen on the primary's folds. With batches
-        named, leave-one-batch-out folds, the case it is for, choose one, and the
-        fallback is kept only where it beats the primary model there. Either way it
-        must get at most half of what a constant prediction gets wrong (a blend: each
-        member): where standardising erases what the target depends on (a level, a
-        size), there is no fallback.
-        """
-        standard = evaluators["standard"]
-        folds = batch_folds if batch_folds is not None else standard.setup.folds
-        options: list[tuple[str, FoldEvaluator, dict[str, list[Any]]]] = []
-        if _fits_linear_pooled(standard.strategy, self.loss_):
-            data = self._training_data(standard.setup.data.tasks, Y, self.loss_, "linear")
-            setup = replace(standard.setup, data=data, folds=folds)
-            linear = FoldEvaluator(setup, standard.strategy)
-            options.append(("pooled linear", linear, LINEAR_FALLBACK_GRID))
-        # The point bandwidth and the shares of pooling, at the middle task bandwidths.
-        small = {**grid, "gamma": [grid["gamma"][len(grid["gamma"]) // 2]]}
-        small["emb"] = [grid["emb"][len(grid["emb"]) // 2]]
-        own = standard.on_folds(batch_folds) if batch_folds is not None else standard
-        options.append(("own kernel", own, small))
-        found = []
-        for name, ev, option_grid in options:
-            result = coordinate_search(ev, option_grid)
-            error = min(min(e["cv_error"]) for e in result["evaluated"])
-            kernel = "linear" if name == "pooled linear" else self.point_kernel_
-            found.append((error, name, ev, {**result["best"], "point_kernel": kernel}))
-        record["fallback_options"] = {name: e for e, name, _, _ in found}
-        if batch_folds is None and len(found) > 1:
-            # Nothing here can say which capacity carries over to a batch no fold
-            # contains: both, their scores averaged. Under the squared loss the ridge
-            # fits, the average's error on any task is at most the mean of theirs.
-            error = max(f[0] for f in found)
-            members = [(f[2], f[3]) for f in found]
-            best, record["fallback_blend"] = found[0][3], found[1][3]
-        else:
-            # The simplest first among equals.
-            error, _, ev, best = min(found, key=lambda f: f[0])
-            members = [(ev, best)]
-        constant = self._constant_error(Y, evaluators[chosen].setup.data.tasks)
-        record["fallback_cv"] = "leave-tasks-out" if batch_folds is None else "leave-one-batch-out"
-        record["fallback_cv_error"] = error
-        record["constant_error"] = constant
-        keep = error <= 0.5 * constant
-        if batch_folds is not None:
-            # The primary model, as chosen, on the same batch folds: a fallback that
-            # does no better on unseen batches would only add a second model.
-            primary = float(
-                evaluators[chosen].on_folds(batch_folds).score(self.selection_["best"]).min()
-            )
-            record["primary_batch_cv_error"] = primary
-            keep = keep and error < primary
-        if not keep:
-            record.pop("fallback_blend", None)
-        else:
-            record["fallback"] = best
-            # Where both models are as accurate as their folds say, they disagree on a
-            # task by at most the sum of their errors there (triangle inequality of the
-            # 0-1 disagreement, or of the root mean square): the most either got wrong
-            # on a fold bounds what a task like the training ones may show. Each model
-            # as it answers: refined, where it refines.
-            refine = self.selection_["refine"]
-            record["primary_fold_errors"] = refine["fold_errors"][refine["chosen"]]
-            refine = record["fallback_refine"] = self._choose_refinement(members, for_fallback=True)
-            record["fallback_fold_errors"] = refine["fold_errors"][refine["chosen"]]
-            worst = [
-                float(record["primary_fold_errors"].max()),
-                float(record["fallback_fold_errors"].max()),
-            ]
-            if not self._is_classifier:
-                worst = [float(np.sqrt(w)) for w in worst]
-            record["disagreement_bound"] = sum(worst)
-
-    def _constant_error(self, Y: NDArray[np.float64], tasks: Bags) -> float:
-        """The CV error measure of the best constant prediction (the majority class, or
-        the mean), per task then averaged, as the folds average it."""
-        owner = tasks.bag_index()
-        if self._is_classifier:
-            labels = np.argmax(Y, axis=1) if Y.shape[1] > 1 else (Y[:, 0] > 0).astype(int)
-            wrong = (labels != np.bincount(labels).argmax()).astype(np.float64)
-        else:
-            wrong = np.mean((Y - Y.mean(axis=0)) ** 2, axis=1)
-        return float(np.mean(np.bincount(owner, weights=wrong) / tasks.sizes))
 
     # ----------------------------------------------------------------- final fit
     def _fit_final(
@@ -1279,13 +571,6 @@ class _MarginalTransfer(BaseEstimator):
         """Whether this model refines its answers (models saved before ``refine_``
         existed do not)."""
         return getattr(self, "refine_", "none") == "mixture"
-
-    def _disagreement(self, a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
-        """Share of points labelled differently from scores ``a`` and ``b`` (classifiers),
-        or the root mean square difference of the values (regressors)."""
-        if self._is_classifier:
-            return float(np.mean(self._decode(a) != self._decode(b)))
-        return float(np.sqrt(np.mean((a - b) ** 2)))
 
     def domain_report(self, reports: list[TaskReport]) -> DomainReport:
         """The :class:`~core.domain.DomainReport` of tasks from their :class:`TaskReport`.

@@ -1,0 +1,184 @@
+"""The invariant fallback of the marginal-transfer models, for new tasks out of range.
+
+A new task unlike every training task (another batch, instrument, centre) is where a
+per-task affine batch effect is most likely: the fallback is a model of per-task
+standardised tasks, chosen on folds (:meth:`FallbackMixin._choose_fallback`), kept only
+where they show it useful, and asked beside the primary model so that a task on which
+the two disagree beyond what their fold errors allow is answered by it
+(:meth:`FallbackMixin._disagreement`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from sklearn.base import clone
+
+from ..bags import Bags
+from ._transfer_cv import FoldEvaluator, coordinate_search
+from ._transfer_strategy import SolverStrategy
+
+__all__ = ["LINEAR_FALLBACK_GRID", "FallbackMixin"]
+
+#: The low-capacity fallback for tasks out of range: the pooled linear model (on
+#: per-task standardised tasks), ``λ`` searched.
+LINEAR_FALLBACK_GRID: dict[str, list[Any]] = {
+    "sigma": [("absolute", 1.0)],
+    "tau": [1.0],
+    "gamma": [None],
+    "emb": [1.0],
+}
+
+
+def _fits_linear_pooled(strategy: SolverStrategy, loss: str) -> bool:
+    """Whether the strategy can fit the pooled linear model (the paper's two-layer
+    map cannot)."""
+    try:
+        strategy.check_parameters(loss, "linear", 1.0)
+    except ValueError:
+        return False
+    return True
+
+
+class FallbackMixin:
+    """The fallback's choice, fit and disagreement test (mixed into the estimator)."""
+
+    def _fallback(
+        self, strategy: SolverStrategy, tasks: Bags, Y: NDArray[np.float64], best: dict
+    ) -> Any:
+        """The invariant fallback: per-task standardised tasks, at the configuration
+        ``best`` chosen for them (:meth:`_choose_fallback`; its point kernel under
+        ``"point_kernel"``), with this fit's random draws.
+
+        The cross-validation can only judge a normalisation on tasks like the training
+        tasks; a new task outside their range (another batch, instrument, centre) is
+        where a per-task affine batch effect is most likely, and where undoing it is the
+        safer bet.
+        """
+        kernel = best.get("point_kernel", self.point_kernel_)
+        fallback = clone(self).set_params(normalise="standard", point_kernel=kernel)
+        for name in (
+            "n_features_in_", "n_tasks_", "loss_", "seed_", "task_kernel_",
+            "point_frequencies_", "joint_frequencies_", "classes_", "y_ndim_",
+        ):  # fmt: skip
+            if hasattr(self, name):
+                setattr(fallback, name, getattr(self, name))
+        fallback.point_kernel_ = kernel
+        fallback.quantile_reference_ = None
+        fallback.selection_ = {"evaluated": [], "folds": [], "best": best}
+        fallback.disagreement_threshold_ = None
+        fallback._fit_on(strategy, tasks, Y, "standard", best)
+        fallback.fallback_ = None
+        fallback.blend_ = None
+        # A blend's members are averaged first; whatever refines, refines the average.
+        fallback.refine_ = "none"
+        return fallback
+
+    def _choose_fallback(
+        self,
+        evaluators: dict[str, FoldEvaluator],
+        chosen: str,
+        grid: dict[str, list[Any]],
+        Y: NDArray[np.float64],
+        batch_folds: list[Any] | None,
+        record: dict[str, Any],
+    ) -> None:
+        """The invariant fallback's configuration, into ``record["fallback"]`` if kept.
+
+        The fallback answers new tasks out of the training tasks' range: most likely
+        another batch. Two models of standardised tasks are candidates: the pooled
+        linear one (low capacity) and the model's own kernel (its point bandwidth and
+        shares of pooling, at the middle task bandwidths). Without batches no fold can
+        say which capacity carries over to a batch none of them contains: the fallback
+        averages both (``blend_``), each chosen on the primary's folds. With batches
+        named, leave-one-batch-out folds, the case it is for, choose one, and the
+        fallback is kept only where it beats the primary model there. Either way it
+        must get at most half of what a constant prediction gets wrong (a blend: each
+        member): where standardising erases what the target depends on (a level, a
+        size), there is no fallback.
+        """
+        standard = evaluators["standard"]
+        folds = batch_folds if batch_folds is not None else standard.setup.folds
+        options: list[tuple[str, FoldEvaluator, dict[str, list[Any]]]] = []
+        if _fits_linear_pooled(standard.strategy, self.loss_):
+            data = self._training_data(standard.setup.data.tasks, Y, self.loss_, "linear")
+            setup = replace(standard.setup, data=data, folds=folds)
+            linear = FoldEvaluator(setup, standard.strategy)
+            options.append(("pooled linear", linear, LINEAR_FALLBACK_GRID))
+        # The point bandwidth and the shares of pooling, at the middle task bandwidths.
+        small = {**grid, "gamma": [grid["gamma"][len(grid["gamma"]) // 2]]}
+        small["emb"] = [grid["emb"][len(grid["emb"]) // 2]]
+        own = standard.on_folds(batch_folds) if batch_folds is not None else standard
+        options.append(("own kernel", own, small))
+        found = []
+        for name, ev, option_grid in options:
+            result = coordinate_search(ev, option_grid)
+            error = min(min(e["cv_error"]) for e in result["evaluated"])
+            kernel = "linear" if name == "pooled linear" else self.point_kernel_
+            found.append((error, name, ev, {**result["best"], "point_kernel": kernel}))
+        record["fallback_options"] = {name: e for e, name, _, _ in found}
+        if batch_folds is None and len(found) > 1:
+            # Nothing here can say which capacity carries over to a batch no fold
+            # contains: both, their scores averaged. Under the squared loss the ridge
+            # fits, the average's error on any task is at most the mean of theirs.
+            error = max(f[0] for f in found)
+            members = [(f[2], f[3]) for f in found]
+            best, record["fallback_blend"] = found[0][3], found[1][3]
+        else:
+            # The simplest first among equals.
+            error, _, ev, best = min(found, key=lambda f: f[0])
+            members = [(ev, best)]
+        constant = self._constant_error(Y, evaluators[chosen].setup.data.tasks)
+        record["fallback_cv"] = "leave-tasks-out" if batch_folds is None else "leave-one-batch-out"
+        record["fallback_cv_error"] = error
+        record["constant_error"] = constant
+        keep = error <= 0.5 * constant
+        if batch_folds is not None:
+            # The primary model, as chosen, on the same batch folds: a fallback that
+            # does no better on unseen batches would only add a second model.
+            primary = float(
+                evaluators[chosen].on_folds(batch_folds).score(self.selection_["best"]).min()
+            )
+            record["primary_batch_cv_error"] = primary
+            keep = keep and error < primary
+        if not keep:
+            record.pop("fallback_blend", None)
+        else:
+            record["fallback"] = best
+            # Where both models are as accurate as their folds say, they disagree on a
+            # task by at most the sum of their errors there (triangle inequality of the
+            # 0-1 disagreement, or of the root mean square): the most either got wrong
+            # on a fold bounds what a task like the training ones may show. Each model
+            # as it answers: refined, where it refines.
+            refine = self.selection_["refine"]
+            record["primary_fold_errors"] = refine["fold_errors"][refine["chosen"]]
+            refine = record["fallback_refine"] = self._choose_refinement(members, for_fallback=True)
+            record["fallback_fold_errors"] = refine["fold_errors"][refine["chosen"]]
+            worst = [
+                float(record["primary_fold_errors"].max()),
+                float(record["fallback_fold_errors"].max()),
+            ]
+            if not self._is_classifier:
+                worst = [float(np.sqrt(w)) for w in worst]
+            record["disagreement_bound"] = sum(worst)
+
+    def _constant_error(self, Y: NDArray[np.float64], tasks: Bags) -> float:
+        """The CV error measure of the best constant prediction (the majority class, or
+        the mean), per task then averaged, as the folds average it."""
+        owner = tasks.bag_index()
+        if self._is_classifier:
+            labels = np.argmax(Y, axis=1) if Y.shape[1] > 1 else (Y[:, 0] > 0).astype(int)
+            wrong = (labels != np.bincount(labels).argmax()).astype(np.float64)
+        else:
+            wrong = np.mean((Y - Y.mean(axis=0)) ** 2, axis=1)
+        return float(np.mean(np.bincount(owner, weights=wrong) / tasks.sizes))
+
+    def _disagreement(self, a: NDArray[np.float64], b: NDArray[np.float64]) -> float:
+        """Share of points labelled differently from scores ``a`` and ``b`` (classifiers),
+        or the root mean square difference of the values (regressors)."""
+        if self._is_classifier:
+            return float(np.mean(self._decode(a) != self._decode(b)))
+        return float(np.sqrt(np.mean((a - b) ** 2)))

@@ -1,0 +1,73 @@
+"""What the marginal-transfer models say about each new task besides its labels.
+
+:class:`TaskReport` tells how a new task relates to the training tasks (distance,
+similarity, out of range, which model answered, how much a refinement changed, whether
+it was calibrated); :class:`TaskPrediction` carries it with the task's labels and scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["TaskPrediction", "TaskReport"]
+
+
+@dataclass(frozen=True)
+class TaskReport:
+    """How a new task relates to the training tasks.
+
+    Attributes
+    ----------
+    nearest_tasks : ndarray of int
+        Training tasks sorted by decreasing similarity (at most 3).
+    similarities : ndarray of float
+        ``k_P`` to those tasks (1 = identical embedding, → 0 far away).
+    distance : float
+        Hilbertian embedding distance to the nearest training task.
+    out_of_range : bool
+        ``distance`` exceeds ``range_factor`` times the largest nearest-neighbour
+        distance among the training tasks: the task is unlike every training task,
+        and a ``τ > 0`` model answers with its pooled part there. With a fallback,
+        also when ``disagreement`` exceeds ``range_factor`` times what the two
+        models' cross-validation errors allow on tasks like the training ones.
+    fallback : bool
+        The task was out of range and was answered by the model's invariant
+        fallback (``normalise="auto"`` only: a model of per-task standardised tasks,
+        see :class:`MarginalTransferClassifier`).
+    disagreement : float or None
+        How differently the primary model and the fallback answer the task: the
+        share of its points they label differently (classifiers), or the root mean
+        square difference of their values (regressors). ``None`` without a fallback,
+        or where only the fallback was asked (the task was already out of range).
+    relabelled : float or None
+        Share of the task's points whose label the per-task mixture changed (the
+        model that answered refines, ``refine_ == "mixture"``); ``None`` where no
+        refinement ran.
+    calibrated : str or None
+        How the task, out of range, was calibrated to the training reference before
+        the primary model answered it (``calibration_``: ``"quantile"`` or ``"mmd"``);
+        ``None`` where it was not. The distance and the flag are the task's own, as
+        it arrived.
+    """
+
+    nearest_tasks: NDArray[np.int64]
+    similarities: NDArray[np.float64]
+    distance: float
+    out_of_range: bool
+    fallback: bool = False
+    disagreement: float | None = None
+    relabelled: float | None = None
+    calibrated: str | None = None
+
+
+@dataclass
+class TaskPrediction:
+    """Labels (or values) and scores of every point of one task, plus its report."""
+
+    predictions: NDArray[Any]
+    scores: NDArray[np.float64]
+    report: TaskReport = field(repr=False)
