@@ -164,7 +164,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             timeout=settings.database_timeout,
         )
         imported = await asyncio.to_thread(import_files, db, data, settings.audit_log)
-        audit = AuditLog(db)
+        audit = AuditLog(db, on_commit=app_metrics.observe_audit_commit)
         stats = ModelStats()
         predictor = Predictor(settings, pool, app_metrics, audit, stats)
         owner = replica_id()
@@ -228,6 +228,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             sweeper.cancel()
             await store.stop()
             await pool.stop()
+            # Records still queued are committed before the database closes.
+            await asyncio.to_thread(audit.close)
             await asyncio.to_thread(db.close)
 
     app = FastAPI(

@@ -16,6 +16,12 @@ record, so moving a record to another key is an edit like any other. ``bagserve 
 export FILE`` writes the chain as JSON lines with a ``FILE.head`` sidecar (count, last
 hash) that :func:`verify` checks the same way, away from the database.
 
+Records are written by group commit: each process has one writer thread per
+:class:`AuditLog`, which takes every record waiting when it becomes free, appends them
+in one transaction (one fsync), and only then releases each caller. A request is still
+answered only once its record is durable, but concurrent requests share the commit's
+cost instead of queueing behind one fsync each.
+
 Someone who can write the database can also cut records off its end and move the head
 row back to match. A head taken earlier and kept elsewhere (``bagserve audit head``,
 copied to another system) catches that: ``bagserve audit verify --head FILE`` requires
@@ -24,10 +30,15 @@ the chain to still hold that record with that hash.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,7 +47,7 @@ from typing import Any
 from bagserve.core.atomic import atomic_write_json
 from bagserve.core.hashing import json_sha256
 
-from .database import GENESIS, Database
+from .database import GENESIS, Cursor, Database, unavailable
 
 log = logging.getLogger("bagserve.audit")
 
@@ -58,6 +69,11 @@ def _canonical(record: dict[str, Any]) -> str:
     return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
 
+def _insert(cur: Cursor, rows: list[tuple[int, str | None, str]]) -> None:
+    """Insert audit rows (seq, key id, record) in one statement per engine call."""
+    cur.executemany("INSERT INTO audit (seq, api_key_id, record) VALUES (%s, %s, %s)", rows)
+
+
 @dataclass
 class VerifyResult:
     """What a verification found: ``ok``, the records read, the last hash, the first problem."""
@@ -69,39 +85,158 @@ class VerifyResult:
 
 
 class AuditLog:
-    """The audit chain in the database; thread-safe (each call is one transaction).
+    """The audit chain in the database; thread-safe.
+
+    Appends go through a writer thread that commits every record waiting when it
+    becomes free in one transaction (group commit); each caller is released once the
+    transaction holding its record committed. Nothing is waited for on purpose: a lone
+    record is committed at once, and records arriving during a commit form the next one.
 
     Parameters
     ----------
     db : Database
+    max_batch : int, default=512
+        Records in one transaction at most.
+    on_commit : callable, optional
+        Called after each commit with the number of records it held and its seconds
+        (the service's metrics).
+    idle : float, default=30
+        Seconds without a record after which the writer thread ends (the next record
+        starts another): a short-lived log leaves no thread behind.
     """
 
-    def __init__(self, db: Database) -> None:
+    def __init__(
+        self,
+        db: Database,
+        *,
+        max_batch: int = 512,
+        on_commit: Callable[[int, float], None] | None = None,
+        idle: float = 30.0,
+    ) -> None:
         self.db = db
+        self.max_batch = max_batch
+        self.on_commit = on_commit
+        self.idle = idle
+        self._pending: deque[tuple[dict[str, Any], Future[dict[str, Any]]]] = deque()
+        self._wake = threading.Condition()
+        self._writer: threading.Thread | None = None
+        self._closed = False
 
     def append(self, **fields: Any) -> dict[str, Any]:
         """Append one record (``time``, the fields, ``prev`` and its own ``hash``),
-        committed (durably) before returning."""
+        committed (durably) before returning.
+
+        Raises
+        ------
+        Exception
+            What the database raised for the transaction that held the record.
+        """
+        return self.submit(fields).result()
+
+    async def append_async(self, **fields: Any) -> dict[str, Any]:
+        """:meth:`append` for the event loop: waits for the commit without a thread.
+
+        The record is written even if the awaiting task is cancelled (shield the call
+        to wait for it all the same).
+        """
+        return await asyncio.wrap_future(self.submit(fields))
+
+    def submit(self, fields: dict[str, Any]) -> Future[dict[str, Any]]:
+        """Queue one record for the writer; the future holds the record once committed.
+
+        Cancelling the future does not withdraw the record: what was submitted is
+        written.
+
+        Raises
+        ------
+        RuntimeError
+            The log was closed.
+        """
+        future: Future[dict[str, Any]] = Future()
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the audit log is closed")
+            self._pending.append((fields, future))
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._run, name="bagserve-audit", daemon=True
+                )
+                self._writer.start()
+            self._wake.notify()
+        return future
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write what is queued, then stop the writer (later appends raise)."""
+        with self._wake:
+            self._closed = True
+            writer = self._writer
+            self._wake.notify()
+        if writer is not None:
+            writer.join(timeout)
+
+    def _run(self) -> None:
+        """The writer thread: take what is waiting, commit it, release its callers."""
+        while True:
+            with self._wake:
+                if not self._pending and not self._closed:
+                    self._wake.wait(self.idle)
+                if not self._pending:
+                    # Idle or closed: end; a later record starts another writer.
+                    self._writer = None
+                    return
+                n = min(len(self._pending), self.max_batch)
+                batch = [self._pending.popleft() for _ in range(n)]
+            self._write(batch)
+
+    def _write(self, batch: list[tuple[dict[str, Any], Future[dict[str, Any]]]]) -> None:
+        # Futures cancelled meanwhile are written all the same, just not answered.
+        waiting = [(fields, f if f.set_running_or_notify_cancel() else None) for fields, f in batch]
+        self._commit_batch(waiting)
+
+    def _commit_batch(
+        self, batch: list[tuple[dict[str, Any], Future[dict[str, Any]] | None]]
+    ) -> None:
+        t0 = time.perf_counter()
+        try:
+            records = self._append_all([fields for fields, _ in batch])
+        except BaseException as exc:
+            if len(batch) > 1 and not unavailable(exc):
+                # Not the database: one record may be at fault (not JSON): each alone,
+                # so that the others are still written and only its caller fails.
+                for item in batch:
+                    self._commit_batch([item])
+                return
+            for _, future in batch:
+                if future is not None:
+                    future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        if self.on_commit is not None:
+            self.on_commit(len(batch), time.perf_counter() - t0)
+        for (_, future), record in zip(batch, records, strict=True):
+            if future is not None:
+                future.set_result(record)
+
+    def _append_all(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Append records in order, in one transaction that moves the head once."""
         lock = " FOR UPDATE" if self.db.dialect == "postgresql" else ""
         with self.db.transaction() as cur:
             seq, last = cur.execute(
                 "SELECT seq, last_hash FROM audit_head WHERE id = 1" + lock
             ).fetchone()  # type: ignore[misc]
-            record = {
-                "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
-                **fields,
-                "prev": last,
-            }
-            record["hash"] = _digest(record)
-            cur.execute(
-                "INSERT INTO audit (seq, api_key_id, record) VALUES (%s, %s, %s)",
-                (int(seq) + 1, fields.get("api_key_id"), _canonical(record)),
-            )
-            cur.execute(
-                "UPDATE audit_head SET seq = %s, last_hash = %s WHERE id = 1",
-                (int(seq) + 1, record["hash"]),
-            )
-        return record
+            seq = int(seq)
+            records, rows = [], []
+            now = datetime.now(UTC).isoformat(timespec="milliseconds")
+            for fields in batch:
+                record = {"time": now, **fields, "prev": last}
+                record["hash"] = last = _digest(record)
+                seq += 1
+                records.append(record)
+                rows.append((seq, fields.get("api_key_id"), _canonical(record)))
+            _insert(cur, rows)
+            cur.execute("UPDATE audit_head SET seq = %s, last_hash = %s WHERE id = 1", (seq, last))
+        return records
 
     def recent(self, limit: int, key_id: str | None = None) -> list[dict[str, Any]]:
         """The last ``limit`` records, newest first (of API key ``key_id`` only, if given).

@@ -129,6 +129,13 @@ class Cursor:
         self._raw.execute(sql, tuple(params))
         return self
 
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> Cursor:
+        """One statement for many parameter rows (psycopg pipelines them: one round trip)."""
+        if self._sqlite:
+            sql = sql.replace("%s", "?")
+        self._raw.executemany(sql, [tuple(r) for r in rows])
+        return self
+
     def fetchone(self) -> tuple[Any, ...] | None:
         return self._raw.fetchone()
 

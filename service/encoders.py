@@ -46,8 +46,9 @@ FORMATS = (JSON, CSV_OUT, NPY, FHIR_JSON, HL7_V2)
 #: label per cell of 10^6 cells takes a CSV writer seconds, which the event loop must
 #: not wait for; smaller answers are encoded at once (a thread hop costs more).
 ENCODE_INLINE_CELLS = 20_000
-#: The stages of a prediction, in the order ``Server-Timing`` lists them.
-STAGES = ("read", "parse", "validate", "queue", "transfer", "compute", "encode")
+#: The stages of a prediction, in the order ``Server-Timing`` lists them ("audit": the
+#: group commit of its audit record, before the answer is encoded and released).
+STAGES = ("read", "parse", "validate", "queue", "transfer", "compute", "audit", "encode")
 
 T = TypeVar("T")
 

@@ -1,7 +1,10 @@
 """Prometheus metrics (prometheus-client), one registry per app.
 
 * ``bagserve_requests_total{route, model, status}``
-* ``bagserve_stage_seconds{stage}``: read, parse, validate, queue, transfer, compute, encode
+* ``bagserve_stage_seconds{stage}``: read, parse, validate, queue, transfer, compute,
+  audit (waiting for the audit record's group commit), encode
+* ``bagserve_audit_commit_records``, ``bagserve_audit_commit_seconds``: records per audit
+  transaction and its time (group commit: several requests share one)
 * ``bagserve_queue_depth``, ``bagserve_busy_workers``, ``bagserve_alive_workers``
 * ``bagserve_points_per_bag``: histogram of the size of predicted bags
 * ``bagserve_model_load_failures``: artifacts that failed verification at start-up
@@ -19,7 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
-STAGES = ("read", "parse", "validate", "queue", "transfer", "compute", "encode")
+STAGES = ("read", "parse", "validate", "queue", "transfer", "compute", "audit", "encode")
 
 
 class Metrics:
@@ -81,6 +84,18 @@ class Metrics:
             ["model"],
             registry=self.registry,
         )
+        self.audit_records = Histogram(
+            "bagserve_audit_commit_records",
+            "audit records committed in one transaction (group commit)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=self.registry,
+        )
+        self.audit_seconds = Histogram(
+            "bagserve_audit_commit_seconds",
+            "time of one audit transaction, its fsync included",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=self.registry,
+        )
         self.load_failures = Gauge(
             "bagserve_model_load_failures", "artifacts refused at start-up", registry=self.registry
         )
@@ -90,6 +105,12 @@ class Metrics:
         for stage, seconds in timings.items():
             if stage in STAGES:
                 self.stage.labels(stage).observe(seconds)
+
+    def observe_audit_commit(self, records: int, seconds: float) -> None:
+        """One audit transaction: how many records it held and how long it took
+        (called from the audit writer's thread; prometheus-client is thread-safe)."""
+        self.audit_records.observe(records)
+        self.audit_seconds.observe(seconds)
 
     def render(self, pool_status: dict[str, Any], failures: int) -> bytes:
         """The metrics in the Prometheus text format, with the pool's gauges updated."""

@@ -11,8 +11,9 @@ way. The use-case owns the steps in between and their errors:
 * a full queue is 503 with ``Retry-After``, a lost worker 503, a timeout 504, an input
   the model refuses 422;
 * the input's sha256 is computed while a worker decodes and computes;
-* one audit line per attempt on a known model, success or failure, with the stage
-  timings recorded in the metrics.
+* one audit line per attempt on a known model, success or failure, durable before the
+  answer is released (group commit: concurrent requests share a transaction), with
+  the stage timings, the audit write's included, recorded in the metrics.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class Outcome:
     request_sha256 : str
         sha256 of the request body as received.
     timings : dict
-        Seconds per stage (read, parse, validate, queue, transfer, compute, encode).
+        Seconds per stage (read, parse, validate, queue, transfer, compute, audit,
+        encode).
     options : PredictOptions
         The options the prediction was made with (``/v2``: from its document).
     plots : list of dict, optional
@@ -276,17 +278,23 @@ class Predictor:
             status = CANCELLED
             raise
         finally:
-            self.metrics.observe_stages(timings)
-            if self.stats is not None and status != CANCELLED:
-                n_bags = 0 if outcome is None else len(outcome.ids)
-                self.stats.observe(entry.key, status == 200, timings, n_bags)
             if outcome is not None and media_type(spec.content_type) == MULTIPART:
                 # The file names are the bags' ids (kept if the settings say so).
                 caller = dataclasses.replace(caller, files=outcome.ids)
-            fields = self.record(caller, entry, await input_hash(), status, outcome, used)
-            if fields is not None and self.audit_log is not None:
-                # Shielded: an abandoned request is still recorded.
-                await asyncio.shield(asyncio.to_thread(self.audit_log.append, **fields))
+            try:
+                fields = self.record(caller, entry, await input_hash(), status, outcome, used)
+                if fields is not None and self.audit_log is not None:
+                    t1 = time.perf_counter()
+                    # Group commit (:class:`~.audit.AuditLog`): released once the record
+                    # is durable. Shielded: an abandoned request is still recorded.
+                    await asyncio.shield(self.audit_log.append_async(**fields))
+                    # The outcome shares this dict: the answer's Server-Timing shows it.
+                    timings["audit"] = time.perf_counter() - t1
+            finally:
+                self.metrics.observe_stages(timings)
+                if self.stats is not None and status != CANCELLED:
+                    n_bags = 0 if outcome is None else len(outcome.ids)
+                    self.stats.observe(entry.key, status == 200, timings, n_bags)
 
     async def compute(
         self,

@@ -6,8 +6,13 @@ the database could make it: the chain must name it.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import sqlite3
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from bagserve.service.audit import AuditLog, verify
@@ -152,3 +157,89 @@ def test_audit_output_keeps_flags_and_statuses_and_values_only_when_asked(monkey
     }
     monkeypatch.setenv("BAGSERVE_AUDIT_VALUES", "true")
     assert outcome.summary(Settings().audit_values) == {**kept, "values": [0.25, -1.5]}
+
+
+# ----------------------------------------------------------------- group commit
+def _held_log(tmp_path, **kwargs):
+    """A log whose writer stops after its first commit until ``release`` is set: the
+    records submitted meanwhile queue up, and the next commit takes them together."""
+    release, sizes = threading.Event(), []
+
+    def on_commit(records: int, seconds: float) -> None:
+        sizes.append(records)
+        if len(sizes) == 1:
+            release.wait(30)
+
+    log = AuditLog(Database(None, tmp_path, pool_size=1), on_commit=on_commit, **kwargs)
+    log.submit({"request_id": "r0", "api_key_id": None, "status": 200})
+    deadline = time.monotonic() + 30
+    while not sizes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sizes == [1]
+    return log, release, sizes
+
+
+def test_records_waiting_for_a_commit_share_the_next_one_and_chain_in_order(tmp_path):
+    log, release, sizes = _held_log(tmp_path)
+    futures = [
+        log.submit({"request_id": f"r{i}", "api_key_id": None, "status": 200}) for i in range(1, 20)
+    ]
+    assert not any(f.done() for f in futures)  # nobody is released before the commit
+    release.set()
+    records = [f.result(30) for f in futures]
+    assert sizes == [1, 19]  # one transaction (one fsync) for the 19 waiting records
+    assert [r["request_id"] for r in records] == [f"r{i}" for i in range(1, 20)]
+    assert all(b["prev"] == a["hash"] for a, b in itertools.pairwise(records))
+    assert log.count() == 20 and log.verify().ok
+    log.close()
+    log.db.close()
+
+
+def test_a_record_that_cannot_be_written_fails_alone(tmp_path):
+    log, release, _ = _held_log(tmp_path)
+    good = [log.submit({"request_id": f"g{i}", "status": 200}) for i in range(3)]
+    bad = log.submit({"request_id": "bad", "status": object()})  # not JSON
+    more = log.submit({"request_id": "g3", "status": 200})
+    release.set()
+    with pytest.raises(TypeError):
+        bad.result(30)
+    assert [f.result(30)["request_id"] for f in [*good, more]] == ["g0", "g1", "g2", "g3"]
+    assert log.count() == 5 and log.verify().ok
+    log.close()
+    log.db.close()
+
+
+def test_an_append_abandoned_by_its_task_is_written_all_the_same(tmp_path):
+    log = AuditLog(Database(None, tmp_path, pool_size=1))
+
+    async def abandon() -> None:
+        task = asyncio.ensure_future(log.append_async(request_id="gone", status=499))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(abandon())
+    log.close()  # writes what was queued
+    assert [r["request_id"] for r in log.recent(5)] == ["gone"] and log.verify().ok
+    with pytest.raises(RuntimeError):
+        log.append(request_id="late")
+    log.db.close()
+
+
+def test_concurrent_appends_from_threads_and_the_event_loop_all_end_up_chained(tmp_path):
+    log = AuditLog(Database(None, tmp_path, pool_size=1))
+
+    async def from_the_loop() -> list[dict]:
+        return await asyncio.gather(
+            *(log.append_async(request_id=f"a{i}", status=200) for i in range(40))
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(lambda i: log.append(request_id=f"t{i}", status=200), range(40)))
+        awaited = asyncio.run(from_the_loop())
+    assert log.count() == 80 and log.verify().ok
+    kept = {r["request_id"]: r["hash"] for r in log.recent(100)}
+    assert all(kept[r["request_id"]] == r["hash"] for r in [*threaded, *awaited])
+    log.close()
+    log.db.close()

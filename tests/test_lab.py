@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 import subprocess
@@ -152,6 +153,22 @@ def test_oip_infer_json_and_binary_equal_the_native_api(url, binary):
     assert parsed["doc"]["parameters"]["bag_sizes"] == sizes.tolist()
     np.testing.assert_array_equal(parsed["outputs"]["prediction"], v1(url, bags, markers))
     assert ("inference-header-content-length" in r.headers) is binary
+    # Where the time went, stage by stage as on /v1, the audit record's commit included.
+    stages = dict(part.split(";dur=") for part in r.headers["server-timing"].split(", "))
+    assert list(stages) == [
+        "read",
+        "parse",
+        "validate",
+        "queue",
+        "transfer",
+        "compute",
+        "audit",
+        "encode",
+        "app",
+    ]
+    assert float(stages["app"]) >= sum(float(v) for k, v in stages.items() if k != "app")
+    text = httpx.get(f"{url}/metrics").text
+    assert 'bagserve_stage_seconds_count{stage="audit"}' in text
 
 
 def test_oip_per_cell_model_and_errors(url):
@@ -348,6 +365,47 @@ def test_idempotency_and_jobs_with_large_npy_bodies(url, data_dir):
 
 
 # ----------------------------------------------------------------- audit, metrics
+def test_concurrent_answers_are_each_recorded_once_and_the_chain_verifies(url, data_dir):
+    """Group commit: requests that finish together share an audit transaction, and each
+    is answered only once its own record is in the chain."""
+    bags, _ = dose_bags(1, seed=21)
+    n = 16  # 2 computing, the rest within the queue's 16 places
+    before = audit_count(data_dir)
+
+    async def crowd() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        f"{url}/v2/models/demo-dose/infer",
+                        json={
+                            "inputs": [
+                                {
+                                    "name": "points",
+                                    "datatype": "FP64",
+                                    "shape": list(bags[0].shape),
+                                    "data": bags[0].reshape(-1).tolist(),
+                                }
+                            ]
+                        },
+                        headers={"X-Request-ID": f"crowd-{i}"},
+                    )
+                    for i in range(n)
+                )
+            )
+
+    answers = asyncio.run(crowd())
+    assert [r.status_code for r in answers] == [200] * n
+    assert audit_count(data_dir) == before + n
+    recorded = [r["request_id"] for r in audit_log(data_dir).recent(n)]
+    assert sorted(recorded) == sorted(f"crowd-{i}" for i in range(n))
+    exe = str(Path(sys.executable).parent / "bagserve")
+    assert subprocess.run([exe, "audit", "verify", "--data-dir", str(data_dir)]).returncode == 0
+    text = httpx.get(f"{url}/metrics").text
+    assert "bagserve_audit_commit_records_count" in text
+    assert "bagserve_audit_commit_seconds_count" in text
+
+
 def test_audit_trail_records_and_verification(url, data_dir, tmp_path):
     bags, markers = dose_bags(2, seed=5)
     body = {"bags": [{"markers": markers, "points": b.tolist()} for b in bags]}
@@ -402,7 +460,7 @@ def test_prometheus_metrics(url):
         'bagserve_requests_total{model="demo-dose",route="/v1/models/{name}/predict",status="200"}'
         in text
     )
-    for stage in ("read", "parse", "validate", "queue", "compute", "encode"):
+    for stage in ("read", "parse", "validate", "queue", "compute", "audit", "encode"):
         assert f'bagserve_stage_seconds_count{{stage="{stage}"}}' in text
     assert "bagserve_points_per_bag_bucket" in text
     assert "bagserve_queue_depth 0.0" in text and "bagserve_busy_workers" in text

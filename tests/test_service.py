@@ -132,6 +132,7 @@ def test_json_many_bags_with_provenance_and_bit_for_bit(http, models):
         "queue",
         "transfer",
         "compute",
+        "audit",
         "encode",
         "app",
     }
