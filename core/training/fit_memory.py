@@ -22,7 +22,7 @@ from ..hashing import file_sha256
 from ..io import Preprocessing
 from .config import CELL_LEVEL
 from .data import _bag_names, bag_fingerprints, read_data
-from .folds import _cv_predictions, _folds, _params_key
+from .folds import FoldCache, _cv_predictions, _folds, _params_key
 from .groups import _grouping, _groups_kw, config_batches
 from .saving import _Fitted
 from .search import Candidate, _run_search
@@ -49,6 +49,8 @@ class _InMemorySearch:
         self.preprocessing = Preprocessing(**pre_spec).fit(bags, markers)
         #: Out-of-fold scores of per-cell classifiers, by :func:`_params_key`.
         self.oof_scores: dict[str, np.ndarray] = {}
+        #: What the folds compute alike for every candidate (widening's too).
+        self.fold_cache = FoldCache()
 
     def cross_validate(self, candidates: Sequence[Candidate], desc: str) -> list[np.ndarray]:
         from tqdm.auto import tqdm
@@ -67,6 +69,7 @@ class _InMemorySearch:
                 per_fold,
                 self.oof_scores,
                 self.fit_groups,
+                self.fold_cache,
             )
             for est, _ in tqdm(
                 candidates,
@@ -132,7 +135,10 @@ def _train_in_memory(
     searcher = _InMemorySearch(
         data.bags, y, folds, cell_level, pre_spec, markers, progress, fit_groups
     )
-    outcome = _run_search(candidates, estimator, grid, widen, searcher, y, classifier)
+    try:
+        outcome = _run_search(candidates, estimator, grid, widen, searcher, y, classifier)
+    finally:
+        searcher.fold_cache.close()
     calibration = None
     oof = searcher.oof_scores.get(_params_key(outcome.final))
     if oof is not None:

@@ -10,6 +10,7 @@ model, preprocessing included, fitted without it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,66 @@ def _folds(
     return folds
 
 
+class FoldCache:
+    """What every candidate of one search computes alike on a fold, computed once.
+
+    A search cross-validates several candidates on the same folds with the same
+    preprocessing, and the widening of an estimator's own grid (``gamma=[...]``,
+    ``alpha=[...]``) cross-validates the kept candidate once more with only those
+    grids changed. Kept per fold: the preprocessed bags, and for a bag-level model
+    with a seeded (so deterministic) representation the fitted representation and
+    both embeddings, whose ``T x T`` products stay computed (:meth:`close` drops
+    them). Each fit then gets what it would have computed itself: same models, same
+    predictions.
+    """
+
+    def __init__(self) -> None:
+        self._bags: dict[int, tuple[Bags, Bags]] = {}
+        self._embedded: dict[tuple[int, str], tuple[Any, Any, Any]] = {}
+        self._stack = ExitStack()
+
+    def bags(
+        self,
+        i: int,
+        raw: Bags,
+        train: np.ndarray,
+        val: np.ndarray,
+        pre_spec: Mapping[str, Any],
+        markers: list[str],
+    ) -> tuple[Bags, Bags]:
+        """Fold ``i``'s training and validation bags, preprocessed as fitted on its
+        training bags."""
+        if i not in self._bags:
+            pre = Preprocessing(**pre_spec).fit(raw[train], markers)
+            self._bags[i] = pre.apply(raw[train], markers), pre.apply(raw[val], markers)
+        return self._bags[i]
+
+    def embedded(self, i: int, model: BaseEstimator, bags_tr: Bags, bags_va: Bags):
+        """Fold ``i``'s fitted representation and embeddings for ``model``, or ``None``
+        when they cannot be shared (no ``fit_embedded``, or an unseeded representation
+        whose every fit draws anew)."""
+        if not hasattr(model, "fit_embedded") or not hasattr(model, "unfitted_representation"):
+            return None
+        rep = model.unfitted_representation()
+        params = rep.get_params(deep=False)
+        if "random_state" in params and params["random_state"] is None:
+            return None
+        key = (i, f"{type(rep).__qualname__}{_params_key(rep)}")
+        if key not in self._embedded:
+            rep = rep.fit(bags_tr)
+            emb_tr = rep.embed(bags_tr)
+            # Kept open until close(): every candidate's fit reads the same T x T matrix.
+            self._stack.enter_context(emb_tr.reusing_products())
+            self._embedded[key] = (rep, emb_tr, rep.embed(bags_va))
+        return self._embedded[key]
+
+    def close(self) -> None:
+        """Drop what was kept (the ``T x T`` products with it)."""
+        self._stack.close()
+        self._bags.clear()
+        self._embedded.clear()
+
+
 def _cv_predictions(
     est: BaseEstimator,
     raw: Bags,
@@ -82,6 +143,7 @@ def _cv_predictions(
     progress: bool = False,
     scores_out: dict[str, np.ndarray] | None = None,
     fit_groups: np.ndarray | None = None,
+    cache: FoldCache | None = None,
 ) -> np.ndarray:
     """Out-of-fold predictions: each bag (or cell) is predicted by a model, preprocessing
     included, that never saw it (a progress bar over the folds with ``progress``).
@@ -92,15 +154,59 @@ def _cv_predictions(
     For a per-cell classifier the out-of-fold scores (``decision_function``) also go
     into ``scores_out`` under the estimator's key (:func:`_params_key`): they calibrate
     its class probabilities (:mod:`core.calibration`).
-    """
-    from tqdm.auto import tqdm
 
+    ``cache`` (shared by the calls of one search) keeps what the folds compute alike
+    for every candidate (:class:`FoldCache`); the predictions are the same without it.
+    """
     pred = np.empty(y.shape, dtype=object if y.dtype.kind in "OUS" else np.float64)
     keep_scores = cell_level and scores_out is not None and hasattr(est, "decode_scores")
+    own = cache is None
+    cache = FoldCache() if cache is None else cache
+    try:
+        _predict_folds(
+            est,
+            raw,
+            y,
+            folds,
+            cell_level,
+            pre_spec,
+            markers,
+            progress,
+            fit_groups,
+            cache,
+            pred,
+            keep_scores,
+            scores_out,
+        )
+    finally:
+        if own:
+            cache.close()
+    return pred
+
+
+def _predict_folds(
+    est: BaseEstimator,
+    raw: Bags,
+    y: np.ndarray,
+    folds: list[tuple[np.ndarray, np.ndarray]],
+    cell_level: bool,
+    pre_spec: Mapping[str, Any],
+    markers: list[str],
+    progress: bool,
+    fit_groups: np.ndarray | None,
+    cache: FoldCache,
+    pred: np.ndarray,
+    keep_scores: bool,
+    scores_out: dict[str, np.ndarray] | None,
+) -> None:
+    """:func:`_cv_predictions`' folds, written into ``pred`` (and ``scores_out``)."""
+    from tqdm.auto import tqdm
+
     scores: np.ndarray | None = None
-    for train, val in tqdm(folds, desc="folds", unit="fold", disable=not progress, leave=False):
-        pre = Preprocessing(**pre_spec).fit(raw[train], markers)
-        bags_tr, bags_va = pre.apply(raw[train], markers), pre.apply(raw[val], markers)
+    for i, (train, val) in enumerate(
+        tqdm(folds, desc="folds", unit="fold", disable=not progress, leave=False)
+    ):
+        bags_tr, bags_va = cache.bags(i, raw, train, val, pre_spec, markers)
         model = for_point_predictions(est)
         if cell_level:
             y_tr = np.concatenate([y[raw.offsets[t] : raw.offsets[t + 1]] for t in train])
@@ -114,13 +220,16 @@ def _cv_predictions(
                 pred[rows] = model.decode_scores(s)
             else:
                 pred[rows] = model.predict(bags_va)
+        elif (shared := cache.embedded(i, model, bags_tr, bags_va)) is not None:
+            rep, emb_tr, emb_va = shared
+            model.fit_embedded(rep, emb_tr, y[train], **_groups_kw(fit_groups, train))
+            pred[val] = model.predict_embedded(emb_va)
         else:
             model.fit(bags_tr, y[train], **_groups_kw(fit_groups, train))
             pred[val] = model.predict(bags_va)
     if keep_scores and scores is not None:
         assert scores_out is not None
         scores_out[_params_key(est)] = scores
-    return pred
 
 
 def _params_key(est: BaseEstimator) -> str:
