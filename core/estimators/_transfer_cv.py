@@ -14,7 +14,10 @@ Everything the search needs from the estimator arrives in a :class:`SearchSetup`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import hashlib
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -43,6 +46,8 @@ __all__ = [
     "mean_squared_error",
     "misclassification_rate",
     "one_standard_error_choice",
+    "reused_across_fits",
+    "reusing_fold_evaluations",
 ]
 
 #: A hyperparameter value still to be resolved on the tasks at hand:
@@ -109,8 +114,125 @@ class SearchSetup:
     transform: Transform | None = None
 
 
+#: The evaluations kept across fits (:func:`reusing_fold_evaluations`), by the digest
+#: of everything an evaluator's results depend on (:func:`_setup_digest`).
+_REUSED: ContextVar[dict[str, dict[str, Any]] | None] = ContextVar(
+    "reused_fold_evaluations", default=None
+)
+
+
+@contextmanager
+def reusing_fold_evaluations() -> Iterator[None]:
+    """Within the block, fits that search on the same tasks, targets, feature maps,
+    folds and ``λ`` grid share their fold evaluations.
+
+    Training fits the same estimator on the same fold several times: the kept
+    candidate and, when one of its own grids was widened, the candidate again with
+    only that grid moved. Every configuration the first fit evaluated (its per-fold
+    errors), and every per-fold cache (embeddings, median bandwidths, held-out points,
+    the strategy's per-bandwidth statistics), is then taken as computed, so the refit
+    evaluates only the configurations it had not seen. The results are the ones the
+    evaluations would give again: they are functions of what the digest covers.
+    Nested blocks share the outermost one's evaluations.
+    """
+    if _REUSED.get() is not None:
+        yield
+        return
+    token = _REUSED.set({})
+    try:
+        yield
+    finally:
+        _REUSED.reset(token)
+
+
+def _update(h: Any, value: Any) -> None:
+    """Feed ``value`` (arrays by dtype, shape and bytes) into the hash ``h``."""
+    if isinstance(value, np.ndarray):
+        h.update(f"{value.dtype.str}{value.shape}".encode())
+        h.update(np.ascontiguousarray(value).data)
+    elif isinstance(value, Bags):
+        _update(h, np.asarray(value.points))
+        _update(h, np.asarray(value.offsets))
+    elif isinstance(value, list | tuple):
+        h.update(f"{type(value).__name__}{len(value)}(".encode())
+        for v in value:
+            _update(h, v)
+        h.update(b")")
+    else:
+        h.update(repr(value).encode())
+
+
+def reused_across_fits(parts: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+    """``compute()``, or, within :func:`reusing_fold_evaluations`, what it returned for
+    the same ``parts`` (arrays, bags and values that determine the result) in the block.
+
+    The caller must not modify what it gets: another fit may get the same object.
+    """
+    reused = _REUSED.get()
+    if reused is None:
+        return compute()
+    h = hashlib.blake2b(digest_size=20)
+    _update(h, parts)
+    store = reused.setdefault("values", {})
+    key = h.hexdigest()
+    if key not in store:
+        store[key] = compute()
+    return store[key]
+
+
+def _setup_digest(setup: SearchSetup, strategy: SolverStrategy) -> str | None:
+    """A digest of everything a plain evaluator's results depend on, or ``None`` when
+    something in ``setup`` cannot be told apart (a transform, a callable not bound to
+    a marginal-transfer estimator)."""
+    if setup.transform is not None:
+        return None
+    owner = getattr(setup.fit_embedding, "__self__", None)
+    callables = (setup.fit_embedding, setup.resolve_sigma, setup.resolve_gamma)
+    if owner is None or any(getattr(c, "__self__", None) is not owner for c in callables):
+        return None
+    if not all(hasattr(owner, a) for a in ("seed_", "task_kernel_", "_make_embedding")):
+        return None
+    data, maps = setup.data, setup.data.maps
+    h = hashlib.blake2b(digest_size=20)
+    for value in (
+        data.tasks,
+        data.Y,
+        data.loss,
+        data.epsilon,
+        maps.point_kernel,
+        maps.point_frequencies,
+        maps.joint_frequencies,
+        maps.linear_centre,
+        maps.linear_scale,
+        setup.emb_tasks,
+        list(setup.folds),
+        setup.alphas,
+        setup.task_kernel.name,
+        sorted(setup.task_kernel.params.items()),
+        [getattr(c, "__qualname__", repr(c)) for c in (*callables, setup.error)],
+        setup.cv_points,
+        setup.seed,
+        # What the bound callables read of their estimator: the seed (the median
+        # heuristic's subsample, the embedding's draws), the task kernel, the embedding.
+        owner.seed_,
+        owner.task_kernel_.name,
+        sorted(owner.task_kernel_.params.items()),
+        type(owner._make_embedding()).__qualname__,
+        sorted(owner._make_embedding().get_params(deep=False).items()),
+        type(strategy).__qualname__,
+        sorted(vars(strategy).items()),
+    ):
+        _update(h, value)
+    return h.hexdigest()
+
+
 class FoldEvaluator:
-    """Validation errors of candidate configurations, with caches shared across them."""
+    """Validation errors of candidate configurations, with caches shared across them.
+
+    Within :func:`reusing_fold_evaluations` a plain evaluator (no transform, not a
+    subclass) takes its caches, and the errors of configurations already evaluated,
+    from an earlier evaluator of the same setup.
+    """
 
     def __init__(self, setup: SearchSetup, strategy: SolverStrategy):
         self.setup = setup
@@ -123,6 +245,25 @@ class FoldEvaluator:
         self.fold_errors: dict[tuple[Any, ...], NDArray[np.float64]] = {}
         self._held_out: dict[int, tuple[NDArray[np.float64], NDArray[np.float64]]] = {}
         self._strategy_cache: dict[Hashable, Any] = {}
+        #: Errors of this setup's configurations evaluated by any fit in the block.
+        self._reused_errors: dict[tuple[Any, ...], NDArray[np.float64]] | None = None
+        reused = _REUSED.get()
+        if reused is not None and type(self) is FoldEvaluator:
+            digest = _setup_digest(setup, strategy)
+            if digest is not None:
+                state = reused.setdefault(
+                    digest,
+                    {
+                        "embeddings": self._embeddings,
+                        "medians": self._medians,
+                        "held_out": self._held_out,
+                        "strategy": self._strategy_cache,
+                        "errors": {},
+                    },
+                )
+                self._embeddings, self._medians = state["embeddings"], state["medians"]
+                self._held_out, self._strategy_cache = state["held_out"], state["strategy"]
+                self._reused_errors = state["errors"]
 
     def _fold_embedding(
         self, f: int, factor: float
@@ -194,7 +335,13 @@ class FoldEvaluator:
         each configuration is evaluated once (per-fold errors in :attr:`fold_errors`)."""
         key = self.key(cand)
         if key not in self.fold_errors:
-            self.fold_errors[key] = self._evaluate(cand)
+            reused = self._reused_errors
+            if reused is not None and key in reused:
+                self.fold_errors[key] = reused[key].copy()
+            else:
+                self.fold_errors[key] = self._evaluate(cand)
+                if reused is not None:
+                    reused[key] = self.fold_errors[key].copy()
         return self.fold_errors[key].mean(axis=0)
 
     def _evaluate(self, cand: dict[str, Any]) -> NDArray[np.float64]:

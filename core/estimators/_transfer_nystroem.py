@@ -22,6 +22,7 @@ from numpy.typing import NDArray
 
 from ..bags import Bags
 from ..kernels import batch_invariant_matmul
+from ._transfer_cv import reused_across_fits
 from ._transfer_solvers import _CHUNK_POINTS, _DUAL_MAX_POINTS, TaskStatistics, task_ridge_path
 from ._transfer_strategy import (
     POINT_BLOCK,
@@ -140,7 +141,21 @@ class NystroemFeatureStrategy(RandomFeatureStrategy):
     def fit(self, problem: TrainingProblem) -> dict[str, Any]:
         data, params = problem.data, problem.params
         N = len(data.tasks)
-        stats = task_statistics(data.maps, data.tasks, data.Y, params.sigma)
+        maps = data.maps
+        # Training's widened refit fits on the same tasks at the same σ again.
+        stats = reused_across_fits(
+            (
+                "nystroem statistics",
+                data.tasks,
+                data.Y,
+                maps.point_kernel,
+                maps.point_frequencies,
+                maps.linear_centre,
+                maps.linear_scale,
+                params.sigma,
+            ),
+            lambda: task_statistics(maps, data.tasks, data.Y, params.sigma),
+        )
         basis = None if params.tau == 1.0 else nystroem_basis(problem.task_gram)
         S = task_coordinates(problem.task_gram, basis, params.tau)
         (theta,) = task_ridge_path(S, stats, np.arange(N), np.array([problem.alpha]))

@@ -1,0 +1,95 @@
+"""Marginal-transfer fits that share their fold evaluations answer as fits alone.
+
+Training fits the kept candidate on every outer fold, then, when one of its own grids
+sat on an edge, the same candidate with only that grid widened. Within
+:func:`reusing_fold_evaluations` the second fit takes the configurations the first
+evaluated (per-fold errors) and every per-fold cache as computed; its selection record
+and its model must be exactly those of the fit alone, and it must evaluate less.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+from bagserve.core import MarginalTransferClassifier
+from bagserve.core.datasets import make_batched_cytometry_tasks
+from bagserve.core.estimators import _transfer_cv
+from bagserve.core.estimators._transfer_cv import reusing_fold_evaluations
+from sklearn.base import clone
+
+
+def _same(a: Any, b: Any, path: str = "") -> None:
+    """``a`` and ``b`` equal to the last bit (dicts, sequences, arrays, floats)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), path
+        for k in a:
+            _same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), path
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), path
+
+
+@pytest.fixture(scope="module")
+def data():
+    tasks, y, batches = make_batched_cytometry_tasks(2, 4, 250, random_state=0, strength=1.5)
+    return tasks, y, batches
+
+
+def _fits(tasks, y, groups, models):
+    out = []
+    for model in models:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out.append(clone(model).fit(tasks, y, groups=groups))
+    return out
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_refit_with_a_widened_grid_is_the_fit_alone(data, batched, monkeypatch):
+    tasks, y, batches = data
+    groups = batches if batched else None
+    edge = MarginalTransferClassifier(random_state=0, cv=3)
+    first = _fits(tasks, y, groups, [edge])[0]
+    # The refit training makes: the chosen task γ's grid moved, as absolute values.
+    widened = clone(edge).set_params(task_gamma=list(np.logspace(-1, 1, 3) * 7.0))
+    models = [edge, widened]
+
+    calls = {"n": 0}
+    evaluate = _transfer_cv.FoldEvaluator._evaluate
+
+    def counting(self, cand):
+        calls["n"] += 1
+        return evaluate(self, cand)
+
+    monkeypatch.setattr(_transfer_cv.FoldEvaluator, "_evaluate", counting)
+    alone = _fits(tasks, y, groups, models)
+    alone_calls = calls["n"]
+    calls["n"] = 0
+    with reusing_fold_evaluations():
+        shared = _fits(tasks, y, groups, models)
+    shared_calls = calls["n"]
+
+    _same(first.selection_, alone[0].selection_)
+    for a, s in zip(alone, shared, strict=True):
+        _same(a.selection_, s.selection_)
+        assert a.normalise_ == s.normalise_
+        assert np.array_equal(a.decision_function(tasks), s.decision_function(tasks))
+    # The second fit evaluated only what the first had not.
+    assert shared_calls < alone_calls
+
+
+def test_evaluations_are_not_kept_after_the_block(data):
+    tasks, y, _ = data
+    with reusing_fold_evaluations():
+        assert _transfer_cv._REUSED.get() == {}
+        _fits(tasks, y, None, [MarginalTransferClassifier(random_state=0, cv=3)])
+        assert _transfer_cv._REUSED.get()
+    assert _transfer_cv._REUSED.get() is None
