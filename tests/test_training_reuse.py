@@ -101,3 +101,26 @@ def test_unseeded_representation_is_not_shared(data):
     # Each fit draws its own directions: sharing one draw would change the model.
     assert cache._embedded == {}
     cache.close()
+
+
+def test_final_fits_share_the_embedding_of_every_bag(data):
+    from bagserve.core.training.fit_memory import _InMemorySearch
+
+    bags, y, markers, folds = data
+    searcher = _InMemorySearch(bags, y, folds, False, PRE, markers, progress=False)
+    edge, widened = _candidates()[0], _candidates()[2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            shared = [searcher.fit_final(clone(est)) for est in (edge, widened)]
+            assert len(searcher.fold_cache._embedded) == 1
+        finally:
+            searcher.fold_cache.close()
+        pre = Preprocessing(**PRE).fit(bags, markers)
+        alone = [clone(est).fit(pre.apply(bags, markers), y) for est in (edge, widened)]
+    for s, a in zip(shared, alone, strict=True):
+        assert s.gamma_ == a.gamma_ and s.alpha_ == a.alpha_
+        assert np.array_equal(s.selection_["score"], a.selection_["score"], equal_nan=True)
+        assert np.array_equal(s.predict(bags), a.predict(bags))
+        # Nothing T x T stays attached to the model once the search is over.
+        assert s.train_embedding_._products is None

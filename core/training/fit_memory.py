@@ -51,6 +51,7 @@ class _InMemorySearch:
         self.oof_scores: dict[str, np.ndarray] = {}
         #: What the folds compute alike for every candidate (widening's too).
         self.fold_cache = FoldCache()
+        self._final_bags: Bags | None = None
 
     def cross_validate(self, candidates: Sequence[Candidate], desc: str) -> list[np.ndarray]:
         from tqdm.auto import tqdm
@@ -80,9 +81,17 @@ class _InMemorySearch:
         ]
 
     def fit_final(self, estimator: BaseEstimator) -> BaseEstimator:
-        bags = self.preprocessing.apply(self.bags, self.markers)
+        if self._final_bags is None:
+            self._final_bags = self.preprocessing.apply(self.bags, self.markers)
+        bags = self._final_bags
         every = np.arange(len(self.bags))
-        return estimator.fit(bags, self.y, **_groups_kw(self.fit_groups, every))
+        groups = _groups_kw(self.fit_groups, every)
+        # The kept candidate and its widened refit embed every bag alike: once.
+        shared = self.fold_cache.embedded("all", estimator, bags, None)
+        if shared is not None:
+            rep, emb, _ = shared
+            return estimator.fit_embedded(rep, emb, self.y, **groups)
+        return estimator.fit(bags, self.y, **groups)
 
 
 def _train_in_memory(

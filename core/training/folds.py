@@ -106,10 +106,11 @@ class FoldCache:
             self._bags[i] = pre.apply(raw[train], markers), pre.apply(raw[val], markers)
         return self._bags[i]
 
-    def embedded(self, i: int, model: BaseEstimator, bags_tr: Bags, bags_va: Bags):
-        """Fold ``i``'s fitted representation and embeddings for ``model``, or ``None``
-        when they cannot be shared (no ``fit_embedded``, or an unseeded representation
-        whose every fit draws anew)."""
+    def embedded(self, i: int | str, model: BaseEstimator, bags_tr: Bags, bags_va: Bags | None):
+        """Fold ``i``'s fitted representation and embeddings for ``model`` (``i="all"``,
+        ``bags_va=None``: the final fit's on every bag), or ``None`` when they cannot
+        be shared (no ``fit_embedded``, or an unseeded representation whose every fit
+        draws anew)."""
         if not hasattr(model, "fit_embedded") or not hasattr(model, "unfitted_representation"):
             return None
         rep = model.unfitted_representation()
@@ -122,7 +123,8 @@ class FoldCache:
             emb_tr = rep.embed(bags_tr)
             # Kept open until close(): every candidate's fit reads the same T x T matrix.
             self._stack.enter_context(emb_tr.reusing_products())
-            self._embedded[key] = (rep, emb_tr, rep.embed(bags_va))
+            emb_va = None if bags_va is None else rep.embed(bags_va)
+            self._embedded[key] = (rep, emb_tr, emb_va)
         return self._embedded[key]
 
     def close(self) -> None:
