@@ -1,8 +1,10 @@
 """The wire format between the service and its worker processes: no pickled arrays.
 
-A message is a small header (a dict) and named arrays. The arrays never get pickled:
-small ones cross the pipe as raw bytes (``send_bytes`` of the buffer, ``frombuffer`` on
-the other side); from ``MEMFD_MIN_BYTES`` on, on Linux, they go through an anonymous
+A message is a small header (a dict) and named arrays. The arrays never get pickled as
+arrays: small ones cross the pipe as raw bytes (up to ``COALESCE_MAX_BYTES`` in all
+inside the header's own write, so that a small request or answer is one write and one
+read; beyond that a ``send_bytes`` of each buffer; ``frombuffer`` on the other side);
+from ``MEMFD_MIN_BYTES`` on, on Linux, they go through an anonymous
 memory file (``memfd``) whose descriptor is passed over the socket, and the receiver
 maps it (no stream of socket chunks, and no ``/dev/shm`` size limit to hit in a
 container). Requests use a pool of such files that are reused (:class:`BufferPool`),
@@ -37,11 +39,19 @@ __all__ = [
 
 #: Messages with at least this many bytes of arrays go through a memory file.
 MEMFD_MIN_BYTES = 1 << 20
+#: Arrays crossing the pipe ride inside the header's own write up to this many bytes in
+#: all: a small request or answer is one write and one read, not one per array (each
+#: array's write could wake the reader, on a busy machine a context switch apiece).
+COALESCE_MAX_BYTES = 64 << 10
 #: Shared buffers are sized in whole steps of this many bytes, so that bodies of
 #: similar sizes reuse one another's buffers.
 BUFFER_STEP = 1 << 20
 #: Mappings of the server's shared buffers a worker keeps between requests.
 WORKER_MAPPINGS = 4
+
+
+#: The place of an array that rides inside the header's message (its index there).
+_INLINE = -1
 
 
 def _raw(a: np.ndarray) -> memoryview:
@@ -155,8 +165,10 @@ def send_message(
 
     Arrays that already lie in one of the ``lent`` shared buffers are sent by
     reference (the buffer's descriptor and their offset), without a copy. The others
-    cross the pipe when small; from ``MEMFD_MIN_BYTES`` on they are copied into a
-    buffer of ``pool`` (or, without one, into a fresh memory file).
+    cross the pipe when small, inside the header's message while they total at most
+    ``COALESCE_MAX_BYTES`` (one write for the whole message), else each as a message
+    of its own; from ``MEMFD_MIN_BYTES`` on they are copied into a buffer of ``pool``
+    (or, without one, into a fresh memory file).
 
     Returns
     -------
@@ -202,8 +214,15 @@ def send_message(
                 offset += arrays[i].nbytes
             buffers.append((name, offset if name is None else taken[-1].capacity))
             fds.append(fd)
+        inline: list[bytes] = []
+        if sum(arrays[i].nbytes for i, p in enumerate(places) if p is None) <= COALESCE_MAX_BYTES:
+            for i, p in enumerate(places):
+                if p is None:
+                    places[i] = (_INLINE, len(inline))
+                    inline.append(_raw(arrays[i]).tobytes())
         meta = [(n, a.dtype.str, a.shape, p) for n, a, p in zip(names, arrays, places, strict=True)]
-        conn.send_bytes(pickle.dumps((header, meta, buffers), protocol=pickle.HIGHEST_PROTOCOL))
+        message = (header, meta, buffers, inline)
+        conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         for fd in fds:
             reduction.send_handle(conn, fd, 0)  # the pid is only used on Windows
         for a, p in zip(arrays, places, strict=True):
@@ -230,7 +249,7 @@ def recv_message(
     a buffer sent again is not mapped again (at most ``WORKER_MAPPINGS`` of them).
     """
     # Only ever exchanged between this process and its own workers.
-    header, meta, buffers = pickle.loads(conn.recv_bytes())
+    header, meta, buffers, inline = pickle.loads(conn.recv_bytes())
     mapped = []
     for name, size in buffers:
         fd = reduction.recv_handle(conn)
@@ -256,6 +275,9 @@ def recv_message(
             arrays[name] = np.frombuffer(conn.recv_bytes(), dtype=dtype).reshape(shape)
             continue
         k, offset = place
+        if k == _INLINE:
+            arrays[name] = np.frombuffer(inline[offset], dtype=dtype).reshape(shape)
+            continue
         count = int(np.prod(shape, dtype=np.int64))
         arrays[name] = np.frombuffer(mapped[k], dtype, count, offset).reshape(shape)
     return header, arrays
