@@ -161,9 +161,16 @@ def landmark_shift(
     codes: NDArray[np.int64],
     centres: NDArray[np.float64],
     skip: int | None = None,
+    spread: NDArray[np.float64] | None = None,
 ) -> NDArray[np.float64] | None:
     """The per-marker shift that moves the sample's population centres onto the
-    training ones, each population weighted by its share of the sample.
+    training ones, each population weighted by its share of the sample (and, given
+    ``spread``, by the inverse of its variance on each marker).
+
+    With ``spread`` the shift is the inverse-variance weighted mean of the centres'
+    differences: a population's centre is estimated with variance ``σ²/n``, so a
+    tight, large population says most, and a diffuse one (a rest class that is a
+    mixture, whose centre moves with its parts' proportions) little.
 
     Parameters
     ----------
@@ -175,6 +182,8 @@ def landmark_shift(
         The training populations' centres, on the cells as they arrived.
     skip : int, optional
         A class that is no population (the rest class): not a landmark.
+    spread : ndarray of shape (n_classes, d), optional
+        Every training population's variance per marker.
 
     Returns
     -------
@@ -192,8 +201,11 @@ def landmark_shift(
     sums = np.zeros_like(centres)
     np.add.at(sums, codes, x)
     mine = sums[use] / counts[use, None]
-    w = counts[use] / counts[use].sum()
-    return (w[:, None] * (centres[use] - mine)).sum(axis=0)
+    w = np.repeat(counts[use, None], centres.shape[1], axis=1)
+    if spread is not None:
+        w = w / np.maximum(spread[use], 1e-12)
+    w = w / w.sum(axis=0)
+    return (w * (centres[use] - mine)).sum(axis=0)
 
 
 def calibrate(

@@ -182,6 +182,19 @@ def test_landmark_shift_is_the_share_weighted_mean_of_the_centre_differences():
     np.testing.assert_allclose(shift, (w[:, None] * diffs).sum(0) / w.sum())
     np.testing.assert_allclose(shift, [-2.0, 1.0], atol=0.1)
     assert landmark_shift(x, np.zeros(400, dtype=np.int64), centres) is None
+    # With the populations' spreads: per marker, the inverse-variance weighted mean
+    # (weights n_k / σ²_kd), so a diffuse population barely moves the shift.
+    spread = np.array([[1.0, 4.0], [0.25, 0.25], [9.0, 1.0], [1.0, 1.0]])
+    weighted = landmark_shift(x, codes, centres, skip=3, spread=spread)
+    wd = w[:, None] / spread[use]
+    np.testing.assert_allclose(weighted, (wd * diffs).sum(0) / wd.sum(0))
+    # A diffuse population whose centre moved on its own (a mixture's proportions):
+    # its pull on the shift shrinks with its spread.
+    x2 = x.copy()
+    x2[codes == 2] += 3.0
+    naive = landmark_shift(x2, codes, centres, skip=3)
+    robust = landmark_shift(x2, codes, centres, skip=3, spread=spread)
+    assert np.abs(robust - [-2.0, 1.0]).max() < np.abs(naive - [-2.0, 1.0]).max()
 
 
 def test_a_task_shifted_beyond_the_training_tasks_is_moved_back_by_its_landmarks():

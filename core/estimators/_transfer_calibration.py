@@ -254,6 +254,10 @@ class CalibrationMixin:
         np.add.at(sums, codes, raw.points)
         counts = np.bincount(codes, minlength=self.classes_.size)[:, None]
         self.landmark_centres_ = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+        squares = np.zeros((self.classes_.size, raw.dim))
+        np.add.at(squares, codes, raw.points**2)
+        mean_sq = squares / np.maximum(counts, 1)
+        self.landmark_spread_ = np.maximum(mean_sq - np.nan_to_num(self.landmark_centres_) ** 2, 0)
         sd = raw.points.std(axis=0)
         self.landmark_scale_ = np.where(sd > 0, sd, 1.0)
         # How far the training tasks' own populations sit from the pooled centres: a
@@ -264,11 +268,19 @@ class CalibrationMixin:
         for t in range(len(raw)):
             rows = owner == t
             shift = landmark_shift(
-                raw.points[rows], codes[rows], self.landmark_centres_, self.rest_code_
+                raw.points[rows],
+                codes[rows],
+                self.landmark_centres_,
+                self.rest_code_,
+                self._landmark_spread(),
             )
             if shift is not None:
                 norms.append(float(np.linalg.norm(shift / self.landmark_scale_)))
         self.landmark_threshold_ = self.range_factor * max(norms) if norms else np.inf
+
+    def _landmark_spread(self) -> NDArray[np.float64] | None:
+        """The training populations' variances (None for models saved without)."""
+        return getattr(self, "landmark_spread_", None)
 
     def _primary_scores(self, raw: Bags) -> list[NDArray[np.float64]]:
         """The primary model's scores of ``raw``, whatever their range (no fallback,
@@ -292,7 +304,11 @@ class CalibrationMixin:
             (scores,) = self._primary_scores(Bags.from_arrays([z]))
             codes = np.argmax(scores, axis=1) if scores.shape[1] > 1 else (scores[:, 0] > 0)
             shift = landmark_shift(
-                x, codes.astype(np.int64), self.landmark_centres_, self.rest_code_
+                x,
+                codes.astype(np.int64),
+                self.landmark_centres_,
+                self.rest_code_,
+                self._landmark_spread(),
             )
             if shift is None:
                 break
