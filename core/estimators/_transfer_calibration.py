@@ -1,18 +1,27 @@
-"""Whether a new task out of range is calibrated to the training reference first.
+"""Whether a new task from another batch is calibrated to the training data first.
 
 A task out of the training tasks' range is most likely another batch. Calibrating it
-(:mod:`core.alignment`: per-marker quantile landmarks, or a monotone map fitted on the
-MMD) may bring its populations back where the primary model learnt them, or, where
-its proportions differ from the reference's, move them. Only folds of held-out
-batches can tell, so the choice is made there: every task of a held-out batch is
-calibrated to the reference of the other batches (never its own) and answered by the
-primary model fitted on those batches (:class:`CalibratedHeldOut`); the errors are
-set against what answers such tasks without calibration (the fallback, or the primary
-model itself), with the one-standard-error rule and no calibration first.
+(:mod:`core.alignment`: population landmarks, per-marker quantile landmarks, or a
+monotone map fitted on the MMD) may bring its populations back where the primary model
+learnt them, or, where its proportions differ from the reference's, move them.
 
-Without two batches in the training data nothing measures it, and the stated rule is
-not to calibrate: on the emulated instrument batches of ``bench/bench_new_batch.py``
-quantile calibration without that evidence lowered every model's accuracy.
+* With batches named, folds of held-out batches tell: every task of a held-out batch
+  is calibrated to the reference of the other batches (never its own) and answered by
+  the primary model fitted on those batches (:class:`CalibratedHeldOut` for the
+  quantile and MMD maps; refits of the chosen configuration for the landmarks, which
+  need the model's labels); the errors are set against what answers such tasks
+  without calibration (the fallback, or the primary model itself), with the
+  one-standard-error rule and no calibration first.
+* Without two batches nothing measures it, and the stated rule (:data:`LANDMARK_RULE`)
+  is the landmark shift, for classifiers, of the tasks whose populations sit farther
+  from the training ones than any training task's do, and of the tasks out of range
+  where no invariant fallback answers them. Quantile calibration without evidence
+  lowered accuracy on the emulated instrument batches of ``bench/bench_new_batch.py``
+  (samples' proportions differ, so aligning pooled quantiles moves populations); the
+  landmark shift, whose landmarks are the populations' centres, did not.
+
+:class:`CalibrationMixin` holds the estimator's side: the choice at fit time and the
+calibration of new tasks at prediction.
 """
 
 from __future__ import annotations
