@@ -579,6 +579,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from .service.worker_server import start_worker_server
+
+    # First: the workers' server imports scipy and the estimators (seconds) while this
+    # process imports the web framework; the workers are forked from it, ready at once.
+    start_worker_server()
     import uvicorn
 
     from .service.app import create_app

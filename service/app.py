@@ -146,15 +146,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        registry = Registry(settings.models_dir, trusted)
+        # The workers start first (forked from the preloaded server, see
+        # WorkerPool), while the models are verified and the database opened; they load
+        # the models in the background (Repository.start), and the server answers
+        # meanwhile: /readyz says what is still loading.
+        pool = WorkerPool(
+            settings.workers, settings.queue_size, settings.request_limits().to_json()
+        )
+        await pool.start()
+        registry = await asyncio.to_thread(Registry, settings.models_dir, trusted)
         for key, reason in registry.failures.items():
             log.error("model not loaded", extra={"model": key, "reason": reason})
-        pool = WorkerPool(
-            {e.key: e.info.path for e in registry.all()},
-            settings.workers,
-            settings.queue_size,
-            settings.request_limits().to_json(),
-        )
+        repository = Repository(registry, pool)
+        repository.start()
         data = Path(settings.data_dir)
         db = await asyncio.to_thread(
             Database,
@@ -184,12 +188,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             audit=audit,
             idempotency=idempotency,
             jobs=store,
-            repository=Repository(registry, pool),
+            repository=repository,
             stats=stats,
             intake=Intake(settings, pool),
         )
-        await pool.start()
-        store.start(JobRunner(store, registry, predictor), concurrency=settings.workers)
+
+        async def start_jobs() -> None:
+            # A job computed before its model is loaded would fail (503): jobs wait.
+            await repository.started.wait()
+            store.start(JobRunner(store, registry, predictor), concurrency=settings.workers)
+
+        jobs_starting = asyncio.get_running_loop().create_task(start_jobs())
         app.state.services = svc
         sweeper = asyncio.get_running_loop().create_task(_sweep_keys(idempotency))
         # SIGHUP: reload the models directory, as daemons reload their configuration.
@@ -226,6 +235,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 loop.remove_signal_handler(signal.SIGHUP)
             app.state.services = None
             sweeper.cancel()
+            jobs_starting.cancel()
+            await repository.stop()
             await store.stop()
             await pool.stop()
             # Records still queued are committed before the database closes.

@@ -335,8 +335,9 @@ def _complete(doc: dict[str, Any], keys_required: bool) -> dict[str, Any]:
             if path == "/metrics":
                 responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
             for status, response in responses.items():
-                if status == "503" and path in ("/readyz", "/v2/health/ready"):
-                    # Readiness answers its own body when not ready, not a problem.
+                if status == "503" and (path == "/readyz" or path.endswith("/ready")):
+                    # Readiness answers its own body when not ready, not a problem (a
+                    # model's too: it is not ready while it loads).
                     name = "Readiness" if path == "/readyz" else "ModelReady"
                     response["content"] = {"application/json": {"schema": _ref(name)}}
                     continue

@@ -8,6 +8,19 @@ through its process sentinel while a request is in flight: the request fails fas
 request that outlives ``request_timeout`` gets its worker killed and replaced
 (:class:`WorkerTimeout`). A worker's own error arrives typed: :class:`InputRejected`
 when the model refused the input, :class:`ComputeFailed` otherwise.
+
+Models are loaded into the running workers, all workers at once, on a control pipe of
+their own (:meth:`WorkerPool.load`): a load takes about one model's load time (memory
+maps), whatever the number of workers, and no worker stops taking requests for it. A
+model version is served (:meth:`WorkerPool.serves`) from the moment every running
+worker holds it; a request for one that is not yet served is answered 503
+``model-loading`` instead of reaching a worker without it, and a worker that starts
+later (a replacement) takes requests only once it holds every served version.
+
+Workers are forked from a server process that imported what they need once
+(:mod:`.worker_server`, multiprocessing's ``forkserver``): a worker starts in
+milliseconds instead of importing numpy, scipy and the estimators again. Where there
+is no fork server (Windows), they are spawned.
 """
 
 from __future__ import annotations
@@ -15,10 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing as mp
 import os
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -29,7 +42,8 @@ import numpy as np
 
 from .errors import Problem, ServiceError
 from .wire import BufferPool, SharedBuffer, recv_message, send_message
-from .worker import INPUT_ERROR, PROBLEM_ERROR, worker_main
+from .worker import INPUT_ERROR, PROBLEM_ERROR, model_id, worker_main
+from .worker_server import worker_context
 
 __all__ = [
     "ComputeFailed",
@@ -39,6 +53,7 @@ __all__ = [
     "WorkerLost",
     "WorkerPool",
     "WorkerTimeout",
+    "model_id",
 ]
 
 log = logging.getLogger("bagserve.workers")
@@ -68,12 +83,22 @@ class ComputeFailed(PoolError):
     """The worker failed for another reason than the input; its message says why."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Worker:
     index: int
     process: Any
     conn: Connection
+    #: The control pipe: model loads and drops, answered by a thread of the worker's.
+    control: Connection
     started: float = field(default_factory=time.monotonic)
+    #: Model ids the worker holds (changed on the event loop's thread only).
+    held: set[str] = field(default_factory=set)
+    #: The task loading what the worker lacks (:meth:`WorkerPool._converge`).
+    converging: asyncio.Task[None] | None = None
+    #: One control exchange at a time, decided and booked (``held``) under it, in the
+    #: order the event loop asked for them.
+    control_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    _command: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -81,6 +106,27 @@ class _Worker:
 
     def alive(self) -> bool:
         return bool(self.process.is_alive())
+
+    def command(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One exchange on the control pipe (in a thread); the worker's answer.
+
+        Raises :class:`WorkerLost` or :class:`WorkerTimeout`; after a timeout the pipe
+        is out of step, and the worker must be replaced.
+        """
+        with self._command:
+            try:
+                self.control.send(message)
+            except (BrokenPipeError, EOFError, OSError) as exc:
+                raise WorkerLost(str(exc)) from exc
+            ready = wait([self.control, self.process.sentinel], timeout=timeout)
+            if self.control in ready:
+                try:
+                    return dict(self.control.recv())
+                except (EOFError, OSError) as exc:
+                    raise WorkerLost(str(exc)) from exc
+            if self.process.sentinel in ready:
+                raise WorkerLost(f"worker {self.index} (pid {self.pid}) died")
+            raise WorkerTimeout(f"no answer within {timeout:g} s")
 
     def exchange(
         self,
@@ -135,15 +181,14 @@ class _Worker:
             self.process.kill()
         self.process.join(timeout=5)
         self.conn.close()
+        self.control.close()
 
 
 class WorkerPool:
-    """``n`` worker processes serving ``models`` (key → artifact path).
+    """``n`` worker processes and the model versions they hold (see the module docstring).
 
     Parameters
     ----------
-    models : dict of str to Path
-        Model key (``name/version``) to its verified artifact.
     n : int
         Worker processes.
     queue_size : int
@@ -152,29 +197,30 @@ class WorkerPool:
         The request limits the workers decode within (:class:`~.codecs.RequestLimits`
         as JSON).
     start_timeout : float, default=120
-        Seconds a worker may take to load every model.
+        Seconds a worker may take to start, and to load one model version.
     """
 
     def __init__(
         self,
-        models: dict[str, Path],
         n: int,
         queue_size: int,
         limits: dict[str, int],
         start_timeout: float = 120.0,
     ):
-        self.models = {k: str(v) for k, v in models.items()}
         self.limits = dict(limits)
         self.n = n
         self.queue_size = queue_size
         self.start_timeout = start_timeout
-        self._ctx = mp.get_context("spawn")
+        self._ctx = worker_context()
         self._workers: dict[int, _Worker] = {}
         self._idle: asyncio.Queue[int] | None = None
         self._waiting = 0
         self._busy = 0
         self._respawning: set[int] = set()
         self._executor = ThreadPoolExecutor(max_workers=n + 2, thread_name_prefix="bagserve-io")
+        # Starting workers and loading models wait on the workers for a while: threads
+        # of their own, so that no request waits for a thread behind them.
+        self._control = ThreadPoolExecutor(max_workers=n + 2, thread_name_prefix="bagserve-control")
         #: Shared buffers for large requests (Linux); request bodies can be read into
         #: one (:meth:`BufferPool.lease`) and reach the worker without a copy.
         self.buffers = (
@@ -183,44 +229,92 @@ class WorkerPool:
             else None
         )
         self._closed = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._queued: set[int] = set()
         self._in_use: set[int] = set()
-        #: Workers replaced by :meth:`reload` while computing: stopped once released.
-        self._retired: dict[int, _Worker] = {}
-        self._reloading = asyncio.Lock()
+        #: Model id to artifact: what every worker should hold (served, or loading).
+        #: Replaced, never changed in place: threads read it as it was.
+        self._wanted: dict[str, str] = {}
+        #: The ids every running worker holds: the only ones requests may ask for.
+        self._serving: set[str] = set()
+        #: Ids whose last load failed, with the reason.
+        self._failed: dict[str, str] = {}
+        #: Who waits for ids to be served or failed (:meth:`_settle`).
+        self._waiters: list[asyncio.Future[None]] = []
+        self._loading = asyncio.Lock()
 
     # -- lifecycle
-    def _spawn(self, index: int) -> _Worker:
+    def _spawn(self, index: int, models: dict[str, str]) -> tuple[_Worker, dict[str, str]]:
+        """Start worker ``index`` holding ``models`` (model id to artifact), in a thread:
+        it waits for the worker's greeting. Returns the worker and the ids it could not
+        load, with the reasons."""
         parent, child = self._ctx.Pipe(duplex=True)
+        control, control_child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
             target=worker_main,
-            args=(child, self.models, self.limits),
+            args=(child, control_child, models, self.limits),
             name=f"bagserve-worker-{index}",
             daemon=True,
         )
         proc.start()
         child.close()
-        worker = _Worker(index, proc, parent)
-        ready = wait([parent, proc.sentinel], timeout=self.start_timeout)
-        if parent not in ready:
+        control_child.close()
+        worker = _Worker(index, proc, parent, control)
+        ready = wait([control, proc.sentinel], timeout=self.start_timeout)
+        greeting: Any = None
+        if control in ready:
+            with contextlib.suppress(EOFError, OSError):
+                greeting = control.recv()
+        if not isinstance(greeting, dict):
             worker.kill()
             raise RuntimeError(f"worker {index} did not start (exit code {proc.exitcode})")
-        if parent.recv_bytes() != b"ready":
+        worker.held = set(greeting["loaded"])
+        return worker, dict(greeting["failed"])
+
+    async def _bring_up(self, index: int) -> _Worker | None:
+        """Start worker ``index``; it takes requests once it holds every served version,
+        then loads those being loaded (:meth:`_converge`)."""
+        loop = asyncio.get_running_loop()
+        must = {mid: self._wanted[mid] for mid in self._serving}
+        worker, failed = await loop.run_in_executor(self._control, self._spawn, index, must)
+        try:
+            # What became served while it started, until nothing is missing: checked and
+            # registered with no await in between, so no version served meanwhile is
+            # missing from it.
+            while True:
+                failed = {k: v for k, v in failed.items() if k in self._serving}
+                if failed:
+                    raise RuntimeError(
+                        f"worker {index} could not load a served model: "
+                        + "; ".join(f"{k}: {v}" for k, v in sorted(failed.items()))
+                    )
+                missing = sorted(self._serving - worker.held)
+                if not missing:
+                    break
+                for mid in missing:
+                    reason = await self._load_one(worker, mid)
+                    if reason is not None:
+                        failed[mid] = reason
+        except BaseException:
+            await loop.run_in_executor(self._control, worker.kill)
+            raise
+        if self._closed:
             worker.kill()
-            raise RuntimeError(f"worker {index} sent an unexpected greeting")
+            return None
+        self._workers[index] = worker
+        self._release(index)
+        self._refresh()
+        self._converge(worker)
         return worker
 
     async def start(self) -> None:
-        """Start every worker (in parallel) and the monitor that replaces dead ones."""
+        """Start the workers and the monitor that replaces dead ones, and return at once:
+        :attr:`ready` says when every worker is up, :meth:`serves` which models they
+        hold (see :meth:`load`)."""
         loop = asyncio.get_running_loop()
         self._idle = asyncio.Queue()
-        workers = await asyncio.gather(
-            *(loop.run_in_executor(self._executor, self._spawn, i) for i in range(self.n))
-        )
-        for w in workers:
-            self._workers[w.index] = w
-            self._release(w.index)
+        for index in range(self.n):
+            self._respawn_later(index)
         monitor = loop.create_task(self._monitor())
         self._tasks.add(monitor)
 
@@ -228,9 +322,6 @@ class WorkerPool:
         """Make a worker available (once, however many paths release it)."""
         assert self._idle is not None
         self._in_use.discard(index)
-        retired = self._retired.pop(index, None)
-        if retired is not None:
-            self._executor.submit(retired.kill)
         if index not in self._queued:
             self._queued.add(index)
             self._idle.put_nowait(index)
@@ -248,48 +339,18 @@ class WorkerPool:
         self._closed = True
         for task in list(self._tasks):
             task.cancel()
+        for waiter in self._waiters:
+            waiter.cancel()
         for w in list(self._workers.values()):
             w.kill()
         self._workers.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._control.shutdown(wait=False, cancel_futures=True)
         if self.buffers is not None:
             self.buffers.close()
 
-    async def reload(self, models: dict[str, Path]) -> None:
-        """Serve ``models`` from now on, without a moment of unavailability.
-
-        Each worker in turn is replaced by a new one that has loaded ``models`` (one
-        more process meanwhile); a worker computing a request finishes it and is
-        stopped when released. Requests keep being served by the other workers, and
-        by the old ones until they are replaced.
-
-        Raises
-        ------
-        RuntimeError
-            A new worker did not start (the old ones keep serving what they served).
-        """
-        loop = asyncio.get_running_loop()
-        async with self._reloading:
-            previous = self.models
-            self.models = {k: str(v) for k, v in models.items()}
-            try:
-                for index in sorted(self._workers):
-                    new = await loop.run_in_executor(self._executor, self._spawn, index)
-                    old = self._workers.get(index)
-                    self._workers[index] = new
-                    if old is None:
-                        continue
-                    if index in self._in_use:
-                        self._retired[index] = old
-                    else:
-                        await loop.run_in_executor(self._executor, old.kill)
-            except Exception:
-                self.models = previous
-                raise
-            log.info("workers reloaded", extra={"models": sorted(self.models)})
-
     def _respawn_later(self, index: int) -> None:
-        """Replace a dead or killed worker in the background."""
+        """Start worker ``index``, or replace a dead or killed one, in the background."""
         if self._closed or index in self._respawning:
             return
         self._respawning.add(index)
@@ -299,22 +360,187 @@ class WorkerPool:
             try:
                 old = self._workers.pop(index, None)
                 if old is not None:
-                    await loop.run_in_executor(self._executor, old.kill)
-                worker = await loop.run_in_executor(self._executor, self._spawn, index)
-                if self._closed:
-                    worker.kill()
+                    # The others may now be every running worker holding a version.
+                    self._refresh()
+                    await loop.run_in_executor(self._control, old.kill)
+                pause = 1.0
+                while not self._closed:
+                    try:
+                        worker = await self._bring_up(index)
+                    except Exception:
+                        # Tried again (readiness says a worker is missing meanwhile):
+                        # what failed may pass later (memory, a process limit).
+                        log.exception("starting worker %d failed; retrying in %g s", index, pause)
+                        await asyncio.sleep(pause)
+                        pause = min(2 * pause, 30.0)
+                        continue
+                    if worker is not None:
+                        log.info("worker started", extra={"worker": index, "pid": worker.pid})
                     return
-                self._workers[index] = worker
-                self._release(index)
-                log.info("worker respawned", extra={"worker": index, "pid": worker.pid})
-            except Exception:
-                log.exception("respawning worker %d failed", index)
             finally:
                 self._respawning.discard(index)
 
-        task = loop.create_task(respawn())
+        self._track(loop.create_task(respawn()))
+
+    def _track(self, task: asyncio.Task[Any]) -> None:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    # -- models
+    async def load(
+        self,
+        models: Mapping[str, str | Path],
+        keep: Collection[str] = (),
+        timeout: float | None = None,
+    ) -> dict[str, str]:
+        """Have every worker hold ``models`` (model id to artifact, see :func:`model_id`)
+        besides ``keep``; what is in neither is dropped. Returns the ids that could not
+        be loaded, with the reasons (``{}``: all served).
+
+        Every running worker loads the versions it lacks at the same time as the others,
+        one version after another, without stopping to take requests. A version is
+        served from the moment every running worker holds it, each as it comes
+        (:meth:`serves`); one that a worker cannot load is dropped from all and reported,
+        and what was served before is still served. Loads run one at a time.
+
+        Parameters
+        ----------
+        models : mapping of str to path
+        keep : collection of str
+            Ids held before to go on holding (what is served until the caller switches).
+        timeout : float, optional
+            Seconds until a version not held by every worker is given up (default:
+            twice ``start_timeout``: a worker may have to start first).
+        """
+        async with self._loading:
+            new = {mid: str(path) for mid, path in models.items()}
+            stale = set(self._wanted) - set(keep) - set(new)
+            if stale:
+                self._serving -= stale
+                self._wanted = {k: v for k, v in self._wanted.items() if k not in stale}
+                await self._drop_unwanted()
+            for mid in new:
+                self._failed.pop(mid, None)
+            self._wanted = {**new, **self._wanted}
+            self._refresh()  # what every worker holds already (a reload of the same)
+            for worker in list(self._workers.values()):
+                self._converge(worker)
+            limit = 2 * self.start_timeout if timeout is None else timeout
+            try:
+                await asyncio.wait_for(self._settle(new), limit)
+            except TimeoutError:
+                for mid in new:
+                    self._fail(mid, f"not held by every worker after {limit:g} s")
+            return {mid: self._failed[mid] for mid in new if mid in self._failed}
+
+    def serves(self, mid: str) -> bool:
+        """Every running worker holds model version ``mid``: requests for it are served."""
+        return mid in self._serving
+
+    @property
+    def loading(self) -> list[str]:
+        """Model ids being loaded (wanted, not yet held by every running worker)."""
+        return sorted(set(self._wanted) - self._serving)
+
+    async def _command(self, worker: _Worker, message: dict[str, Any]) -> dict[str, Any]:
+        """One control exchange with ``worker`` (the caller holds its ``control_lock``)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._control, worker.command, message, self.start_timeout
+        )
+
+    async def _load_one(self, worker: _Worker, mid: str) -> str | None:
+        """Load one wanted version into ``worker``; why not, or None. Raises
+        :class:`WorkerLost` or :class:`WorkerTimeout`."""
+        async with worker.control_lock:
+            path = self._wanted.get(mid)
+            if path is None or mid in worker.held:  # dropped, or loaded, meanwhile
+                return None
+            answer = await self._command(worker, {"op": "load", "id": mid, "path": path})
+            if answer.get("ok"):
+                worker.held.add(mid)
+                return None
+            return str(answer.get("reason") or "the worker could not load it")
+
+    def _converge(self, worker: _Worker) -> None:
+        """Have ``worker`` load the wanted versions it lacks, in the background (one task
+        per worker, reading what is wanted at each turn)."""
+        if self._closed or (worker.converging is not None and not worker.converging.done()):
+            return
+        loop = asyncio.get_running_loop()
+        worker.converging = loop.create_task(self._converge_loop(worker))
+        self._track(worker.converging)
+
+    async def _converge_loop(self, worker: _Worker) -> None:
+        failed: set[str] = set()  # never tried twice by this task: a failure is final
+        while not self._closed and self._workers.get(worker.index) is worker:
+            todo = [mid for mid in self._wanted if mid not in worker.held and mid not in failed]
+            if not todo:
+                return
+            mid = todo[0]
+            try:
+                reason = await self._load_one(worker, mid)
+            except PoolError as exc:
+                self._fail(mid, f"worker {worker.index} stopped while loading it ({exc})")
+                self._respawn_later(worker.index)
+                return
+            if reason is not None:
+                failed.add(mid)
+                self._fail(mid, reason)
+            self._refresh()
+
+    def _refresh(self) -> None:
+        """Serve every wanted version that every running worker holds."""
+        running = list(self._workers.values())
+        if not running:
+            return
+        held = {
+            mid
+            for mid in self._wanted
+            if mid not in self._serving and all(mid in w.held for w in running)
+        }
+        if held:
+            self._serving |= held
+            self._notify()
+
+    def _fail(self, mid: str, reason: str) -> None:
+        """Give up version ``mid`` (not served yet): dropped from every worker, reported."""
+        if mid not in self._wanted or mid in self._serving:
+            return
+        log.error("model not loaded", extra={"model": mid, "reason": reason})
+        self._failed[mid] = reason
+        self._wanted = {k: v for k, v in self._wanted.items() if k != mid}
+        self._track(asyncio.get_running_loop().create_task(self._drop_unwanted()))
+        self._notify()
+
+    async def _drop_unwanted(self) -> None:
+        """Have every worker drop what is not wanted (its memory maps go)."""
+
+        async def drop(worker: _Worker) -> None:
+            async with worker.control_lock:
+                # Decided under the lock: a version wanted again meanwhile stays.
+                dropped = worker.held - set(self._wanted)
+                if not dropped:
+                    return
+                with contextlib.suppress(PoolError):  # a dead worker is replaced anyway
+                    await self._command(worker, {"op": "drop", "ids": sorted(dropped)})
+                    worker.held -= dropped
+
+        await asyncio.gather(*(drop(w) for w in list(self._workers.values())))
+
+    def _notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _settle(self, ids: Collection[str]) -> None:
+        """Until each of ``ids`` is served or failed."""
+        loop = asyncio.get_running_loop()
+        while not all(mid in self._serving or mid in self._failed for mid in ids):
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            await waiter
 
     # -- requests
     async def submit(
@@ -334,6 +560,14 @@ class WorkerPool:
         worker may still be reading them: they are marked tainted, not to be reused.
         """
         assert self._idle is not None, "pool not started"
+        key, sha256 = header.get("model"), header.get("sha256")
+        if key is not None and not self._routable(key, sha256):
+            raise Problem(
+                503,
+                f"model {key} is being loaded into the workers; retry shortly",
+                headers={"Retry-After": "1"},
+                slug="model-loading",
+            )
         if self.saturated:
             raise QueueFull()
         t0 = time.monotonic()
@@ -389,6 +623,12 @@ class WorkerPool:
             raise cls(str(error.get("message", "compute failed")))
         return out_header, out_arrays, queued, aside
 
+    def _routable(self, key: str, sha256: str | None) -> bool:
+        """Requests for ``key`` (at ``sha256``) may go to any worker."""
+        if sha256 is not None:
+            return model_id(key, sha256) in self._serving
+        return any(mid.rsplit("@", 1)[0] == key for mid in self._serving)
+
     @property
     def saturated(self) -> bool:
         """Every worker is busy and the waiting line is full: the next request would be
@@ -401,7 +641,8 @@ class WorkerPool:
             buf.tainted = True
 
     def status(self) -> dict[str, Any]:
-        """Configured, alive, busy and waiting counts, workers being replaced, pids."""
+        """Configured, alive, busy and waiting counts, workers starting or being
+        replaced, pids, and the model versions being loaded."""
         alive = [w for w in self._workers.values() if w.alive()]
         return {
             "configured": self.n,
@@ -410,6 +651,7 @@ class WorkerPool:
             "waiting": self._waiting,
             "respawning": sorted(self._respawning),
             "pids": [w.pid for w in alive],
+            "loading": sorted({mid.rsplit("@", 1)[0] for mid in self.loading}),
         }
 
     @property

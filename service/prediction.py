@@ -317,6 +317,9 @@ class Predictor:
         retry = {"Retry-After": str(settings.retry_after)}
         header = {
             "model": entry.key,
+            # The version's id in the workers (name/version@sha256): an artifact
+            # retrained in place is computed by the files this entry names, not the new.
+            "sha256": entry.sha256,
             "body": spec.to_json(),
             "options": None if options is None else options.to_json(),
         }

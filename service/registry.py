@@ -215,6 +215,27 @@ class Registry:
         nxt.failures = dict(self.failures)
         return nxt
 
+    def refusing(self, reasons: dict[str, str], fallback: Registry | None = None) -> Registry:
+        """This registry without the versions ``reasons`` names (``name/version`` to
+        why, recorded as refusals); where ``fallback`` serves the same version (an
+        artifact changed on disk whose new files could not be loaded), its entry stays.
+        """
+        nxt = Registry.__new__(Registry)
+        nxt.models_dir = self.models_dir
+        nxt.trusted_keys = self.trusted_keys
+        nxt.unloaded = set(self.unloaded)
+        nxt.entries = {name: dict(versions) for name, versions in self.entries.items()}
+        nxt.failures = {**self.failures, **reasons}
+        for key in reasons:
+            name, version = key.split("/", 1)
+            before = fallback.get(name, version) if fallback is not None else None
+            if before is not None:
+                nxt.entries.setdefault(name, {})[version] = before
+            else:
+                nxt.entries.get(name, {}).pop(version, None)
+        nxt.entries = {name: versions for name, versions in nxt.entries.items() if versions}
+        return nxt
+
     def adopt(self, other: Registry) -> None:
         """Serve what ``other`` serves, in place (every holder of this registry sees it)."""
         self.entries, self.failures, self.unloaded = other.entries, other.failures, other.unloaded
@@ -230,6 +251,9 @@ class Registry:
                 on_disk = found[name][version]
                 if name in self.unloaded:
                     state, reason = "UNAVAILABLE", "unloaded"
+                elif served is None and f"{name}/{version}" in self.failures:
+                    # Verified on disk, refused by the workers (see Repository.load).
+                    state, reason = "UNAVAILABLE", self.failures[f"{name}/{version}"]
                 elif served is None:
                     state, reason = "UNAVAILABLE", "not loaded yet (load it)"
                 elif served.sha256 != on_disk.sha256:

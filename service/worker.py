@@ -1,8 +1,14 @@
-"""A compute worker process: loads every served model once, then answers requests.
+"""A compute worker process: holds the served models and answers requests.
 
-Each worker holds a :class:`~bagserve.core.runtime.ModelRuntime` per model (arrays
-memory-mapped read-only, so the pages are shared between workers) and answers on its
-own pipe, in the wire format of :mod:`.wire`. A request is a header (model key, how to
+Each worker holds a :class:`~bagserve.core.runtime.ModelRuntime` per model version
+(arrays memory-mapped read-only, so the pages are shared between workers) and answers
+requests on its own pipe, in the wire format of :mod:`.wire`. Models are loaded and
+dropped on a second pipe, the control pipe, by a thread of their own
+(:class:`_Models`): a load never waits for the request being computed, and never
+takes a worker away from requests. A model version is known by its *model id*,
+``name/version@sha256`` (:func:`model_id`): a retrained artifact under the same
+version is another id, so the old one keeps answering the requests routed to it until
+the pool drops it. A request is a header (model key, how to
 decode the body, the options) and the request body as bytes (``body``), in shared
 memory when large. The worker decodes the body (:mod:`.codecs`, :mod:`.tensors`),
 checks the bags against the model (:mod:`.validation`) and predicts: the server's event
@@ -16,6 +22,7 @@ input (``"input"``, answered 422) or the computation failed (``"internal"``).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import OrderedDict
 from multiprocessing.connection import Connection
@@ -25,7 +32,14 @@ import numpy as np
 
 from .wire import recv_message, send_message
 
-__all__ = ["INPUT_ERROR", "INTERNAL_ERROR", "PROBLEM_ERROR", "predict_message", "worker_main"]
+__all__ = [
+    "INPUT_ERROR",
+    "INTERNAL_ERROR",
+    "PROBLEM_ERROR",
+    "model_id",
+    "predict_message",
+    "worker_main",
+]
 
 #: Error types that cross the pipe: the request was refused with a problem (its
 #: status and details cross with it) ...
@@ -34,6 +48,15 @@ PROBLEM_ERROR = "problem"
 INPUT_ERROR = "input"
 #: ... or something else went wrong (answered 500, logged).
 INTERNAL_ERROR = "internal"
+
+
+def model_id(key: str, sha256: str) -> str:
+    """How the pool and its workers know a model version: ``name/version@sha256``.
+
+    The manifest's digest is part of it: an artifact retrained in place is another
+    model, loaded beside the one it replaces until the switch.
+    """
+    return f"{key}@{sha256}"
 
 
 def predict_message(
@@ -134,36 +157,117 @@ def _error(exc: Exception) -> dict[str, Any]:
     }
 
 
-def worker_main(conn: Connection, models: dict[str, str], limits: dict[str, int]) -> None:
-    """Entry point of a worker process: load every model, then serve requests.
+class _Models:
+    """The runtimes a worker holds, by model id; changed by the control thread only.
+
+    The mapping is replaced, never changed in place: the request loop reads whatever
+    mapping is current without a lock, and a request keeps the runtime it started
+    with even if its model is dropped meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self.runtimes: dict[str, tuple[Any, Any]] = {}
+
+    def load(self, mid: str, path: str) -> str | None:
+        """Open (memory-map) one model version; returns why not, or None."""
+        from bagserve.core.runtime import ModelRuntime
+
+        from .registry import ModelEntry
+
+        if mid in self.runtimes:
+            return None
+        try:
+            runtime = ModelRuntime.open(path, mmap=True, verify=False)
+            name, version = mid.rsplit("@", 1)[0].split("/", 1)
+            entry = ModelEntry(name, version, runtime.info)
+        except Exception as exc:  # reported to the pool: the load fails, serving goes on
+            return f"{type(exc).__name__}: {exc}"
+        self.runtimes = {**self.runtimes, mid: (runtime, entry)}
+        return None
+
+    def drop(self, ids: list[str]) -> None:
+        """Drop model versions ``ids`` (their pages are unmapped when the last request
+        using them is done)."""
+        gone = set(ids)
+        self.runtimes = {k: v for k, v in self.runtimes.items() if k not in gone}
+
+    def find(self, key: str, sha256: str | None) -> tuple[Any, Any]:
+        """The runtime and entry of ``key`` at ``sha256`` (or its only version held)."""
+        from .errors import Problem
+
+        runtimes = self.runtimes
+        if sha256 is not None:
+            found = runtimes.get(model_id(key, sha256))
+        else:
+            held = [v for k, v in runtimes.items() if k.rsplit("@", 1)[0] == key]
+            found = held[-1] if held else None
+        if found is None:
+            # The pool routes only models every worker holds; this is a request that
+            # waited across a reload that dropped its version. Its retry finds the new one.
+            raise Problem(
+                503,
+                f"model {key} is not loaded (it was reloaded meanwhile); retry",
+                slug="model-loading",
+            )
+        return found
+
+
+def _control_loop(control: Connection, models: _Models) -> None:
+    """Serve the pool's control messages in turn: ``load`` one model, ``drop`` some."""
+    while True:
+        try:
+            message = control.recv()
+        except (EOFError, OSError):
+            return
+        op = message.get("op")
+        if op == "load":
+            reason = models.load(message["id"], message["path"])
+            answer = {"ok": reason is None, "reason": reason}
+        elif op == "drop":
+            models.drop(list(message["ids"]))
+            answer = {"ok": True}
+        else:
+            answer = {"ok": False, "reason": f"unknown control operation {op!r}"}
+        try:
+            control.send(answer)
+        except (EOFError, OSError):
+            return
+
+
+def worker_main(
+    conn: Connection, control: Connection, models: dict[str, str], limits: dict[str, int]
+) -> None:
+    """Entry point of a worker process: load ``models``, then serve requests.
 
     Parameters
     ----------
     conn : Connection
-        This worker's end of its pipe to the pool.
+        This worker's end of its request pipe to the pool.
+    control : Connection
+        This worker's end of its control pipe: the greeting (what was loaded, what was
+        not and why), then ``load`` and ``drop`` messages, answered in turn by a thread
+        of their own.
     models : dict of str to str
-        Model key (``name/version``) to artifact path, already verified by the
-        registry.
+        Model id (:func:`model_id`) to artifact path, already verified by the registry:
+        what the worker must hold before it takes requests.
     limits : dict
         The request limits (:class:`~.codecs.RequestLimits` as JSON).
     """
-    # One BLAS thread per worker: the pool, not BLAS, uses the cores.
+    # One BLAS thread per worker: the pool, not BLAS, uses the cores (a worker forked
+    # from the preloaded server has it already, see .worker_preload).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from bagserve.core.runtime import ModelRuntime
     from threadpoolctl import threadpool_limits
 
     from .codecs import RequestLimits
-    from .registry import ModelEntry
 
     threadpool_limits(1)
-    runtimes = {
-        key: ModelRuntime.open(path, mmap=True, verify=False) for key, path in models.items()
-    }
-    entries = {
-        key: ModelEntry(*key.split("/", 1), runtime.info) for key, runtime in runtimes.items()
-    }
+    held = _Models()
+    failed = {mid: reason for mid, path in models.items() if (reason := held.load(mid, path))}
     request_limits = RequestLimits(**limits)
-    conn.send_bytes(b"ready")
+    control.send({"loaded": sorted(held.runtimes), "failed": failed})
+    threading.Thread(
+        target=_control_loop, args=(control, held), name="bagserve-control", daemon=True
+    ).start()
     mappings: OrderedDict[str, Any] = OrderedDict()
     while True:
         try:
@@ -171,10 +275,8 @@ def worker_main(conn: Connection, models: dict[str, str], limits: dict[str, int]
         except (EOFError, OSError):
             return
         try:
-            key = header["model"]
-            out_header, out_arrays = predict_message(
-                runtimes[key], entries[key], header, arrays, request_limits
-            )
+            runtime, entry = held.find(header["model"], header.get("sha256"))
+            out_header, out_arrays = predict_message(runtime, entry, header, arrays, request_limits)
             send_message(conn, {"ok": True, **out_header}, out_arrays)
         except Exception as exc:  # report, keep serving
             send_message(conn, {"ok": False, "error": _error(exc)}, {})

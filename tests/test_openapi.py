@@ -30,6 +30,8 @@ from bagserve.cli import openapi_document
 from .service_harness import build_models, running_service
 
 OPENAPI = Path(__file__).resolve().parents[1] / "openapi" / "openapi.json"
+#: A repository load answers 202 after half a second; these wait for it to be done.
+WAIT = {"Prefer": "wait=60"}
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -68,6 +70,12 @@ def live(tmp_path_factory):
     models = build_models(tmp_path_factory.mktemp("openapi") / "models")
     with running_service(models, BAGSERVE_WORKERS="1") as url:
         yield url
+
+
+def _load_demo_dose(live: str) -> None:
+    """Serve demo-dose again (the unload examples unload it), once the load is done."""
+    r = httpx.post(f"{live}/v2/repository/models/demo-dose/load", headers=WAIT, timeout=90)
+    assert r.status_code == 200, r.text
 
 
 def _example_value(parameter: dict):
@@ -118,7 +126,7 @@ def test_bounded_schemathesis_run_finds_nothing_undocumented(live):
                 # Nothing in this operation can be made invalid (e.g. GET /healthz).
                 assert mode is GenerationMode.NEGATIVE, operation.label
         if operation.path.endswith("/unload"):  # its examples unload the demo model
-            assert httpx.post(f"{live}/v2/repository/models/demo-dose/load").status_code == 200
+            _load_demo_dose(live)
     print(
         f"\nschemathesis: {operations} operations, {sum(statuses.values())} requests, "
         f"statuses {dict(sorted(statuses.items()))}"
@@ -163,5 +171,5 @@ def test_the_documents_own_examples_are_accepted(live):
         assert response.status_code < 300, (operation.label, response.text[:300])
         tried += 1
         if operation.path.endswith("/unload"):  # serve it again for the next examples
-            assert httpx.post(f"{live}/v2/repository/models/demo-dose/load").status_code == 200
+            _load_demo_dose(live)
     assert tried >= 25

@@ -11,12 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from bagserve.core.demo import build_demo_models, demo_samples
+from bagserve.core.hashing import json_sha256
 
 from bagserve import __version__
 
@@ -40,6 +42,83 @@ def states(url: str) -> dict[str, tuple[str, str]]:
     return {f"{r['name']}/{r['version']}": (r["state"], r["reason"]) for r in rows}
 
 
+#: Wait for the load to finish, however loaded the machine (the default wait is 0.5 s).
+WAIT = {"Prefer": "wait=60"}
+
+
+def rewrite_manifest(version: Path, change: Callable[[dict], None]) -> str:
+    """Change an artifact's manifest in place, with a valid digest, as retraining under
+    the same version would; returns its new sha256."""
+    path = version / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    manifest["manifest_sha256"] = json_sha256(manifest, exclude=("manifest_sha256",))
+    path.write_text(json.dumps(manifest))
+    return manifest["manifest_sha256"]
+
+
+def name_an_unlisted_array(manifest: dict) -> None:
+    """Make the model refer to an array its manifest does not list: the files still
+    verify, but no worker can open the model."""
+
+    def first_array(node: object) -> dict | None:
+        if isinstance(node, dict):
+            if "__array__" in node:
+                return node
+            return next(filter(None, map(first_array, node.values())), None)
+        if isinstance(node, list):
+            return next(filter(None, map(first_array, node)), None)
+        return None
+
+    found = first_array(manifest["model"])
+    assert found is not None
+    found["__array__"] = "model.not_listed"
+
+
+def poll_load(url: str, name: str, timeout: float = 60.0) -> dict:
+    """The load's status once it is not LOADING any more (polled with a deadline)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.get(f"{url}/v2/repository/models/{name}/load/status", timeout=10)
+        assert r.status_code == 200, r.text
+        if r.json()["state"] != "LOADING":
+            return r.json()
+        assert time.monotonic() < deadline, f"load of {name} not done: {r.json()}"
+        time.sleep(0.05)
+
+
+class Hammer:
+    """Predictions on the latest demo-dose in a loop, in a thread: the status, version
+    and sha256 of every answer, in order."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.body = url, dose_body()
+        self.seen: list[tuple[int, str, str]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            r = httpx.post(f"{self.url}/v1/models/demo-dose/predict", json=self.body, timeout=60)
+            version = r.headers.get("x-model-version", "")
+            self.seen.append((r.status_code, version, r.headers.get("x-model-sha256", "")))
+
+    def __enter__(self) -> Hammer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def until(self, answer: tuple[str, str], timeout: float = 60.0) -> None:
+        """Until an answer from that version and sha256 came back."""
+        deadline = time.monotonic() + timeout
+        while not any((v, s) == answer for _, v, s in list(self.seen)):
+            assert time.monotonic() < deadline, f"no answer from {answer}: {self.seen[-3:]}"
+            time.sleep(0.05)
+
+
 def test_models_load_reload_and_unload_while_serving(models, tmp_path):
     """New and changed models are served after a load, and an unloaded one is not,
     without a restart and without a failed request meanwhile; SIGHUP reloads all."""
@@ -53,24 +132,14 @@ def test_models_load_reload_and_unload_while_serving(models, tmp_path):
         assert states(url)["extra/1"] == ("UNAVAILABLE", "not loaded yet (load it)")
         assert httpx.get(f"{url}/v1/models/extra").status_code == 404
 
-        # Requests keep flowing while the workers are replaced.
-        body, statuses, stop = dose_body(), [], threading.Event()
-
-        def hammer() -> None:
-            while not stop.is_set():
-                r = httpx.post(f"{url}/v1/models/demo-dose/predict", json=body, timeout=60)
-                statuses.append(r.status_code)
-
-        thread = threading.Thread(target=hammer)
-        thread.start()
-        try:
-            r = httpx.post(f"{url}/v2/repository/models/extra/load", timeout=120)
+        # Requests keep flowing while the workers load the new versions.
+        body = dose_body()
+        with Hammer(url) as hammer:
+            r = httpx.post(f"{url}/v2/repository/models/extra/load", headers=WAIT, timeout=120)
             assert r.status_code == 200 and r.json()["served"] == ["extra/1"], r.text
-            r = httpx.post(f"{url}/v2/repository/models/demo-dose/load", timeout=120)
+            r = httpx.post(f"{url}/v2/repository/models/demo-dose/load", headers=WAIT, timeout=120)
             assert r.json()["served"] == ["demo-dose/1", "demo-dose/2"]
-        finally:
-            stop.set()
-            thread.join()
+        statuses = [status for status, _, _ in hammer.seen]
         assert statuses and set(statuses) == {200}, statuses
         extra = httpx.post(f"{url}/v1/models/extra/predict", json=body, timeout=60)
         assert extra.status_code == 200
@@ -82,7 +151,9 @@ def test_models_load_reload_and_unload_while_serving(models, tmp_path):
         gone = httpx.get(f"{url}/v1/models/demo-gating")
         assert gone.status_code == 404 and "unknown model" in gone.json()["detail"]
         assert states(url)["demo-gating/1"] == ("UNAVAILABLE", "unloaded")
-        assert httpx.post(f"{url}/v2/repository/models/demo-gating/load", timeout=120).is_success
+        assert httpx.post(
+            f"{url}/v2/repository/models/demo-gating/load", headers=WAIT, timeout=120
+        ).is_success
         assert httpx.get(f"{url}/v1/models/demo-gating").status_code == 200
         # Loading what is not there is refused with the reason, in the protocol's form.
         missing = httpx.post(f"{url}/v2/repository/models/nope/load")
@@ -98,6 +169,93 @@ def test_models_load_reload_and_unload_while_serving(models, tmp_path):
             assert time.monotonic() < deadline, "SIGHUP did not load the new model"
             time.sleep(0.3)
         assert httpx.post(f"{url}/v1/models/late/predict", json=body, timeout=60).is_success
+
+
+def test_a_load_answers_within_a_second_and_the_old_version_serves_until_the_switch(
+    models, tmp_path
+):
+    """A client with a 1 s timeout gets its answer (done, or 202 to poll); the new
+    version serves once the status says READY, and until then the version served
+    before answers every request: never an error, never a half-loaded version, and
+    never the old version again after the new one answered."""
+    repo = tmp_path / "models"
+    shutil.copytree(models, repo)
+    with running_service(repo) as url:
+        first = httpx.post(f"{url}/v1/models/demo-dose/predict", json=dose_body(), timeout=60)
+        old = ("1", first.headers["x-model-sha256"])
+        shutil.copytree(repo / "demo-dose" / "1", repo / "demo-dose" / "2")
+        version_2 = f"{url}/v2/models/demo-dose/versions/2"
+        assert httpx.get(f"{version_2}/ready").status_code == 404  # on disk, not served
+        with Hammer(url) as hammer:
+            hammer.until(old)
+            # A new version, asked for by a client that gives up after one second.
+            r = httpx.post(f"{url}/v2/repository/models/demo-dose/load", timeout=1.0)
+            assert r.status_code in (200, 202), r.text
+            if r.status_code == 202:
+                assert r.headers["location"] == "/v2/repository/models/demo-dose/load/status"
+                assert r.json()["state"] == "LOADING" and r.headers["retry-after"] == "1"
+            status = poll_load(url, "demo-dose")
+            assert status["state"] == "READY" and status["reason"] == "", status
+            assert status["served"] == ["demo-dose/1", "demo-dose/2"]
+            assert status["versions"] == ["demo-dose/2"]
+            assert httpx.get(f"{version_2}/ready").json() == {"name": "demo-dose", "ready": True}
+            new = ("2", old[1])  # a copy: the same files under another version
+            hammer.until(new)
+            # Retrained in place (same version, new files): 202 at once when asked so.
+            sha = rewrite_manifest(
+                repo / "demo-dose" / "2",
+                lambda m: m["metadata"].update(description="retrained in place"),
+            )
+            assert states(url)["demo-dose/2"] == (
+                "READY",
+                "the artifact on disk changed: load it again",
+            )
+            r = httpx.post(
+                f"{url}/v2/repository/models/demo-dose/load",
+                headers={"Prefer": "respond-async"},
+                timeout=1.0,
+            )
+            assert r.status_code == 202 and r.headers["preference-applied"] == "respond-async"
+            assert r.json()["state"] == "LOADING"
+            assert poll_load(url, "demo-dose")["state"] == "READY"
+            retrained = ("2", sha)
+            hammer.until(retrained)
+        order = [old, new, retrained]
+        assert all(status == 200 for status, _, _ in hammer.seen), hammer.seen
+        answered = [order.index((v, s)) for _, v, s in hammer.seen]
+        assert answered == sorted(answered), "an older version answered after a newer one"
+        assert states(url)["demo-dose/2"] == ("READY", "")
+        assert httpx.get(f"{url}/readyz").json()["workers"]["loading"] == []
+
+
+def test_a_load_the_workers_cannot_finish_is_reported_and_nothing_served_is_lost(models, tmp_path):
+    repo = tmp_path / "models"
+    shutil.copytree(models, repo)
+    with running_service(repo) as url:
+        before = httpx.post(f"{url}/v1/models/demo-dose/predict", json=dose_body(), timeout=60)
+        # A new version whose files verify but that no worker can open.
+        shutil.copytree(repo / "demo-dose" / "1", repo / "demo-dose" / "2")
+        rewrite_manifest(repo / "demo-dose" / "2", name_an_unlisted_array)
+        r = httpx.post(f"{url}/v2/repository/models/demo-dose/load", headers=WAIT, timeout=90)
+        assert r.status_code == 500, r.text
+        assert "could not load demo-dose/2" in r.json()["error"]
+        assert "not_listed" in r.json()["errors"][0]
+        status = poll_load(url, "demo-dose")
+        assert status["state"] == "UNAVAILABLE" and status["served"] == ["demo-dose/1"]
+        state, reason = states(url)["demo-dose/2"]
+        assert state == "UNAVAILABLE" and "not_listed" in reason
+        assert httpx.get(f"{url}/v2/models/demo-dose/versions/2/ready").status_code == 404
+        # The version served before, changed in place the same way: still served, from
+        # the files it was loaded from.
+        shutil.rmtree(repo / "demo-dose" / "2")
+        rewrite_manifest(repo / "demo-dose" / "1", name_an_unlisted_array)
+        r = httpx.post(f"{url}/v2/repository/models/demo-dose/load", headers=WAIT, timeout=90)
+        assert r.status_code == 500, r.text
+        after = httpx.post(f"{url}/v1/models/demo-dose/predict", json=dose_body(), timeout=60)
+        assert after.status_code == 200
+        assert after.headers["x-model-sha256"] == before.headers["x-model-sha256"]
+        assert after.json()["predictions"] == before.json()["predictions"]
+        assert httpx.get(f"{url}/readyz").status_code == 200
 
 
 def test_triton_model_config_and_statistics(models):

@@ -1,13 +1,24 @@
-"""The pool's wire format: raw buffers over the pipe, or a memfd for large messages."""
+"""The pool's wire format (raw buffers over the pipe, or a memfd for large messages),
+and how the pool loads models into its workers."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
+import os
+import signal
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import pytest
+from bagserve.core.demo import build_demo_models
+from bagserve.core.runtime import ArtifactInfo
 from bagserve.service import wire
+from bagserve.service.errors import Problem
+from bagserve.service.pool import WorkerPool, model_id
+from bagserve.service.settings import Settings
 from bagserve.service.wire import BufferPool, recv_message, send_message
 
 
@@ -131,3 +142,54 @@ def test_buffer_pool_bounds_what_it_keeps():
     pool.close()
     assert other.fd == -1 and again.fd >= 0
     again.close()
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+def test_the_pool_loads_into_every_worker_and_a_replacement_holds_what_is_served(tmp_path):
+    """Every worker loads the versions asked for; one no worker can open is reported
+    and not served; a request for a version not served is refused before it reaches a
+    worker; a replacement worker holds every served version before it takes requests;
+    what is neither kept nor loaded again is dropped."""
+    models = tmp_path / "models"
+    build_demo_models(models)
+    paths = {name: models / name / "1" for name in ("demo-dose", "demo-gating")}
+    ids = {
+        name: model_id(f"{name}/1", ArtifactInfo.read(path).sha256) for name, path in paths.items()
+    }
+    ghost = "ghost/1@0"
+    limits = Settings(models_dir=models).request_limits().to_json()
+
+    async def scenario() -> None:
+        pool = WorkerPool(2, 4, limits, start_timeout=60)
+        await pool.start()
+        try:
+            wanted = {ids[name]: path for name, path in paths.items()}
+            failed = await pool.load({**wanted, ghost: tmp_path / "nowhere"})
+            assert list(failed) == [ghost] and "nowhere" in failed[ghost]
+            assert all(pool.serves(mid) for mid in wanted) and not pool.serves(ghost)
+            await _until(lambda: pool.ready)
+            workers = list(pool._workers.values())
+            assert len(workers) == 2 and all(w.held == set(wanted) for w in workers)
+            with pytest.raises(Problem) as refused:
+                await pool.submit({"model": "ghost/1", "sha256": "0"}, {}, 5.0)
+            assert refused.value.status == 503 and refused.value.slug == "model-loading"
+            # A worker killed: its replacement joins holding every served version.
+            victim = workers[0]
+            os.kill(victim.pid, signal.SIGKILL)
+            await _until(lambda: pool.ready and pool._workers.get(victim.index) is not victim)
+            assert pool._workers[victim.index].held == set(wanted)
+            # Loading again what is held is immediate; what is not kept is dropped.
+            dose = ids["demo-dose"]
+            assert await pool.load({dose: paths["demo-dose"]}) == {}
+            assert pool.serves(dose) and not pool.serves(ids["demo-gating"])
+            assert all(w.held == {dose} for w in pool._workers.values())
+        finally:
+            await pool.stop()
+
+    asyncio.run(scenario())

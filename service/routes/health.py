@@ -27,11 +27,15 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-def _reasons(models: list[str], workers: dict[str, Any], database_ok: bool) -> list[str]:
+def _reasons(
+    models: list[str], loading: list[str], workers: dict[str, Any], database_ok: bool
+) -> list[str]:
     """Why the replica is not ready, in words an outsider may read."""
     reasons = []
     if not models:
         reasons.append("no model is served")
+    if loading:
+        reasons.append(f"{len(loading)} of {len(models)} model version(s) are loading")
     missing = workers["configured"] - workers["alive"]
     if missing:
         reasons.append(
@@ -45,25 +49,28 @@ def _reasons(models: list[str], workers: dict[str, Any], database_ok: bool) -> l
 
 @router.get(
     "/readyz",
-    summary="Readiness: models loaded, every worker alive, the state database reachable",
+    summary="Readiness: every model loaded, every worker alive, the state database reachable",
     responses={
         401: {"description": "an API key was presented and is not valid"},
         503: {
             "description": (
-                "not ready (a worker is being replaced, no model loaded, or the database "
-                "does not answer)"
+                "not ready (a worker is starting or being replaced, a model is loading, "
+                "no model is served, or the database does not answer)"
             )
         },
     },
 )
 async def readyz(request: Request, svc: ServicesDep) -> JSONResponse:
-    """Ready when every worker is alive, at least one model is served and the database
-    (jobs, idempotency, audit) answers: a replica that cannot record its audit trail
-    must not take predictions. Without a key: the status and the reasons; with a valid
-    key (or no keys configured): the models, refused artifacts, workers and database,
-    and whether anyone may call it anonymously on a non-loopback address
-    (``anonymous_public``, explained in ``warnings``): reported, not a reason to be
-    unready, since the image's health check reads this probe."""
+    """Ready when every worker is alive, every model found (at start-up, or served
+    since) is loaded in every worker, at least one is served, and the database (jobs,
+    idempotency, audit) answers: a replica that cannot record its audit trail must not
+    take predictions. The server answers while it starts (not ready, and why);
+    ``/v2/models/{name}/ready`` says when each model is served. Without a key: the
+    status and the reasons; with a valid key (or no keys configured): the models,
+    refused artifacts, workers and database, and whether anyone may call it anonymously
+    on a non-loopback address (``anonymous_public``, explained in ``warnings``):
+    reported, not a reason to be unready, since the image's health check reads this
+    probe."""
     # A presented key must be valid (401 otherwise); none at all is an outsider.
     detailed = not svc.auth.enabled or (
         svc.auth.presented(request) is not None and svc.auth.check(request) is not None
@@ -71,12 +78,13 @@ async def readyz(request: Request, svc: ServicesDep) -> JSONResponse:
     pool = svc.pool
     workers = pool.status()
     models = [e.key for e in svc.registry.all()]
+    loading = svc.repository.loading()
     try:
         await asyncio.wait_for(asyncio.to_thread(svc.jobs.db.ping), svc.settings.database_timeout)
         database = "ok"
     except Exception as exc:
         database = f"unreachable: {type(exc).__name__}: {exc}"[:300]
-    reasons = _reasons(models, workers, database == "ok")
+    reasons = _reasons(models, loading, workers, database == "ok")
     ready = pool.ready and not reasons
     body: dict[str, Any] = {"status": "ready" if ready else "not ready", "reasons": reasons}
     if detailed:

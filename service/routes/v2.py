@@ -59,8 +59,8 @@ async def live() -> dict[str, bool]:
 
 @router.get("/health/ready", summary="Server ready", responses={503: {"description": "not ready"}})
 async def ready(svc: ServicesDep) -> Response:
-    """Every worker alive and at least one model served."""
-    ok = svc.pool.ready and bool(svc.registry.all())
+    """Every worker alive, every model loaded in each, and at least one served."""
+    ok = svc.pool.ready and bool(svc.registry.all()) and not svc.repository.loading()
     return Response(
         orjson.dumps({"ready": ok}), status_code=200 if ok else 503, media_type="application/json"
     )
@@ -153,7 +153,8 @@ async def model_version_metadata(svc: ServicesDep, entry: VersionEntry) -> dict[
 
 
 def _model_ready(svc: ServicesDep, entry: ModelEntry) -> Response:
-    ok = svc.pool.ready
+    # Loaded in every running worker: its requests are computed (not 503 model-loading).
+    ok = svc.pool.serves(svc.repository.id_of(entry))
     return Response(
         orjson.dumps({"name": entry.name, "ready": ok}),
         status_code=200 if ok else 503,
@@ -163,13 +164,14 @@ def _model_ready(svc: ServicesDep, entry: ModelEntry) -> Response:
 
 @models.get("/models/{name}/ready", summary="Model ready")
 async def model_ready(svc: ServicesDep, entry: LatestEntry) -> Response:
-    """The model is served and every worker is alive."""
+    """The model's latest version is loaded in every running worker (while the server
+    starts, each model is ready as soon as it is loaded)."""
     return _model_ready(svc, entry)
 
 
 @models.get("/models/{name}/versions/{version}/ready", summary="Model version ready")
 async def model_version_ready(svc: ServicesDep, entry: VersionEntry) -> Response:
-    """The version is served and every worker is alive."""
+    """The version is loaded in every running worker."""
     return _model_ready(svc, entry)
 
 
