@@ -55,10 +55,11 @@ LANDMARK_ITERATIONS = 3
 LANDMARK_RULE = (
     "no two batches to measure it on: landmarks, the stated rule (a task out of range, "
     "or whose populations sit farther from the training ones than any training "
-    "task's, is shifted onto the training populations' centres; on emulated "
-    "instrument batches of the GvHD samples it raised accuracy in 4 of 6 directions "
-    "and lowered it in one, and it left real GvHD samples, none beyond that range, "
-    "as they were: bench/bench_new_batch.py)"
+    "task's, is shifted onto the training populations' centres; on instrument "
+    "batches emulated from the GvHD samples it raised the accuracy of all cells from "
+    "0.678 to 0.779 and from 0.818 to 0.842, left the FlowSOM and synthetic batches "
+    "as they were, and no real GvHD sample left sample out crossed that range: "
+    "bench/bench_new_batch.py)"
 )
 #: Training cells kept as the reference of the MMD calibration (drawn across tasks).
 REFERENCE_POINTS = 4000
