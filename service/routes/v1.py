@@ -197,8 +197,9 @@ _PREDICT_DOC: dict[str, Any] = {
             "name": "unassigned",
             "in": "query",
             "required": False,
+            # No example: the document's examples are sent to every model, and this
+            # one applies to per-cell classifiers only.
             "schema": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
-            "example": 0.999,
             "description": (
                 "Per-cell classifiers: every cell farther from the population it was given "
                 "than this chi-square level of Mahalanobis distance (under that "
