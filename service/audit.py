@@ -213,7 +213,11 @@ class AuditLog:
                 raise
             return
         if self.on_commit is not None:
-            self.on_commit(len(batch), time.perf_counter() - t0)
+            try:
+                self.on_commit(len(batch), time.perf_counter() - t0)
+            except Exception:
+                # Only the metrics fail: the records are in, and their callers go on.
+                log.exception("audit commit callback failed")
         for (_, future), record in zip(batch, records, strict=True):
             if future is not None:
                 future.set_result(record)

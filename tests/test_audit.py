@@ -243,3 +243,14 @@ def test_concurrent_appends_from_threads_and_the_event_loop_all_end_up_chained(t
     assert all(kept[r["request_id"]] == r["hash"] for r in [*threaded, *awaited])
     log.close()
     log.db.close()
+
+
+def test_a_failing_commit_callback_releases_the_callers_all_the_same(tmp_path):
+    def broken(records: int, seconds: float) -> None:
+        raise RuntimeError("metrics are down")
+
+    log = AuditLog(Database(None, tmp_path, pool_size=1), on_commit=broken)
+    assert log.append(request_id="r0", status=200)["request_id"] == "r0"
+    assert log.count() == 1 and log.verify().ok
+    log.close()
+    log.db.close()
