@@ -131,6 +131,7 @@ bench: $(BIN)/.dev-installed
 	$(BENCH_ENV) $(BIN)/python bench/bench_density.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg_baselines.py
+	$(BIN)/python bench/bench_training.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_reference_sample.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_new_batch.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg_regression.py
