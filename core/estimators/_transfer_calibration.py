@@ -124,25 +124,8 @@ class CalibratedHeldOut(FoldEvaluator):
         self._held_tasks = held_out
         self._held_emb = held_out_emb
 
-    def _fold_embedding(self, f: int, factor: float):
-        key = (f, factor)
-        if key not in self._embeddings:
-            train, val = self.setup.folds[f]
-            rep, emb = self.setup.fit_embedding(self.setup.emb_tasks[train], factor)
-            val_emb = rep.embed(self._held_emb[val])
-            self._embeddings[key] = (emb.sq_distances(), val_emb.sq_distances(emb), (emb, val_emb))
-        return self._embeddings[key]
-
-    def _held_out_points(self, v: int):
-        if v not in self._held_out:
-            tasks, Y = self._held_tasks, self.setup.data.Y
-            lo, hi = int(tasks.offsets[v]), int(tasks.offsets[v + 1])
-            pick = np.arange(lo, hi)
-            if pick.size > self.setup.cv_points:
-                rng = np.random.default_rng([self.setup.seed, v])
-                pick = np.sort(rng.choice(pick, self.setup.cv_points, replace=False))
-            self._held_out[v] = (tasks.points[pick], Y[pick])
-        return self._held_out[v]
+    def _held_out_sources(self) -> tuple[Bags, Bags]:
+        return self._held_tasks, self._held_emb
 
 
 def choose_calibration(

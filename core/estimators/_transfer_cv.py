@@ -274,9 +274,14 @@ class FoldEvaluator:
         if key not in self._embeddings:
             train, val = self.setup.folds[f]
             rep, emb = self.setup.fit_embedding(self.setup.emb_tasks[train], factor)
-            val_emb = rep.embed(self.setup.emb_tasks[val])
+            val_emb = rep.embed(self._held_out_sources()[1][val])
             self._embeddings[key] = (emb.sq_distances(), val_emb.sq_distances(emb), (emb, val_emb))
         return self._embeddings[key]
+
+    def _held_out_sources(self) -> tuple[Bags, Bags]:
+        """The tasks held-out tasks are read from, and as their embeddings see them
+        (the training tasks themselves; a subclass may hold them out transformed)."""
+        return self.setup.data.tasks, self.setup.emb_tasks
 
     def _sigma(self, f: int, spec: Spec) -> float:
         """The point bandwidth of fold ``f``: relative values scale the median heuristic
@@ -292,7 +297,7 @@ class FoldEvaluator:
     def _held_out_points(self, v: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """Points (at most ``cv_points``, drawn per task) held-out task ``v`` is scored on."""
         if v not in self._held_out:
-            tasks, Y = self.setup.data.tasks, self.setup.data.Y
+            tasks, Y = self._held_out_sources()[0], self.setup.data.Y
             lo, hi = int(tasks.offsets[v]), int(tasks.offsets[v + 1])
             pick = np.arange(lo, hi)
             if pick.size > self.setup.cv_points:
