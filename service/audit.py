@@ -200,12 +200,22 @@ class AuditLog:
         try:
             records = self._append_all([fields for fields, _ in batch])
         except BaseException as exc:
-            if len(batch) > 1 and not unavailable(exc):
+            down = unavailable(exc)
+            if len(batch) > 1 and not down:
                 # Not the database: one record may be at fault (not JSON): each alone,
                 # so that the others are still written and only its caller fails.
                 for item in batch:
                     self._commit_batch([item])
                 return
+            if down:
+                # The records that queued up meanwhile fail with these, at once: each
+                # caller hears within one database timeout, not one per batch ahead.
+                with self._wake:
+                    queued = list(self._pending)
+                    self._pending.clear()
+                batch = batch + [
+                    (f, w if w.set_running_or_notify_cancel() else None) for f, w in queued
+                ]
             for _, future in batch:
                 if future is not None:
                     future.set_exception(exc)

@@ -254,3 +254,29 @@ def test_a_failing_commit_callback_releases_the_callers_all_the_same(tmp_path):
     assert log.count() == 1 and log.verify().ok
     log.close()
     log.db.close()
+
+
+def test_records_queued_behind_a_commit_the_database_refused_fail_with_it(tmp_path, monkeypatch):
+    """A database that does not answer is noticed within one timeout by every caller,
+    not one timeout per batch queued ahead of it."""
+    log = AuditLog(Database(None, tmp_path, pool_size=1))
+    started, attempts = threading.Event(), []
+
+    def down(batch: list) -> list:
+        attempts.append(len(batch))
+        started.set()
+        time.sleep(0.3)  # the database's timeout
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(log, "_append_all", down)
+    first = log.submit({"request_id": "a", "status": 200})
+    assert started.wait(10)
+    later = [log.submit({"request_id": f"b{i}", "status": 200}) for i in range(5)]
+    for future in [first, *later]:
+        with pytest.raises(sqlite3.OperationalError):
+            future.result(10)
+    assert attempts == [1]  # the queued records were not tried again
+    monkeypatch.undo()
+    assert log.append(request_id="c", status=200)["prev"] == "0" * 64 and log.count() == 1
+    log.close()
+    log.db.close()
