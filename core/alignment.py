@@ -38,6 +38,8 @@ from numpy.typing import NDArray
 
 from ._random import check_generator
 from .bags import QUANTILE_LEVELS, Bags, align_quantiles, bag_quantiles
+from .kernels import squared_euclidean_distances
+from .representations.mean import _median_distance
 
 __all__ = ["CALIBRATIONS", "calibrate", "landmark_shift", "mmd_map"]
 
@@ -68,18 +70,19 @@ def _hat_weights(x: NDArray[np.float64], knots: NDArray[np.float64]) -> NDArray[
     return w
 
 
-def _gaussian_sum(a: NDArray[np.float64], b: NDArray[np.float64], h2: NDArray[np.float64]):
-    """``Σ_h exp(-|a_i - b_j|² / (2 h²))`` and the same weighted by ``1/h²`` (for the
-    gradient)."""
-    sq = np.einsum("ij,ij->i", a, a)[:, None] + np.einsum("ij,ij->i", b, b)[None, :] - 2.0 * a @ b.T
-    np.maximum(sq, 0.0, out=sq)
-    k = np.zeros_like(sq)
-    kw = np.zeros_like(sq)
+def _gradient_weights(sq: NDArray[np.float64], h2: NDArray[np.float64]) -> NDArray[np.float64]:
+    """``Σ_h exp(-d² / (2 h²)) / h²`` of squared distances ``sq``: the weights of the
+    MMD's gradient for a sum of Gaussian kernels of bandwidths ``√h2``."""
+    out = np.zeros_like(sq)
     for h in h2:
-        e = np.exp(-sq / (2.0 * h))
-        k += e
-        kw += e / h
-    return k, kw
+        out += np.exp(-sq / (2.0 * h)) / h
+    return out
+
+
+def _knot_values(first: NDArray[np.float64], steps: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Knot values per marker: the first one plus the positive increments ``exp(steps)``
+    (so the map stays monotone)."""
+    return first[None, :] + np.vstack([np.zeros(first.size), np.cumsum(np.exp(steps), axis=0)])
 
 
 def mmd_map(
@@ -113,7 +116,6 @@ def mmd_map(
     knots = np.quantile(x, levels, axis=0)
     knots = np.maximum.accumulate(knots + 1e-9 * np.arange(levels.size)[:, None], axis=0)
     target = np.quantile(ref, levels, axis=0)
-    # Knot values as a first value plus positive increments: the map stays monotone.
     first = target[0].copy()
     steps = np.log(np.maximum(np.diff(target, axis=0), 1e-6))
     A, c = np.eye(d), np.zeros(d)
@@ -121,19 +123,19 @@ def mmd_map(
     rpick = rng.choice(ref.shape[0], min(MMD_POINTS, ref.shape[0]), replace=False)
     xs, rs = x[pick], ref[rpick]
     weights = [_hat_weights(xs[:, j], knots[:, j]) for j in range(d)]
-    diffs = rs[:, None, :] - rs[None, :, :]
-    med = float(np.median(np.sqrt(np.einsum("ijk,ijk->ij", diffs, diffs))))
+    med = _median_distance(rs, "gaussian", rng)
     h2 = (np.asarray(MMD_BANDWIDTHS) * max(med, 1e-6)) ** 2
+    rs_sqnorms = np.einsum("ij,ij->i", rs, rs)
     params = [first, steps, A, c]
     m1 = [np.zeros_like(p) for p in params]
     m2 = [np.zeros_like(p) for p in params]
     n, m = xs.shape[0], rs.shape[0]
     for it in range(1, MMD_STEPS + 1):
-        values = first[None, :] + np.vstack([np.zeros(d), np.cumsum(np.exp(steps), axis=0)])
+        values = _knot_values(first, steps)
         marg = np.column_stack([weights[j] @ values[:, j] for j in range(d)])
         y = marg @ A.T + c
-        _, kyy = _gaussian_sum(y, y, h2)
-        _, kyr = _gaussian_sum(y, rs, h2)
+        kyy = _gradient_weights(squared_euclidean_distances(y), h2)
+        kyr = _gradient_weights(squared_euclidean_distances(y, rs, B_sqnorms=rs_sqnorms), h2)
         # d MMD² / d y_i: the pull of the reference minus the push of the sample itself.
         g_y = (-2.0 / n**2) * (y * kyy.sum(axis=1)[:, None] - kyy @ y) + (2.0 / (n * m)) * (
             y * kyr.sum(axis=1)[:, None] - kyr @ rs
@@ -151,7 +153,7 @@ def mmd_map(
             b *= 0.999
             b += 0.001 * g * g
             p -= MMD_STEP_SIZE * (a / (1 - 0.9**it)) / (np.sqrt(b / (1 - 0.999**it)) + 1e-12)
-    values = first[None, :] + np.vstack([np.zeros(d), np.cumsum(np.exp(steps), axis=0)])
+    values = _knot_values(first, steps)
     out = np.column_stack([_hat_weights(x[:, j], knots[:, j]) @ values[:, j] for j in range(d)])
     return (out @ A.T + c) * scale + centre
 
