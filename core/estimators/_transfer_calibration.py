@@ -36,7 +36,7 @@ from sklearn.base import clone
 from ..alignment import CALIBRATIONS, calibrate, landmark_shift, reference_quantiles
 from ..bags import Bags, normalise_each_bag, subsample_bags
 from ..selection import leave_one_group_out_folds
-from ._transfer_cv import FoldEvaluator, Folds, one_standard_error_choice
+from ._transfer_cv import FoldEvaluator, Folds, one_standard_error_record
 from ._transfer_refine import refine_scores
 from ._transfer_reports import TaskReport
 from ._transfer_strategy import Transform
@@ -150,13 +150,9 @@ def choose_calibration(
     for name, ev in evaluators.items():
         ev.score(best)
         per_fold[name] = ev.per_fold(best)
-    chosen = one_standard_error_choice(per_fold)
-    return {
-        "rule": "one standard error on leave-one-batch-out folds, none first",
-        "cv_error": {n: float(e.mean()) for n, e in per_fold.items()},
-        "fold_errors": {n: e.tolist() for n, e in per_fold.items()},
-        "chosen": chosen,
-    }
+    return one_standard_error_record(
+        per_fold, "one standard error on leave-one-batch-out folds, none first"
+    )
 
 
 class CalibrationMixin:
@@ -231,13 +227,10 @@ class CalibrationMixin:
                 answers = model.predict_tasks(raw[val])
                 wrong = [np.mean(a.predictions != t) for a, t in zip(answers, truth, strict=True)]
                 per_fold[how].append(float(np.mean(wrong)))
-        errs = {k: np.asarray(v) for k, v in per_fold.items()}
-        return {
-            "rule": "one standard error on leave-one-batch-out refits, none first",
-            "cv_error": {k: float(v.mean()) for k, v in errs.items()},
-            "fold_errors": per_fold,
-            "chosen": one_standard_error_choice(errs),
-        }
+        return one_standard_error_record(
+            {k: np.asarray(v) for k, v in per_fold.items()},
+            "one standard error on leave-one-batch-out refits, none first",
+        )
 
     def _fit_landmarks(self, raw: Bags, Y: NDArray[np.float64]) -> None:
         """The training populations' centres on the cells as they arrived (the

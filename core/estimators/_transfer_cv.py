@@ -46,6 +46,7 @@ __all__ = [
     "mean_squared_error",
     "misclassification_rate",
     "one_standard_error_choice",
+    "one_standard_error_record",
     "reused_across_fits",
     "reusing_fold_evaluations",
 ]
@@ -482,6 +483,21 @@ def one_standard_error_choice(per_fold: dict[str, NDArray[np.float64]]) -> str:
     return best  # pragma: no cover - the best option itself always qualifies
 
 
+def one_standard_error_record(
+    per_fold: dict[str, NDArray[np.float64]], rule: str, **extra: Any
+) -> dict[str, Any]:
+    """The choice among ``per_fold``'s options (:func:`one_standard_error_choice`) as the
+    fit records it in ``selection_``: the ``rule`` in words, anything ``extra``, each
+    option's mean and per-fold errors, and the option ``chosen``."""
+    return {
+        "rule": rule,
+        **extra,
+        "cv_error": {n: float(np.mean(e)) for n, e in per_fold.items()},
+        "fold_errors": {n: np.asarray(e).tolist() for n, e in per_fold.items()},
+        "chosen": one_standard_error_choice({n: np.asarray(e) for n, e in per_fold.items()}),
+    }
+
+
 def choose_refinement(
     members: list[tuple[FoldEvaluator, dict[str, Any]]],
     transform: Transform,
@@ -554,11 +570,7 @@ def choose_normalisation(
         per_fold[name] = ev.fold_errors[FoldEvaluator.key(cand)][:, int(np.argmin(mean))]
         bar.update(1)
     bar.close()
-    chosen = one_standard_error_choice(per_fold)
-    return chosen, {
-        "rule": "one standard error, simplest first",
-        "order": list(evaluators),
-        "cv_error": {n: float(e.mean()) for n, e in per_fold.items()},
-        "fold_errors": {n: e.tolist() for n, e in per_fold.items()},
-        "chosen": chosen,
-    }
+    record = one_standard_error_record(
+        per_fold, "one standard error, simplest first", order=list(evaluators)
+    )
+    return record["chosen"], record

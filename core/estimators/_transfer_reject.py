@@ -32,7 +32,7 @@ from numpy.typing import NDArray
 from scipy.stats import chi2
 
 from ..bags import Bags, BagValidationError
-from ._transfer_cv import FoldEvaluator, one_standard_error_choice
+from ._transfer_cv import FoldEvaluator, one_standard_error_record
 
 __all__ = [
     "REJECT_THRESHOLDS",
@@ -120,14 +120,9 @@ def choose_reject(
             other.score(best)
             errs.append(other.fold_errors[FoldEvaluator.key(best)][:, 0])
         per_fold[name] = np.max(errs, axis=0)
-    chosen = one_standard_error_choice(per_fold)
-    return {
-        "rule": "one standard error, off first",
-        "cv_error": {n: float(e.mean()) for n, e in per_fold.items()},
-        "fold_errors": {n: e.tolist() for n, e in per_fold.items()},
-        "chosen": chosen,
-        "threshold": options[chosen],
-    }
+    record = one_standard_error_record(per_fold, "one standard error, off first")
+    record["threshold"] = options[record["chosen"]]
+    return record
 
 
 def population_statistics(
