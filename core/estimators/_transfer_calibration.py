@@ -61,6 +61,8 @@ LANDMARK_RULE = (
     "as they were, and no real GvHD sample left sample out crossed that range: "
     "bench/bench_new_batch.py)"
 )
+#: Cells of a new task its landmark shift is estimated on (a seeded draw).
+LANDMARK_POINTS = 5000
 #: Training cells kept as the reference of the MMD calibration (drawn across tasks).
 REFERENCE_POINTS = 4000
 
@@ -284,34 +286,50 @@ class CalibrationMixin:
         labels them, sit on the training populations' centres
         (:func:`~core.alignment.landmark_shift`, :data:`LANDMARK_ITERATIONS` rounds).
         With ``only_beyond``, None unless the first shift exceeds what the training
-        tasks show (``landmark_threshold_``)."""
-        z = x
+        tasks show (``landmark_threshold_``).
+
+        The shift (one number per marker) is estimated on at most
+        :data:`LANDMARK_POINTS` of the task's cells, a seeded draw: asked of every new
+        task, it must not cost a scoring of all of a large sample's cells per round.
+        """
+        sample = x
+        if x.shape[0] > LANDMARK_POINTS:
+            rng = np.random.default_rng([self.seed_, x.shape[0]])
+            sample = x[np.sort(rng.choice(x.shape[0], LANDMARK_POINTS, replace=False))]
+        z = sample
+        shift = None
         for round_ in range(LANDMARK_ITERATIONS):
             (scores,) = self._primary_scores(Bags.from_arrays([z]))
             codes = np.argmax(scores, axis=1) if scores.shape[1] > 1 else (scores[:, 0] > 0)
-            shift = landmark_shift(
-                x,
+            step = landmark_shift(
+                sample,
                 codes.astype(np.int64),
                 self.landmark_centres_,
                 self.rest_code_,
                 self._landmark_spread(),
             )
-            if shift is None:
+            if step is None:
                 break
             if only_beyond and round_ == 0:
-                size = float(np.linalg.norm(shift / self.landmark_scale_))
+                size = float(np.linalg.norm(step / self.landmark_scale_))
                 if size <= self.landmark_threshold_:
                     return None
-            z = x + shift
-        return None if only_beyond and z is x else z
+            shift = step
+            z = sample + shift
+        if shift is None:
+            return None if only_beyond else x
+        return x + shift
 
-    def _calibrated(self, raw: Bags) -> tuple[Bags, dict[int, TaskReport]]:
+    def _calibrated(
+        self, raw: Bags, reports: list[TaskReport]
+    ) -> tuple[Bags, dict[int, TaskReport]]:
         """``raw`` with every task out of range calibrated to the training reference
-        (``calibration_``), and those tasks' reports as they arrived."""
+        (``calibration_``), and those tasks' reports as they arrived (``reports``, the
+        tasks' own)."""
         how = getattr(self, "calibration_", "none")
         if how == "none":
             return raw, {}
-        reports = self._reports(self._task_similarities(self._normalise(raw))[1])
+        reports = list(reports)
         far = [i for i, r in enumerate(reports) if r.out_of_range]
         if how == "landmarks":
             # Tasks whose populations sit farther from the training ones than any

@@ -506,10 +506,13 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             raise BagValidationError(["empty task"])
         # Tasks out of range are calibrated first where the fit chose that; the primary
         # model answers them then, as the batch folds that chose it measured.
-        raw, calibrated = self._calibrated(raw)
         tasks = self._normalise(raw)
         emb, sq_new = self._task_similarities(tasks)
         reports = self._reports(sq_new)
+        raw, calibrated = self._calibrated(raw, reports)
+        if calibrated:
+            tasks = self._normalise(raw)
+            emb, sq_new = self._task_similarities(tasks)
         for i, arrived in calibrated.items():
             reports[i] = replace(arrived, fallback=False)
         far = [i for i, r in enumerate(reports) if r.fallback]
