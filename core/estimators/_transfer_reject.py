@@ -24,6 +24,7 @@ of each population, which the caller asks for knowingly).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -104,10 +105,25 @@ def choose_reject(
         string), ``chosen`` (the option's name) and ``threshold`` (a float or None).
     """
 
+    # Every threshold sees the same held-out answers: the refinement (a mixture fitted
+    # to each held-out task) runs once per task and answer, not once per threshold.
+    answered: dict[bytes, NDArray[np.float64]] = {}
+
+    def given(points: NDArray[np.float64], scores: NDArray[np.float64]) -> NDArray[np.float64]:
+        if answer is None:
+            return scores
+        h = hashlib.blake2b(digest_size=16)
+        for a in (points, scores):
+            h.update(str(a.shape).encode())
+            h.update(np.ascontiguousarray(a).tobytes())
+        key = h.digest()
+        if key not in answered:
+            answered[key] = answer(points, scores)
+        return answered[key]
+
     def transform(theta: float | None):
         def apply(points: NDArray[np.float64], scores: NDArray[np.float64]):
-            given = answer(points, scores) if answer is not None else scores
-            return reject_scores(given, rest, theta)
+            return reject_scores(given(points, scores), rest, theta)
 
         return apply
 
