@@ -197,18 +197,20 @@ def random_fourier_frequencies(
 
 
 def random_fourier_features(
-    X: NDArray[np.float64], frequencies: NDArray[np.float64]
+    X: NDArray[np.float64], frequencies: NDArray[np.float64], extra_columns: int = 0
 ) -> NDArray[np.float64]:
     """``z(x) = [cos(Wx), sin(Wx)] / √m`` so that ``z(x)ᵀz(y) ≈ k(x, y)``; shape (n, 2m).
 
     Each row depends on its point only (:func:`batch_invariant_matmul`).
+    ``extra_columns`` > 0 leaves that many columns after ``z`` for the caller to fill
+    (uninitialised), so that features side by side need no second copy.
     """
     proj = batch_invariant_matmul(X, frequencies.T, 256)
     m = proj.shape[1]
-    z = np.empty((X.shape[0], 2 * m))
+    z = np.empty((X.shape[0], 2 * m + extra_columns))
     np.cos(proj, out=z[:, :m])
-    np.sin(proj, out=z[:, m:])
-    z *= 1.0 / np.sqrt(m)
+    np.sin(proj, out=z[:, m : 2 * m])
+    z[:, : 2 * m] *= 1.0 / np.sqrt(m)
     return z
 
 

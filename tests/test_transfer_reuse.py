@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from bagserve.core import MarginalTransferClassifier
 from bagserve.core.datasets import make_batched_cytometry_tasks
-from bagserve.core.estimators import _transfer_cv
+from bagserve.core.estimators import _transfer_cv, _transfer_nystroem
 from bagserve.core.estimators._transfer_cv import reusing_fold_evaluations
 from sklearn.base import clone
 
@@ -93,3 +93,36 @@ def test_evaluations_are_not_kept_after_the_block(data):
         _fits(tasks, y, None, [MarginalTransferClassifier(random_state=0, cv=3)])
         assert _transfer_cv._REUSED.get()
     assert _transfer_cv._REUSED.get() is None
+
+
+def test_every_fold_evaluates_the_final_bandwidth_and_features_each_task_once(data, monkeypatch):
+    """A relative ``σ`` scales one median, of all the fit's points: the folds evaluate
+    the bandwidth the final model gets, and each task's feature statistics at a
+    bandwidth are computed once in the search, not once per fold that trains on it."""
+    tasks, y, _ = data
+    specs: dict[int, set[Any]] = {}
+    sigma = _transfer_cv.FoldEvaluator._sigma
+
+    def recording(self, f, spec):
+        specs.setdefault(id(self.setup.data.tasks), set()).add(spec)
+        return sigma(self, f, spec)
+
+    computed: list[tuple[int, float, int]] = []
+    statistics = _transfer_nystroem.task_statistics
+
+    def counting(maps, tasks_, Y, sigma_, which=None, into=None):
+        if which is not None:  # the search's folds (the final fit passes none)
+            done = np.zeros(len(tasks_), bool) if into is None else into.done
+            computed.extend((id(tasks_), sigma_, int(t)) for t in which if not done[t])
+        return statistics(maps, tasks_, Y, sigma_, which, into)
+
+    monkeypatch.setattr(_transfer_cv.FoldEvaluator, "_sigma", recording)
+    monkeypatch.setattr(_transfer_nystroem, "task_statistics", counting)
+    model = _fits(tasks, y, None, [MarginalTransferClassifier(random_state=0, cv=3)])[0]
+    assert computed and len(computed) == len(set(computed))
+    # One σ per spec and set of tasks (a fold's own median would give one per fold).
+    for data_id in {d for d, _, _ in computed}:
+        sigmas = {s for d, s, _ in computed if d == data_id}
+        assert len(sigmas) <= len(specs[data_id])
+    # The oracle: the final fit's bandwidth, from its own median of the same points.
+    assert model.point_bandwidth_ in {s for _, s, _ in computed}

@@ -241,7 +241,7 @@ class FoldEvaluator:
         self._embeddings: dict[
             tuple[int, float], tuple[NDArray[np.float64], NDArray[np.float64], Any]
         ] = {}
-        self._medians: dict[int, float] = {}
+        self._medians: dict[str, float] = {}
         #: Per configuration: validation error per fold and ``λ``, shape (folds, λ).
         self.fold_errors: dict[tuple[Any, ...], NDArray[np.float64]] = {}
         self._held_out: dict[int, tuple[NDArray[np.float64], NDArray[np.float64]]] = {}
@@ -285,15 +285,23 @@ class FoldEvaluator:
         return self.setup.data.tasks, self.setup.emb_tasks
 
     def _sigma(self, f: int, spec: Spec) -> float:
-        """The point bandwidth of fold ``f``: relative values scale the median heuristic
-        of its training points only (computed once per fold)."""
+        """The point bandwidth of every fold (``f`` is kept for subclasses): relative
+        values scale the median heuristic of all the tasks' points, computed once.
+
+        The median is a label-free statistic, and the final fit scales the same median
+        of the same points: each fold evaluates the bandwidth the model will have. A
+        fold's own median (a 2,000-point subsample of its training tasks, so ~1 % apart
+        between folds) would give every fold its own ``σ``, and every task's feature
+        statistics would be recomputed for each fold that trains on it.
+        """
         kind, value = spec
         if kind == "absolute":
             return value
-        if f not in self._medians:
-            train_points = self.setup.data.tasks[self.setup.folds[f][0]].points
-            self._medians[f] = self.setup.resolve_sigma(("relative", 1.0), train_points)
-        return value * self._medians[f]
+        if "all" not in self._medians:
+            self._medians["all"] = self.setup.resolve_sigma(
+                ("relative", 1.0), self.setup.data.tasks.points
+            )
+        return value * self._medians["all"]
 
     def _held_out_points(self, v: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """Points (at most ``cv_points``, drawn per task) held-out task ``v`` is scored on."""
@@ -310,13 +318,14 @@ class FoldEvaluator:
 
     def _sharing(self, setup: SearchSetup) -> FoldEvaluator:
         """An evaluator of ``setup`` sharing this one's caches: the held-out points and
-        the strategy's per-bandwidth statistics always, the per-fold embeddings and
-        bandwidths when the folds are the same."""
+        the strategy's per-bandwidth statistics always, the per-fold embeddings when the
+        folds are the same, the bandwidth when the tasks are."""
         other = FoldEvaluator(setup, self.strategy)
         other._held_out = self._held_out
         other._strategy_cache = self._strategy_cache
         if setup.folds is self.setup.folds:
             other._embeddings = self._embeddings
+        if setup.data is self.setup.data:
             other._medians = self._medians
         return other
 

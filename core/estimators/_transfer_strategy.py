@@ -113,12 +113,18 @@ class FeatureMaps:
     linear_centre: NDArray[np.float64] | None = None
     linear_scale: NDArray[np.float64] | None = None
 
-    def _linear_part(self, points: NDArray[np.float64]) -> NDArray[np.float64]:
-        """``[x̃ / √d, 1]``, whose inner products are ``x̃ᵀx̃' / d + 1``."""
+    def _linear_part(
+        self, points: NDArray[np.float64], out: NDArray[np.float64] | None = None
+    ) -> NDArray[np.float64]:
+        """``[x̃ / √d, 1]``, whose inner products are ``x̃ᵀx̃' / d + 1`` (into ``out``,
+        of ``d + 1`` columns, when given)."""
         centre = 0.0 if self.linear_centre is None else self.linear_centre
         scale = 1.0 if self.linear_scale is None else self.linear_scale
-        x = (points - centre) / (scale * np.sqrt(points.shape[1]))
-        return np.hstack([x, np.ones((points.shape[0], 1))])
+        if out is None:
+            out = np.empty((points.shape[0], points.shape[1] + 1))
+        np.divide(points - centre, scale * np.sqrt(points.shape[1]), out=out[:, :-1])
+        out[:, -1] = 1.0
+        return out
 
     def point_features(self, points: NDArray[np.float64], sigma: float) -> NDArray[np.float64]:
         """Rows ``z(x)`` with ``z(x)ᵀz(x') ≈ k_X(x, x')``.
@@ -129,9 +135,12 @@ class FeatureMaps:
         """
         if self.point_kernel == "linear":
             return np.hstack([points, np.ones((points.shape[0], 1))])
-        z = random_fourier_features(points, self.point_frequencies / sigma)
-        if self.point_kernel == "gaussian+linear":
-            return np.hstack([z, self._linear_part(points)])
+        if self.point_kernel != "gaussian+linear":
+            return random_fourier_features(points, self.point_frequencies / sigma)
+        # Both parts written into one array: the features are the fit's largest arrays.
+        d = points.shape[1]
+        z = random_fourier_features(points, self.point_frequencies / sigma, d + 1)
+        self._linear_part(points, out=z[:, -(d + 1) :])
         return z
 
     def point_gram(
