@@ -511,9 +511,9 @@ def test_runtime_answers_say_which_tasks_the_fallback_answered(tmp_path):
 
 def test_a_regressor_fallback_answers_new_batches_and_measures_disagreement_in_rms():
     """The same mechanism for values: a population's index to predict per cell. Within
-    one batch the raw cells serve; the new batch is the fallback's (a blend, its
-    predictions its own), and the in-range disagreement is the root mean square
-    difference of the two models' values."""
+    one batch the raw cells serve; the new batch is the fallback's (its predictions its
+    own, a blend or the capacity its folds chose), and the in-range disagreement is the
+    root mean square difference of the two models' values."""
     import copy
 
     from bagserve.core import MarginalTransferRegressor
@@ -523,7 +523,9 @@ def test_a_regressor_fallback_answers_new_batches_and_measures_disagreement_in_r
     train = np.flatnonzero(batches == 0)
     model = MarginalTransferRegressor(n_components=32, random_state=0)
     model.fit(tasks[train], np.concatenate([per[t] for t in train]))
-    assert model.normalise_ == "none" and model.fallback_.blend_ is not None
+    assert model.normalise_ == "none"
+    choice = model.selection_["normalisation"]["fallback_choice"]["chosen"]
+    assert (model.fallback_.blend_ is not None) == (choice == "blend")
     new = np.flatnonzero(batches == 1)
     far = model.predict_tasks(tasks[new])
     assert all(p.report.fallback for p in far)
@@ -541,3 +543,44 @@ def test_a_regressor_fallback_answers_new_batches_and_measures_disagreement_in_r
         b = model.fallback_.predict(tasks[[t]])
         assert p.report.disagreement == pytest.approx(np.sqrt(np.mean((a - b) ** 2)), rel=1e-9)
         assert not p.report.fallback
+
+
+class _Folds:
+    """A stand-in evaluator: per-fold errors at a configuration."""
+
+    def __init__(self, errors):
+        self.errors = np.asarray(errors, dtype=np.float64)
+
+    def per_fold(self, best):
+        return self.errors
+
+
+@pytest.mark.parametrize(
+    ("linear", "kernel", "constant", "chosen"),
+    [
+        # Real-data-like: the kernel removes 5 points of fold error, well beyond noise.
+        ([0.10, 0.11, 0.09, 0.12, 0.10], [0.05, 0.06, 0.04, 0.06, 0.05], 0.6, "own kernel"),
+        # Both nearly perfect: a 0.7-point gain, below 2 % of the constant's 0.6.
+        ([0.008, 0.007, 0.006, 0.009, 0.007], [0.0, 0.0, 0.001, 0.0, 0.0], 0.6, "blend"),
+        # A large gain the folds disagree on: within the paired noise.
+        ([0.30, 0.02, 0.25, 0.03, 0.28], [0.02, 0.25, 0.03, 0.30, 0.05], 0.6, "blend"),
+        # The linear model better by more than both bars.
+        ([0.05, 0.06, 0.04, 0.05, 0.05], [0.10, 0.12, 0.09, 0.11, 0.10], 0.6, "pooled linear"),
+    ],
+)
+def test_without_batches_the_folds_choose_a_capacity_only_by_a_clear_margin(
+    linear, kernel, constant, chosen
+):
+    from bagserve.core.estimators._transfer_fallback import CAPACITY_GAIN, _capacity_choice
+
+    found = [
+        (float(np.mean(linear)), "pooled linear", _Folds(linear), {}),
+        (float(np.mean(kernel)), "own kernel", _Folds(kernel), {}),
+    ]
+    record = _capacity_choice(found, constant)
+    diff = np.asarray(linear) - np.asarray(kernel)
+    se = diff.std(ddof=1) / np.sqrt(diff.size)  # the paired standard error, by hand
+    assert record["gain"] == pytest.approx(diff.mean())
+    assert record["se"] == pytest.approx(se)
+    assert record["margin"] == pytest.approx(max(se, CAPACITY_GAIN * constant))
+    assert record["chosen"] == chosen

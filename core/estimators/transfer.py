@@ -818,7 +818,8 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
     fallback_ : MarginalTransferClassifier or None
         The invariant fallback for tasks out of range (``normalise="auto"`` when the
         choice was not ``"standard"``); its ``blend_``, when set, is the second model
-        whose scores it averages with its own.
+        whose scores it averages with its own (``selection_["normalisation"]
+        ["fallback_choice"]`` says why: one capacity, or both).
     refine_ : str
         ``"mixture"`` or ``"none"``: whether this model refines its answers (the
         fallback's own ``refine_`` for the tasks it answers).
