@@ -511,12 +511,13 @@ def choose_refinement(
     members: list[tuple[FoldEvaluator, dict[str, Any]]],
     transform: Transform,
     name: str,
-    first: bool = False,
+    unless_worse: bool = False,
 ) -> dict[str, Any]:
     """Whether a post-processing of each task's answer (``transform``, called ``name``)
-    is applied, by the one-standard-error rule: without it first (it must help by more
-    than the folds' noise) or, with ``first``, with it first (it stays unless it hurts
-    by more than that).
+    is applied: by the one-standard-error rule, without it first (it must help by more
+    than the folds' noise), or, with ``unless_worse``, unless its mean fold error is
+    higher than without it (folds that cannot show its gain, where it stays as long as
+    they show no harm either).
 
     Each member (an evaluator and its chosen configuration) is scored with and without
     ``transform`` on its own folds, at its chosen ``λ``; a model of several members
@@ -536,13 +537,16 @@ def choose_refinement(
         other.score(best)
         with_it.append(other.fold_errors[FoldEvaluator.key(best)][:, 0])
     per_fold[name] = np.max(with_it, axis=0)
-    if first:
-        per_fold = {name: per_fold[name], "none": per_fold["none"]}
+    if unless_worse:
+        rule = "with it unless its mean fold error is higher"
+        chosen = name if per_fold[name].mean() <= per_fold["none"].mean() else "none"
+    else:
+        rule, chosen = "one standard error, without it first", one_standard_error_choice(per_fold)
     return {
-        "rule": f"one standard error, {'with' if first else 'without'} it first",
+        "rule": rule,
         "cv_error": {n: float(e.mean()) for n, e in per_fold.items()},
         "fold_errors": dict(per_fold),
-        "chosen": one_standard_error_choice(per_fold),
+        "chosen": chosen,
     }
 
 

@@ -778,11 +778,11 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         classes with fewer than ``d + 1`` points keep the model's labels). Where a
         batch effect moved the populations, the task's own cells show where they
         lie; where populations are not Gaussian, it can hurt. ``"auto"``: by each
-        model's folds, with the one-standard-error rule: the primary model refines
-        only where its folds show it helps by more than their noise
-        (``selection_["refine"]``); the fallback, which answers tasks unlike the
-        training ones, refines unless its folds show it hurts by more than their
-        noise (``selection_["normalisation"]["fallback_refine"]``). Regressors:
+        model's folds: the primary model refines only where its folds show it helps
+        by more than their noise (one-standard-error rule, ``selection_["refine"]``);
+        the fallback, which answers tasks unlike the training ones, refines unless
+        its folds show it raising the error on average
+        (``selection_["normalisation"]["fallback_refine"]``). Regressors:
         ``"auto"`` or ``"none"``, both none. :attr:`TaskReport.relabelled` reports the
         share of labels it changed. Like ``normalise="auto"``, ``"auto"`` runs the
         cross-validation even with every other hyperparameter fixed.
