@@ -285,8 +285,8 @@ class FoldEvaluator:
         return self.setup.data.tasks, self.setup.emb_tasks
 
     def _sigma(self, f: int, spec: Spec) -> float:
-        """The point bandwidth of every fold (``f`` is kept for subclasses): relative
-        values scale the median heuristic of all the tasks' points, computed once.
+        """The point bandwidth of fold ``f``, the same for every fold: relative values
+        scale the median heuristic of all the tasks' points, computed once.
 
         The median is a label-free statistic, and the final fit scales the same median
         of the same points: each fold evaluates the bandwidth the model will have. A

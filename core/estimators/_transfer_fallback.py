@@ -204,7 +204,8 @@ def _capacity_choice(
 
     One capacity is chosen when its mean fold error is below the other's by more than
     their paired standard error and by more than ``CAPACITY_GAIN`` of the constant
-    prediction's error (2 % of what the majority class gets wrong). The second bar is
+    prediction's error (2 % of what the majority class gets wrong, or of the targets'
+    variance for a regressor). The second bar is
     for what folds of one batch cannot show: on another batch every model errs more,
     and a gain smaller than that is no reason to prefer the shapes the kernel fitted
     to the linear model's extrapolation. Measured on ``bench/bench_new_batch.py``'s
