@@ -68,6 +68,8 @@ def _predict_local(
 ) -> tuple[Any, list[str], dict[str, Any], Any, list[str], list[str | None], float | None]:
     """A saved model's typed answer for files, with what every encoding of it needs:
     (result, names, meta, info, file sha256s, acquisition times, coverage used)."""
+    from threadpoolctl import threadpool_limits
+
     from .core.hashing import file_sha256
     from .core.io import read_sample
     from .core.policy import review_warnings
@@ -79,7 +81,10 @@ def _predict_local(
         coverage = None  # the model has no interval: answer without one, as it can
     names = [str(f) for f in files] if names is None else list(names)
     samples = [read_sample(f) for f in files]
-    result = runtime.predict(runtime.align(samples, compensated=compensated), coverage=coverage)
+    # The service's workers compute with one BLAS thread; so does this, so that the
+    # command's answer is the service's to the last bit (a multi-threaded sum is not).
+    with threadpool_limits(1):
+        result = runtime.predict(runtime.align(samples, compensated=compensated), coverage=coverage)
     meta = {
         "model": {
             "name": info.metadata.get("name"),
