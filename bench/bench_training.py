@@ -49,9 +49,10 @@ CASES = ("yeast", "gvhd", "synthetic")
 #: HEAD with these files as they were then. The first step (fold evaluations shared
 #: across the candidates and the widening refit) was 04e337a with core/training/folds.py,
 #: core/training/fit_memory.py, _transfer_cv.py and _transfer_nystroem.py; this one
-#: (one point bandwidth for every inner fold) is bb75d39 with _transfer_cv.py.
+#: (one point bandwidth for every inner fold, task statistics on all cores) is bb75d39
+#: with _transfer_cv.py and _transfer_nystroem.py.
 BEFORE = "bb75d39"
-CHANGED = ("core/estimators/_transfer_cv.py",)
+CHANGED = ("core/estimators/_transfer_cv.py", "core/estimators/_transfer_nystroem.py")
 
 
 # ---------------------------------------------------------------------------- child

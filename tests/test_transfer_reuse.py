@@ -126,3 +126,42 @@ def test_every_fold_evaluates_the_final_bandwidth_and_features_each_task_once(da
         assert len(sigmas) <= len(specs[data_id])
     # The oracle: the final fit's bandwidth, from its own median of the same points.
     assert model.point_bandwidth_ in {s for _, s, _ in computed}
+
+
+def test_task_statistics_on_all_cores_are_those_computed_one_task_after_another(monkeypatch):
+    """Tasks spread over threads give every task's ``A_i``, ``b_i`` and kept features
+    to the last bit, whether computed all at once or into a cache holding some."""
+    from bagserve.core import Bags
+    from bagserve.core.estimators._transfer_strategy import FeatureMaps
+
+    rng = np.random.default_rng(3)
+    tasks = Bags.from_arrays([rng.standard_normal((n, 4)) for n in (900, 1500, 700, 1200, 50)])
+    Y = rng.standard_normal((tasks.n_points, 3))
+    W = rng.standard_normal((16, 4))
+    maps = FeatureMaps("gaussian+linear", W, None, tasks.points.mean(0), tasks.points.std(0))
+    stats = _transfer_nystroem.task_statistics
+    monkeypatch.setattr(_transfer_nystroem, "_PARALLEL_POINTS", 10**12)
+    alone = stats(maps, tasks, Y, 1.7)
+    monkeypatch.setattr(_transfer_nystroem, "_PARALLEL_POINTS", 0)
+    monkeypatch.setattr(_transfer_nystroem, "n_threads_for", lambda n_jobs: 3)
+    threads: set[str] = set()
+    point_features = FeatureMaps.point_features
+
+    def recording(self, points, sigma):
+        import threading
+
+        threads.add(threading.current_thread().name)
+        return point_features(self, points, sigma)
+
+    monkeypatch.setattr(FeatureMaps, "point_features", recording)
+    at_once = stats(maps, tasks, Y, 1.7)
+    part = stats(maps, tasks, Y, 1.7, which=np.array([1, 3]))
+    threads_used = set(threads)
+    rest = stats(maps, tasks, Y, 1.7, which=np.arange(len(tasks)), into=part)
+    assert len(threads_used) > 1
+    for got in (at_once, rest):
+        assert got.done.all()
+        np.testing.assert_array_equal(got.A, alone.A)
+        np.testing.assert_array_equal(got.B, alone.B)
+        for z, z0 in zip(got.Z, alone.Z, strict=True):
+            np.testing.assert_array_equal(z, z0)

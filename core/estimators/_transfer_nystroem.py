@@ -15,13 +15,16 @@ paper 004 eq. 8, exactly so in ``P`` on the training tasks. For a task unlike al
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
+from threadpoolctl import threadpool_limits
 
 from ..bags import Bags
 from ..kernels import batch_invariant_matmul
+from ..representations.base import n_threads_for
 from ._transfer_cv import reused_across_fits
 from ._transfer_solvers import _CHUNK_POINTS, _DUAL_MAX_POINTS, TaskStatistics, task_ridge_path
 from ._transfer_strategy import (
@@ -62,6 +65,11 @@ def task_coordinates(
     return np.hstack([np.full((n, 1), np.sqrt(tau)), np.sqrt(1.0 - tau) * psi])
 
 
+#: Points to compute, in all, from which the tasks' statistics are spread over the cores
+#: (below, starting the threads costs more than they save).
+_PARALLEL_POINTS = 20_000
+
+
 def task_statistics(
     maps: FeatureMaps,
     tasks: Bags,
@@ -74,6 +82,8 @@ def task_statistics(
 
     Only the tasks ``which`` (default: all) are computed, into ``into`` when given
     (the rows it has are kept): the folds of a search fill in the tasks they train on.
+    Tasks are computed on all cores at once when there are enough points, each exactly
+    as it would be alone.
     The features themselves are kept when there are few points in all, for the dual
     solver (each task then fits in one chunk).
     """
@@ -88,9 +98,9 @@ def task_statistics(
             [None] * N if keep else None,
             np.zeros(N, dtype=bool),
         )
-    for t in range(N) if which is None else which:
-        if into.done[t]:
-            continue
+    todo = [int(t) for t in (range(N) if which is None else which) if not into.done[t]]
+
+    def one(t: int) -> None:
         lo, hi = int(tasks.offsets[t]), int(tasks.offsets[t + 1])
         for c0 in range(lo, hi, _CHUNK_POINTS):
             c1 = min(hi, c0 + _CHUNK_POINTS)
@@ -102,6 +112,17 @@ def task_statistics(
         into.A[t] /= hi - lo
         into.B[t] /= hi - lo
         into.done[t] = True
+
+    threads = min(n_threads_for(-1), len(todo))
+    if threads > 1 and int(tasks.sizes[todo].sum()) >= _PARALLEL_POINTS:
+        # Tasks on all cores, one BLAS thread each: the features' cos/sin and the
+        # products release the GIL, each task writes its own rows, and every task is
+        # computed as alone (the same bits).
+        with threadpool_limits(1), ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, todo))
+    else:
+        for t in todo:
+            one(t)
     return into
 
 
