@@ -49,10 +49,19 @@ CASES = ("yeast", "gvhd", "synthetic")
 #: HEAD with these files as they were then. The first step (fold evaluations shared
 #: across the candidates and the widening refit) was 04e337a with core/training/folds.py,
 #: core/training/fit_memory.py, _transfer_cv.py and _transfer_nystroem.py; this one
-#: (one point bandwidth for every inner fold, task statistics on all cores) is bb75d39
-#: with _transfer_cv.py and _transfer_nystroem.py.
+#: (one median per search for both bandwidths, task statistics on all cores, with the
+#: fallback rules of issue 30 made meanwhile) is bb75d39 with every estimator file
+#: changed since.
 BEFORE = "bb75d39"
-CHANGED = ("core/estimators/_transfer_cv.py", "core/estimators/_transfer_nystroem.py")
+CHANGED = (
+    "core/kernels.py",
+    "core/estimators/transfer.py",
+    "core/estimators/_transfer_cv.py",
+    "core/estimators/_transfer_fallback.py",
+    "core/estimators/_transfer_nystroem.py",
+    "core/estimators/_transfer_search.py",
+    "core/estimators/_transfer_strategy.py",
+)
 
 
 # ---------------------------------------------------------------------------- child

@@ -238,15 +238,18 @@ def test_leave_tasks_out_folds_partition_tasks():
 
 
 def test_validation_tasks_never_reach_the_fold_training_side(ellipses, monkeypatch):
+    """No fold-side fit sees a held-out task's points or labels; the bandwidths' median
+    heuristics, which use no label, are taken on all the tasks' points as the final
+    model's are."""
     tasks, y = ellipses
     # Task 7 moved far away: any fold-side fit that saw its points would show them.
     shifted = Bags.from_arrays([*list(tasks)[:-1], tasks[7] + 1000.0])
     seen: list[float] = []
     original = MarginalTransferClassifier._fit_embedding
 
-    def spy(self, emb_tasks, factor):
+    def spy(self, emb_tasks, factor, base=None):
         seen.append(float(np.abs(emb_tasks.points).max()))
-        return original(self, emb_tasks, factor)
+        return original(self, emb_tasks, factor, base)
 
     monkeypatch.setattr(MarginalTransferClassifier, "_fit_embedding", spy)
     sigma_fits: list[float] = []
@@ -257,6 +260,14 @@ def test_validation_tasks_never_reach_the_fold_training_side(ellipses, monkeypat
         return original_sigma(self, spec, points)
 
     monkeypatch.setattr(MarginalTransferClassifier, "_sigma_value", spy_sigma)
+    bases: list[float] = []
+    original_base = MarginalTransferClassifier._embedding_bandwidth
+
+    def spy_base(self, emb_tasks):
+        bases.append(float(np.abs(emb_tasks.points).max()))
+        return original_base(self, emb_tasks)
+
+    monkeypatch.setattr(MarginalTransferClassifier, "_embedding_bandwidth", spy_base)
     model = MarginalTransferClassifier(
         **PAPER, alpha=[1e-4, 1e-2], tau=[0.2], task_gamma=[1.0], cv=4, random_state=0
     ).fit(shifted, y)
@@ -266,8 +277,11 @@ def test_validation_tasks_never_reach_the_fold_training_side(ellipses, monkeypat
     assert len(seen) > len(folds) and seen[-1] > 500
     for j, value in enumerate(seen[:-1]):
         assert (value > 500) == (7 in folds[j % len(folds)][0])
-    for j, value in enumerate(sigma_fits[:-1]):
-        assert (value > 500) == (7 in folds[j % len(folds)][0])
+    # The label-free scale heuristic is the exception, on purpose: the point bandwidth's
+    # median is computed once, on all the tasks' points, as the final model's is, so
+    # that every fold evaluates the bandwidth the model gets (and shares its features).
+    assert sigma_fits == [sigma_fits[-1]] * len(sigma_fits) and sigma_fits[-1] > 500
+    assert len(bases) == 1 and bases[0] > 500  # the task embedding's median, likewise
 
 
 def regression_tasks(n_tasks: int = 10, n_points: int = 30) -> tuple[Bags, np.ndarray]:

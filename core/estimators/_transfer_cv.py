@@ -84,8 +84,9 @@ class SearchSetup:
         Ridge grid ``λ``; every evaluation covers all of it.
     task_kernel : DistanceKernel
         ``k_P`` on squared embedding distances.
-    fit_embedding : callable ``(emb_tasks, factor) -> (representation, embedding)``
-        Fits the task representation, its bandwidth scaled by ``factor``.
+    fit_embedding : callable ``(emb_tasks, factor, base) -> (representation, embedding)``
+        Fits the task representation, its bandwidth ``factor`` times ``base``, or with
+        ``base=None`` times its own median heuristic on ``emb_tasks``.
     resolve_sigma : callable ``(spec, points) -> float``
         The point bandwidth of a spec, relative ones on the given points.
     resolve_gamma : callable ``(spec, sq_distances) -> float or None``
@@ -99,6 +100,9 @@ class SearchSetup:
     transform : callable or None
         ``(points, scores) -> scores`` applied to every held-out task's scores before
         its error (:meth:`FoldEvaluator.transformed`).
+    embedding_bandwidth : callable ``(emb_tasks) -> float or None``, optional
+        The base bandwidth of the task representation fitted on ``emb_tasks`` (None
+        when it has a fixed one); every fold scales the one of all ``emb_tasks``.
     """
 
     data: TrainingData
@@ -106,13 +110,14 @@ class SearchSetup:
     folds: Folds
     alphas: NDArray[np.float64]
     task_kernel: DistanceKernel
-    fit_embedding: Callable[[Bags, float], tuple[BagRepresentation, Embedding]]
+    fit_embedding: Callable[[Bags, float, float | None], tuple[BagRepresentation, Embedding]]
     resolve_sigma: Callable[[Spec, NDArray[np.float64]], float]
     resolve_gamma: Callable[[Spec | None, NDArray[np.float64]], float | None]
     error: Callable[[NDArray[np.float64], NDArray[np.float64]], float]
     cv_points: int
     seed: int
     transform: Transform | None = None
+    embedding_bandwidth: Callable[[Bags], float | None] | None = None
 
 
 #: The evaluations kept across fits (:func:`reusing_fold_evaluations`), by the digest
@@ -188,7 +193,16 @@ def _setup_digest(setup: SearchSetup, strategy: SolverStrategy) -> str | None:
     if setup.transform is not None:
         return None
     owner = getattr(setup.fit_embedding, "__self__", None)
-    callables = (setup.fit_embedding, setup.resolve_sigma, setup.resolve_gamma)
+    callables = tuple(
+        c
+        for c in (
+            setup.fit_embedding,
+            setup.resolve_sigma,
+            setup.resolve_gamma,
+            setup.embedding_bandwidth,
+        )
+        if c is not None
+    )
     if owner is None or any(getattr(c, "__self__", None) is not owner for c in callables):
         return None
     if not all(hasattr(owner, a) for a in ("seed_", "task_kernel_", "_make_embedding")):
@@ -241,7 +255,7 @@ class FoldEvaluator:
         self._embeddings: dict[
             tuple[int, float], tuple[NDArray[np.float64], NDArray[np.float64], Any]
         ] = {}
-        self._medians: dict[str, float] = {}
+        self._medians: dict[str, float | None] = {}
         #: Per configuration: validation error per fold and ``λ``, shape (folds, λ).
         self.fold_errors: dict[tuple[Any, ...], NDArray[np.float64]] = {}
         self._held_out: dict[int, tuple[NDArray[np.float64], NDArray[np.float64]]] = {}
@@ -274,10 +288,22 @@ class FoldEvaluator:
         key = (f, factor)
         if key not in self._embeddings:
             train, val = self.setup.folds[f]
-            rep, emb = self.setup.fit_embedding(self.setup.emb_tasks[train], factor)
+            rep, emb = self.setup.fit_embedding(
+                self.setup.emb_tasks[train], factor, self._embedding_base()
+            )
             val_emb = rep.embed(self._held_out_sources()[1][val])
             self._embeddings[key] = (emb.sq_distances(), val_emb.sq_distances(emb), (emb, val_emb))
         return self._embeddings[key]
+
+    def _embedding_base(self) -> float | None:
+        """The task representation's base bandwidth for every fold: its median
+        heuristic on all the tasks, computed once (as the point bandwidth's, see
+        :meth:`_sigma`); None where the setup gives no resolver (each fold's own)."""
+        if self.setup.embedding_bandwidth is None:
+            return None
+        if "embedding" not in self._medians:
+            self._medians["embedding"] = self.setup.embedding_bandwidth(self.setup.emb_tasks)
+        return self._medians["embedding"]
 
     def _held_out_sources(self) -> tuple[Bags, Bags]:
         """The tasks held-out tasks are read from, and as their embeddings see them

@@ -80,15 +80,29 @@ class SearchMixin:
             rep.set_params(random_state=self.seed_)
         return rep
 
-    def _fit_embedding(self, emb_tasks: Bags, factor: float) -> tuple[BagRepresentation, Embedding]:
-        """The task representation fitted on ``emb_tasks``, its bandwidth scaled by ``factor``,
-        and their embedding."""
-        rep = self._make_embedding().fit(emb_tasks)
-        if factor != 1.0:
-            rep = rep.set_params(bandwidth=factor * rep.bandwidth_).fit(emb_tasks)
+    def _fit_embedding(
+        self, emb_tasks: Bags, factor: float, base: float | None = None
+    ) -> tuple[BagRepresentation, Embedding]:
+        """The task representation fitted on ``emb_tasks``, its bandwidth ``factor`` times
+        ``base`` (default: its own median heuristic on ``emb_tasks``), and their
+        embedding."""
+        rep = self._make_embedding()
+        if base is not None:
+            rep = rep.set_params(bandwidth=factor * base).fit(emb_tasks)
+        else:
+            rep = rep.fit(emb_tasks)
+            if factor != 1.0:
+                rep = rep.set_params(bandwidth=factor * rep.bandwidth_).fit(emb_tasks)
         emb = rep.embed(emb_tasks)
         self._strategy().check_embedding(emb)
         return rep, emb
+
+    def _embedding_bandwidth(self, emb_tasks: Bags) -> float | None:
+        """The base bandwidth the task representation takes on ``emb_tasks`` (its median
+        heuristic), or None when it is fixed."""
+        if not self._searches_embedding_bandwidth():
+            return None
+        return float(self._make_embedding().fit(emb_tasks).bandwidth_)
 
     def _searches_embedding_bandwidth(self) -> bool:
         rep = self._make_embedding()
@@ -185,6 +199,7 @@ class SearchMixin:
                 error=misclassification_rate if self._is_classifier else mean_squared_error,
                 cv_points=self.cv_points,
                 seed=self.seed_,
+                embedding_bandwidth=self._embedding_bandwidth,
             )
             evaluators[name] = FoldEvaluator(setup, strategy)
         record = None
