@@ -220,8 +220,10 @@ def sign_model(
 
     # model-signing's annotation says str; cryptography, which reads the key, takes bytes.
     secret = password.encode() if isinstance(password, str) else password
+    pem = b""
     try:
-        key = serialization.load_pem_private_key(Path(private_key).read_bytes(), secret)
+        pem = Path(private_key).read_bytes()
+        key = serialization.load_pem_private_key(pem, secret)
         _check_curve(key, "the private key")
         signer = ms.signing.Config().use_elliptic_key_signer(
             private_key=Path(private_key), password=secret
@@ -229,7 +231,12 @@ def sign_model(
     except OSError as exc:
         raise SignatureError(f"signing key {private_key}: {exc.strerror or exc}") from None
     except (ValueError, TypeError) as exc:  # wrong or missing password, not a key
-        raise SignatureError(f"signing key {private_key}: {exc}") from None
+        reason = str(exc)
+        if secret is not None and b"ENCRYPTED" in pem and "password" not in reason.lower():
+            # A wrong password usually fails the padding check ("Incorrect password");
+            # about once in 256 keys it passes it and the garbage fails to parse.
+            reason = f"incorrect password: the encrypted key did not decrypt to a key ({reason})"
+        raise SignatureError(f"signing key {private_key}: {reason}") from None
     # Signed into a scratch directory outside the artifact (which is being hashed),
     # then published into it with a durable atomic rename.
     with tempfile.TemporaryDirectory(prefix="bagserve-sign-") as scratch:

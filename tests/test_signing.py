@@ -317,3 +317,24 @@ def test_the_service_serves_only_signed_models_and_names_the_signer(release, val
         assert "notes.txt added after signing" in failures["demo-dose/1"]
         assert str(models) not in str(failures)
         assert httpx.get(f"{url}/readyz").json()["models"] == ["demo-gating/1"]
+
+
+def test_a_wrong_password_that_passes_the_padding_check_is_still_named(tmp_path, monkeypatch):
+    """About once in 256 keys a wrong password decrypts to bytes whose padding looks
+    right, and cryptography reports unparseable key data instead of a wrong password:
+    the error still says the password is wrong (it made this suite flaky)."""
+    models = tmp_path / "models"
+    build_demo_models(models)
+    artifact = models / "demo-dose" / "1"
+    locked, _ = keypair(tmp_path, "locked", password=b"right")
+    real = serialization.load_pem_private_key
+
+    def garbled(data, password, *args, **kwargs):
+        if password == b"wrong":
+            raise ValueError("Could not deserialize key data. ASN.1 parsing error")
+        return real(data, password, *args, **kwargs)
+
+    monkeypatch.setattr(serialization, "load_pem_private_key", garbled)
+    with pytest.raises(SignatureError, match=r"locked\.key: incorrect password: .*ASN\.1"):
+        sign_model(artifact, locked, password="wrong")
+    assert not (artifact / SIGNATURE_FILE).exists()
