@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
-from threadpoolctl import threadpool_limits
 
 from ..bags import Bags
+from ..blas import one_thread
 from ..kernels import batch_invariant_matmul
 from ..representations.base import n_threads_for
 from ._transfer_cv import reused_across_fits
@@ -118,7 +118,7 @@ def task_statistics(
         # Tasks on all cores, one BLAS thread each: the features' cos/sin and the
         # products release the GIL, each task writes its own rows, and every task is
         # computed as alone (the same bits).
-        with threadpool_limits(1), ThreadPoolExecutor(threads) as pool:
+        with one_thread(), ThreadPoolExecutor(threads) as pool:
             list(pool.map(one, todo))
     else:
         for t in todo:

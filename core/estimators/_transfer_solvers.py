@@ -16,7 +16,8 @@ import numpy as np
 import scipy.linalg
 import scipy.optimize
 from numpy.typing import NDArray
-from threadpoolctl import threadpool_limits
+
+from ..blas import one_thread
 
 __all__ = [
     "TaskStatistics",
@@ -249,7 +250,7 @@ def structured_ridge_path(
     out: dict[int, NDArray[np.float64]] = {}
     x0 = np.zeros_like(rhs)
     # Thousands of small products: BLAS threads only add synchronisation here.
-    with threadpool_limits(1):
+    with one_thread():
         preconditioner = _block_preconditioner(S, A)
         # Largest λ first: the best conditioned system, then warm starts down the path.
         for i in np.argsort(-np.asarray(lams)):

@@ -55,7 +55,6 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
-from threadpoolctl import threadpool_limits
 
 from .._random import check_generator
 from ..bags import (
@@ -66,6 +65,7 @@ from ..bags import (
     normalise_each_bag,
     subsample_bags,
 )
+from ..blas import one_thread
 from ..domain import NEAREST, DomainReport
 from ..kernels import get_kernel
 from ..representations.base import BagRepresentation, Embedding
@@ -327,7 +327,7 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
         if len(choices) > 1 or len(refinements) > 1 or max(sizes) > 1 or alphas.size > 1:
             # The search is thousands of small products: BLAS threads only add
             # synchronisation (and spin badly when the cores are busy).
-            with threadpool_limits(1):
+            with one_thread():
                 chosen, best = self._search(strategy, variants, Y, grid, alphas, groups, raw)
         else:
             chosen = choices[0]

@@ -24,10 +24,10 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy.spatial.distance import cdist, pdist
-from threadpoolctl import ThreadpoolController
 
 from .._random import check_generator
 from ..bags import Bags
+from ..blas import one_thread
 from ..kernels import (
     POINT_KERNELS,
     point_kernel,
@@ -49,24 +49,6 @@ _BLOCK_ENTRIES = 1 << 20
 _GRAM_BLOCK_ENTRIES = 1 << 18
 # The median heuristic looks at pairwise distances of at most this many points.
 _MEDIAN_SUBSAMPLE = 2000
-
-
-_BLAS: ThreadpoolController | None = None
-
-
-def _one_blas_thread() -> Any:
-    """A context holding BLAS to one thread (the controller, which inspects the loaded
-    libraries for ~5 ms, is made once; entering and leaving then costs microseconds).
-
-    A block's GEMM has an inner dimension of only ``d + 2``: too little work per entry
-    for BLAS threads to pay off. On a loaded machine their spin-waiting made the whole
-    exact Gram about 4x slower than one thread (bench_gram.py), and with ``n_jobs``
-    threads sharing the blocks they would only compete with them.
-    """
-    global _BLAS
-    if _BLAS is None:
-        _BLAS = ThreadpoolController()
-    return _BLAS.limit(limits=1, user_api="blas")
 
 
 def _chunk_bounds(n_points: int, chunk: int) -> list[tuple[int, int]]:
@@ -139,7 +121,7 @@ def set_kernel_gram(
     at chunk edges accumulate into the same cells. With ``B=None`` only chunk pairs on
     or above the diagonal are computed and mirrored. ``n_jobs`` threads share the row
     chunks (numpy's ``exp`` and the reductions release the GIL); BLAS is held to one
-    thread throughout (:func:`_one_blas_thread`).
+    thread throughout (:func:`~bagserve.core.blas.one_thread`).
 
     Several bandwidths cost one pass over the points: each block's distances are
     computed once, and on a geometric grid of ratio ``2^(j/2)`` (Gaussian) or
@@ -228,7 +210,7 @@ def set_kernel_gram(
                         G[order[k], cb0:cb1, ra0:ra1] += part.T
 
     n_threads = min(_n_threads(n_jobs), len(rows))
-    with _one_blas_thread():
+    with one_thread("blas"):
         if n_threads == 1:
             for r in rows:
                 row_task(r)

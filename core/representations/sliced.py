@@ -23,10 +23,10 @@ from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from threadpoolctl import threadpool_limits
 
 from .._random import check_generator
 from ..bags import Bags
+from ..blas import one_thread
 from .base import BagRepresentation, FeatureEmbedding, n_threads_for
 
 __all__ = [
@@ -316,7 +316,7 @@ class SlicedWasserstein(BagRepresentation):
                 worker(task)
         else:
             # One BLAS thread per worker thread: the projections are small GEMMs.
-            with threadpool_limits(1), ThreadPoolExecutor(n_threads) as pool:
+            with one_thread(), ThreadPoolExecutor(n_threads) as pool:
                 # list() re-raises the first exception of any unit.
                 list(pool.map(worker, tasks))
         out *= float(self.n_output_features_) ** (-1.0 / self.p)
