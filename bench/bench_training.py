@@ -60,6 +60,7 @@ CHANGED = (
     "core/estimators/_transfer_fallback.py",
     "core/estimators/_transfer_nystroem.py",
     "core/estimators/_transfer_search.py",
+    "core/estimators/_transfer_solvers.py",
     "core/estimators/_transfer_strategy.py",
 )
 
