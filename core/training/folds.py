@@ -160,78 +160,45 @@ def _cv_predictions(
     ``cache`` (shared by the calls of one search) keeps what the folds compute alike
     for every candidate (:class:`FoldCache`); the predictions are the same without it.
     """
+    from tqdm.auto import tqdm
+
     pred = np.empty(y.shape, dtype=object if y.dtype.kind in "OUS" else np.float64)
     keep_scores = cell_level and scores_out is not None and hasattr(est, "decode_scores")
+    scores: np.ndarray | None = None
     own = cache is None
     cache = FoldCache() if cache is None else cache
     try:
-        _predict_folds(
-            est,
-            raw,
-            y,
-            folds,
-            cell_level,
-            pre_spec,
-            markers,
-            progress,
-            fit_groups,
-            cache,
-            pred,
-            keep_scores,
-            scores_out,
-        )
+        for i, (train, val) in enumerate(
+            tqdm(folds, desc="folds", unit="fold", disable=not progress, leave=False)
+        ):
+            bags_tr, bags_va = cache.bags(i, raw, train, val, pre_spec, markers)
+            model = for_point_predictions(est)
+            if cell_level:
+                y_tr = np.concatenate([y[raw.offsets[t] : raw.offsets[t + 1]] for t in train])
+                rows = np.concatenate([np.arange(raw.offsets[t], raw.offsets[t + 1]) for t in val])
+                model.fit(bags_tr, y_tr, **_groups_kw(fit_groups, train))
+                if keep_scores:
+                    s = model.decision_function(bags_va)
+                    if scores is None:
+                        scores = np.empty((y.shape[0], *s.shape[1:]))
+                    scores[rows] = s
+                    pred[rows] = model.decode_scores(s)
+                else:
+                    pred[rows] = model.predict(bags_va)
+            elif (shared := cache.embedded(i, model, bags_tr, bags_va)) is not None:
+                rep, emb_tr, emb_va = shared
+                model.fit_embedded(rep, emb_tr, y[train], **_groups_kw(fit_groups, train))
+                pred[val] = model.predict_embedded(emb_va)
+            else:
+                model.fit(bags_tr, y[train], **_groups_kw(fit_groups, train))
+                pred[val] = model.predict(bags_va)
     finally:
         if own:
             cache.close()
-    return pred
-
-
-def _predict_folds(
-    est: BaseEstimator,
-    raw: Bags,
-    y: np.ndarray,
-    folds: list[tuple[np.ndarray, np.ndarray]],
-    cell_level: bool,
-    pre_spec: Mapping[str, Any],
-    markers: list[str],
-    progress: bool,
-    fit_groups: np.ndarray | None,
-    cache: FoldCache,
-    pred: np.ndarray,
-    keep_scores: bool,
-    scores_out: dict[str, np.ndarray] | None,
-) -> None:
-    """:func:`_cv_predictions`' folds, written into ``pred`` (and ``scores_out``)."""
-    from tqdm.auto import tqdm
-
-    scores: np.ndarray | None = None
-    for i, (train, val) in enumerate(
-        tqdm(folds, desc="folds", unit="fold", disable=not progress, leave=False)
-    ):
-        bags_tr, bags_va = cache.bags(i, raw, train, val, pre_spec, markers)
-        model = for_point_predictions(est)
-        if cell_level:
-            y_tr = np.concatenate([y[raw.offsets[t] : raw.offsets[t + 1]] for t in train])
-            rows = np.concatenate([np.arange(raw.offsets[t], raw.offsets[t + 1]) for t in val])
-            model.fit(bags_tr, y_tr, **_groups_kw(fit_groups, train))
-            if keep_scores:
-                s = model.decision_function(bags_va)
-                if scores is None:
-                    scores = np.empty((y.shape[0], *s.shape[1:]))
-                scores[rows] = s
-                pred[rows] = model.decode_scores(s)
-            else:
-                pred[rows] = model.predict(bags_va)
-        elif (shared := cache.embedded(i, model, bags_tr, bags_va)) is not None:
-            rep, emb_tr, emb_va = shared
-            model.fit_embedded(rep, emb_tr, y[train], **_groups_kw(fit_groups, train))
-            pred[val] = model.predict_embedded(emb_va)
-        else:
-            model.fit(bags_tr, y[train], **_groups_kw(fit_groups, train))
-            pred[val] = model.predict(bags_va)
     if keep_scores and scores is not None:
         assert scores_out is not None
         scores_out[_params_key(est)] = scores
+    return pred
 
 
 def _params_key(est: BaseEstimator) -> str:
