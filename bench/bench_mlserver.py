@@ -31,14 +31,11 @@ import argparse
 import asyncio
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +50,7 @@ from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import report
+from bench_service import free_port, process
 
 ROOT = Path(__file__).resolve().parents[1]
 MLSERVER = "mlserver==1.7.1"
@@ -63,12 +61,6 @@ MODEL_DEPS = ["scipy", "scikit-learn", "threadpoolctl", "joblib", "uvloop==0.21.
 MODEL = "demo-dose"
 WORKERS = 2
 CLIENTS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def mlserver_venv() -> Path:
@@ -90,33 +82,6 @@ def mlserver_venv() -> Path:
     return venv / "bin"
 
 
-@contextmanager
-def running(cmd: list[str], ready: str, **kwargs: Any) -> Iterator[None]:
-    """A server process, until it answers ``ready`` with 200; stopped on leaving."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kwargs)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}")
-            try:
-                if httpx.get(ready, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(ready)
-            time.sleep(0.3)
-        yield
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def start_bagserve(stack: ExitStack, models: Path, tmp: Path) -> str:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BAGSERVE_")}
@@ -125,7 +90,7 @@ def start_bagserve(stack: ExitStack, models: Path, tmp: Path) -> str:
     cmd = [exe, "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--models", str(models), "--workers", str(WORKERS)]
     url = f"http://127.0.0.1:{port}"
-    stack.enter_context(running(cmd, f"{url}/readyz", env=env))
+    stack.enter_context(process(cmd, env, f"{url}/readyz"))
     return f"{url}/v2/models/{MODEL}/infer"
 
 
@@ -152,7 +117,7 @@ def start_mlserver(stack: ExitStack, bin_dir: Path, models: Path, tmp: Path) -> 
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent)
     url = f"http://127.0.0.1:{http}"
     cmd = [str(bin_dir / "mlserver"), "start", str(folder)]
-    stack.enter_context(running(cmd, f"{url}/v2/models/{MODEL}/ready", env=env, cwd=folder))
+    stack.enter_context(process(cmd, env, f"{url}/v2/models/{MODEL}/ready", cwd=folder))
     return f"{url}/v2/models/{MODEL}/infer"
 
 

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -46,19 +47,31 @@ def free_port() -> int:
 
 
 @contextmanager
-def process(cmd: list[str], env: dict[str, str], ready_url: str):
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def process(
+    cmd: list[str],
+    env: dict[str, str],
+    ready_url: str,
+    cwd: str | Path | None = None,
+    timeout: float = 300.0,
+) -> Iterator[None]:
+    """A server process (the benchmarks' one way to run one), until ``ready_url``
+    answers 200; stopped by SIGTERM on leaving, killed if it lingers."""
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}")
             try:
-                if httpx.get(ready_url, timeout=2).status_code < 500:
+                if httpx.get(ready_url, timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(ready_url)
             time.sleep(0.2)
-        else:
-            raise TimeoutError(ready_url)
         yield
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -66,6 +79,7 @@ def process(cmd: list[str], env: dict[str, str], ready_url: str):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
 
 
 def service(models: Path, workers: int):

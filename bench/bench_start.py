@@ -30,7 +30,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,15 +42,10 @@ from typing import Any
 
 import httpx
 from _report import report
+from bench_service import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_models(root: Path) -> dict[int, Path]:
@@ -92,7 +86,7 @@ class Server:
     commit's package first)."""
 
     def __init__(self, models: Path, data: Path, pythonpath: Path | None = None) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("BAGSERVE_")}
         env.update(
