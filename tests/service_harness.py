@@ -203,6 +203,30 @@ def wait_ready(
     raise TimeoutError(f"service not ready: {None if last is None else last.text}")
 
 
+#: The stages a prediction's ``Server-Timing`` names, in the order it names them.
+PREDICTION_STAGES = [
+    "read",
+    "parse",
+    "validate",
+    "queue",
+    "transfer",
+    "compute",
+    "audit",
+    "encode",
+    "app",
+]
+
+
+def server_timing(response: Any) -> dict[str, float]:
+    """An answer's ``Server-Timing`` header as milliseconds per stage, in its order,
+    checked: every stage is a duration of at least 0, and ``app`` holds the others."""
+    parts = (part.split(";dur=") for part in response.headers["server-timing"].split(", "))
+    stages = {name: float(dur) for name, dur in parts}
+    assert all(v >= 0 for v in stages.values())
+    assert stages["app"] >= sum(v for k, v in stages.items() if k != "app")
+    return stages
+
+
 def audit_log(data_dir: Path) -> AuditLog:
     """The audit chain of a service whose state is SQLite in ``data_dir``."""
     return AuditLog(Database(None, data_dir, pool_size=1))
