@@ -68,8 +68,7 @@ def _predict_local(
 ) -> tuple[Any, list[str], dict[str, Any], Any, list[str], list[str | None], float | None]:
     """A saved model's typed answer for files, with what every encoding of it needs:
     (result, names, meta, info, file sha256s, acquisition times, coverage used)."""
-    from threadpoolctl import threadpool_limits
-
+    from .core.blas import one_thread
     from .core.hashing import file_sha256
     from .core.io import read_sample
     from .core.policy import review_warnings
@@ -83,7 +82,7 @@ def _predict_local(
     samples = [read_sample(f) for f in files]
     # The service's workers compute with one BLAS thread; so does this, so that the
     # command's answer is the service's to the last bit (a multi-threaded sum is not).
-    with threadpool_limits(1):
+    with one_thread():
         result = runtime.predict(runtime.align(samples, compensated=compensated), coverage=coverage)
     meta = {
         "model": {
