@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -225,6 +226,23 @@ def server_timing(response: Any) -> dict[str, float]:
     assert all(v >= 0 for v in stages.values())
     assert stages["app"] >= sum(v for k, v in stages.items() if k != "app")
     return stages
+
+
+def logged(
+    paths: Callable[[], Iterable[Path]], found: Callable[[dict], bool], timeout: float = 10.0
+) -> list[dict]:
+    """The JSON log records of ``paths()`` once one of them is ``found`` (all records).
+
+    A server writes a request's log line after the client has its answer (nginx in its
+    log phase, the service after the response), so a test waits for the line instead of
+    racing it. Only complete lines are read: one being written may be cut."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [ln for p in paths() for ln in p.read_text().split("\n")[:-1]]
+        records = [json.loads(ln) for ln in lines if ln.startswith("{")]
+        if any(found(r) for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
 
 
 def audit_log(data_dir: Path) -> AuditLog:

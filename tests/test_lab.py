@@ -23,6 +23,7 @@ from .service_harness import (
     audit_count,
     audit_log,
     build_models,
+    logged,
     running_service,
     server_timing,
 )
@@ -466,12 +467,11 @@ def test_prometheus_metrics(url):
 def test_logs_are_json_with_request_ids(url, models):
     r = httpx.get(f"{url}/v1/models", headers={"x-request-id": "trace-abc"})
     assert r.headers["x-request-id"] == "trace-abc"
-    time.sleep(0.2)
-    logs = [p for p in models.parent.glob("serve-*.log") if p.read_text()]
-    records = [json.loads(x) for p in logs for x in p.read_text().splitlines() if x.startswith("{")]
-    assert any(
-        r.get("request_id") == "trace-abc" and r.get("path") == "/v1/models" for r in records
-    )
+
+    def found(r: dict) -> bool:
+        return r.get("request_id") == "trace-abc" and r.get("path") == "/v1/models"
+
+    assert any(map(found, logged(lambda: models.parent.glob("serve-*.log"), found)))
 
 
 # ----------------------------------------------------------------- applicability domain

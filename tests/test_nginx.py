@@ -38,7 +38,7 @@ from bagserve.core.demo import build_demo_models
 from bagserve.service.settings import Settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from .service_harness import free_port, wait_ready
+from .service_harness import free_port, logged, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
@@ -453,12 +453,8 @@ def test_replicas_behind_nginx(nginx_exe, tmp_path):
         r = client.get(f"{st.nginx}/v1/models", headers={"X-Request-ID": "not valid!"})
         generated = r.headers["x-request-id"]
         assert re.fullmatch(r"[0-9a-f]{32}", generated)
-        logged = [
-            json.loads(line)
-            for line in st.access_log.read_text().splitlines()
-            if line.startswith("{")
-        ]
-        assert any(e["request_id"] == generated and e["status"] == 200 for e in logged)
+        records = logged(lambda: [st.access_log], lambda e: e["request_id"] == generated)
+        assert any(e["request_id"] == generated and e["status"] == 200 for e in records)
 
         # The service's own redirects lead back through nginx (Host passed with its port).
         r = client.get(f"{st.nginx}/v1/models/")

@@ -22,7 +22,7 @@ from bagserve.core.hashing import json_sha256
 
 from bagserve import __version__
 
-from .service_harness import running_service
+from .service_harness import logged, running_service
 
 
 @pytest.fixture(scope="module")
@@ -324,8 +324,9 @@ def test_protocol_details_lab_tools_rely_on(models, tmp_path):
             httpx.get(f"{url}/healthz")
             httpx.get(f"{url}/readyz")
         httpx.get(f"{url}/v1/models", headers={"x-request-id": "logged-request"})
-        time.sleep(0.3)
-        log = (models.parent / f"serve-{url.rsplit(':', 1)[1]}.log").read_text()
+        log_path = models.parent / f"serve-{url.rsplit(':', 1)[1]}.log"
+        logged(lambda: [log_path], lambda r: r.get("request_id") == "logged-request")
+        log = log_path.read_text()
     # JSON-only logs, uvicorn's own lines included; probes not logged by default.
     lines = [x for x in log.splitlines() if x.strip()]
     records = [json.loads(x) for x in lines]  # fails on any plain-text line
