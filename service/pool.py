@@ -41,7 +41,16 @@ from typing import Any
 import numpy as np
 
 from .errors import Problem, ServiceError
-from .wire import BufferPool, SharedBuffer, recv_message, send_message
+from .wire import (
+    BufferPool,
+    SharedBuffer,
+    fits_one_write,
+    head_is_whole,
+    recv_head,
+    recv_message,
+    recv_rest,
+    send_message,
+)
 from .worker import INPUT_ERROR, PROBLEM_ERROR, model_id, worker_main
 from .worker_server import worker_context
 
@@ -125,7 +134,7 @@ class _Worker:
                 except (EOFError, OSError) as exc:
                     raise WorkerLost(str(exc)) from exc
             if self.process.sentinel in ready:
-                raise WorkerLost(f"worker {self.index} (pid {self.pid}) died")
+                raise WorkerLost(self._died())
             raise WorkerTimeout(f"no answer within {timeout:g} s")
 
     def exchange(
@@ -161,6 +170,65 @@ class _Worker:
                 pool.give_back(buf)  # type: ignore[union-attr]
         return answer
 
+    async def exchange_in_loop(
+        self,
+        header: dict[str, Any],
+        arrays: Mapping[str, np.ndarray],
+        timeout: float,
+        rest: ThreadPoolExecutor,
+        meanwhile: Callable[[], Any] | None = None,
+    ):
+        """:meth:`exchange` on the event loop's thread, for a request that is one write
+        (:func:`~.wire.fits_one_write`, nothing lent): no thread hand-off either way.
+
+        An idle worker has read everything sent to it, so the write fits its socket's
+        buffer and does not block. The loop waits for the answer or the worker's death
+        as it waits for any socket; an answer whose head says more follows (arrays
+        past the first write, memory files to map) is read on in ``rest``, a thread,
+        so that the loop never waits on a large answer. For small requests the thread
+        hops were most of the service's own cost per request.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            send_message(self.conn, header, arrays)
+        except (BrokenPipeError, EOFError, OSError) as exc:
+            raise WorkerLost(str(exc)) from exc
+        aside = meanwhile() if meanwhile is not None else None
+        woken = loop.create_future()
+
+        def wake() -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        fd, sentinel = self.conn.fileno(), self.process.sentinel
+        loop.add_reader(fd, wake)
+        loop.add_reader(sentinel, wake)
+        try:
+            await asyncio.wait_for(woken, timeout)
+        except TimeoutError:
+            raise WorkerTimeout(f"no answer within {timeout:g} s") from None
+        finally:
+            loop.remove_reader(fd)
+            loop.remove_reader(sentinel)
+            # uvloop leaves a watched descriptor non-blocking; the reads below, and the
+            # thread's exchanges of later requests, expect a blocking socket.
+            os.set_blocking(fd, True)
+        # An answer written before the worker died is still the answer.
+        if not self.conn.poll(0):
+            raise WorkerLost(self._died())
+        try:
+            head = recv_head(self.conn)
+            if head_is_whole(head):
+                return (*recv_rest(self.conn, head), aside)
+            return (*await loop.run_in_executor(rest, recv_rest, self.conn, head), aside)
+        except EOFError:
+            raise WorkerLost(self._died()) from None
+        except OSError as exc:
+            raise WorkerLost(str(exc)) from exc
+
+    def _died(self) -> str:
+        return f"worker {self.index} (pid {self.pid}) died"
+
     def _answer(self, timeout: float):
         deadline = time.monotonic() + timeout
         while True:
@@ -171,10 +239,12 @@ class _Worker:
             if self.conn in ready:
                 try:
                     return recv_message(self.conn)
-                except (EOFError, OSError) as exc:
+                except EOFError:
+                    raise WorkerLost(self._died()) from None
+                except OSError as exc:
                     raise WorkerLost(str(exc)) from exc
             if self.process.sentinel in ready:
-                raise WorkerLost(f"worker {self.index} (pid {self.pid}) died")
+                raise WorkerLost(self._died())
 
     def kill(self) -> None:
         with contextlib.suppress(Exception):  # already gone
@@ -588,16 +658,21 @@ class WorkerPool:
         self._busy += 1
         loop = asyncio.get_running_loop()
         try:
-            out_header, out_arrays, aside = await loop.run_in_executor(
-                self._executor,
-                worker.exchange,
-                header,
-                arrays,
-                timeout,
-                self.buffers,
-                lent,
-                meanwhile,
-            )
+            if not lent and fits_one_write(arrays):
+                out_header, out_arrays, aside = await worker.exchange_in_loop(
+                    header, arrays, timeout, self._executor, meanwhile
+                )
+            else:
+                out_header, out_arrays, aside = await loop.run_in_executor(
+                    self._executor,
+                    worker.exchange,
+                    header,
+                    arrays,
+                    timeout,
+                    self.buffers,
+                    lent,
+                    meanwhile,
+                )
         except (WorkerLost, WorkerTimeout):
             self._taint(lent)
             self._respawn_later(index)

@@ -309,9 +309,11 @@ class Predictor:
         """Run one request on a worker (decode, validate, predict) and map the pool's
         failures to problems; the outcome's input hash is left for the caller.
 
-        ``meanwhile`` runs in the pool's thread while the worker computes: hashlib
-        releases the GIL, so the input's sha256 costs no time there (run beside the
-        event loop instead, it slowed it by the GIL's hand-overs).
+        ``meanwhile`` runs while the worker computes, where the pool exchanges with it:
+        for a large body in the pool's thread (hashlib releases the GIL, so the input's
+        sha256 costs no time there; run beside the event loop instead, it slowed it by
+        the GIL's hand-overs); for a body of one write on the loop, where hashing it
+        costs microseconds and a thread hop would cost more.
         """
         settings = self.settings
         retry = {"Retry-After": str(settings.retry_after)}

@@ -33,7 +33,11 @@ __all__ = [
     "WORKER_MAPPINGS",
     "BufferPool",
     "SharedBuffer",
+    "fits_one_write",
+    "head_is_whole",
+    "recv_head",
     "recv_message",
+    "recv_rest",
     "send_message",
 ]
 
@@ -239,17 +243,34 @@ def send_message(
     return taken
 
 
-def recv_message(
-    conn: Connection, mappings: OrderedDict[str, mmap.mmap] | None = None
-) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """The header and named arrays of :func:`send_message`, the arrays read-only,
-    viewing the shared buffers.
+def fits_one_write(arrays: Mapping[str, np.ndarray]) -> bool:
+    """Whether :func:`send_message` sends ``arrays`` (lending no buffer) inside the
+    header's own write: a message that an idle receiver's socket buffer takes whole."""
+    return sum(np.asarray(a).nbytes for a in arrays.values()) <= COALESCE_MAX_BYTES
 
-    ``mappings`` keeps this side's mapping of each reusable buffer by its id, so that
-    a buffer sent again is not mapped again (at most ``WORKER_MAPPINGS`` of them).
-    """
+
+def recv_head(conn: Connection) -> tuple[Any, ...]:
+    """The first part of a :func:`send_message` message: the header, the arrays'
+    places and the inline arrays (what :func:`recv_rest` completes)."""
     # Only ever exchanged between this process and its own workers.
-    header, meta, buffers, inline = pickle.loads(conn.recv_bytes())
+    return tuple(pickle.loads(conn.recv_bytes()))
+
+
+def head_is_whole(head: tuple[Any, ...]) -> bool:
+    """Whether the message of ``head`` is complete: no descriptor and no array follows
+    it on the connection (what a small answer is)."""
+    _, meta, buffers, _ = head
+    return not buffers and all(place is not None for *_, place in meta)
+
+
+def recv_rest(
+    conn: Connection,
+    head: tuple[Any, ...],
+    mappings: OrderedDict[str, mmap.mmap] | None = None,
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The header and named arrays of the message that ``head`` began, reading from
+    ``conn`` the descriptors and arrays that follow it (see :func:`recv_message`)."""
+    header, meta, buffers, inline = head
     mapped = []
     for name, size in buffers:
         fd = reduction.recv_handle(conn)
@@ -281,3 +302,15 @@ def recv_message(
         count = int(np.prod(shape, dtype=np.int64))
         arrays[name] = np.frombuffer(mapped[k], dtype, count, offset).reshape(shape)
     return header, arrays
+
+
+def recv_message(
+    conn: Connection, mappings: OrderedDict[str, mmap.mmap] | None = None
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The header and named arrays of :func:`send_message`, the arrays read-only,
+    viewing the shared buffers.
+
+    ``mappings`` keeps this side's mapping of each reusable buffer by its id, so that
+    a buffer sent again is not mapped again (at most ``WORKER_MAPPINGS`` of them).
+    """
+    return recv_rest(conn, recv_head(conn), mappings)

@@ -10,6 +10,7 @@ import signal
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -142,6 +143,79 @@ def test_buffer_pool_bounds_what_it_keeps():
     pool.close()
     assert other.fd == -1 and again.fd >= 0
     again.close()
+
+
+def _answer_with(conn) -> None:  # runs in a spawned process
+    """Answers each request with ``header["n"]`` float64 values, after ``header["wait"]``
+    seconds; ``header["die"]`` ends the process without an answer."""
+    while True:
+        try:
+            header, _ = recv_message(conn)
+        except EOFError:
+            return
+        time.sleep(header.get("wait", 0))
+        if header.get("die"):
+            os._exit(3)
+        n = header["n"]
+        send_message(conn, {"n": n}, {"values": np.arange(n, dtype=np.float64)})
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_small_requests_are_exchanged_on_the_event_loop(loop):
+    """A request that is one write goes to the worker and back on the loop's thread:
+    answers whole in their first write, followed by arrays, or in a memory file all
+    arrive exactly; the worker's death and the timeout are told apart; and the socket
+    stays blocking for the thread's exchanges of large requests (uvloop makes the
+    descriptors it watches non-blocking)."""
+    import uvloop
+    from bagserve.service.pool import WorkerLost, WorkerTimeout, _Worker
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    control, control_child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_answer_with, args=(child,), daemon=True)
+    proc.start()
+    child.close()
+    rest = ThreadPoolExecutor(1)
+
+    async def scenario() -> None:
+        worker = _Worker(0, proc, parent, control)
+        request = {"body": np.zeros(1000, np.uint8)}
+        assert wire.fits_one_write(request)
+        # 800 B: inside the first write; 160 kB: arrays after it; 16 MB: a memory file.
+        for n, seen in ((100, 7), (20_000, None), (2_000_000, "x")):
+            header, arrays, aside = await worker.exchange_in_loop(
+                {"n": n}, request, 30, rest, lambda s=seen: s
+            )
+            assert header["n"] == n and aside == seen
+            np.testing.assert_array_equal(arrays["values"], np.arange(n, dtype=np.float64))
+            assert os.get_blocking(parent.fileno())
+        # The thread's exchange of a large request still works on the same socket.
+        big = {"body": np.zeros(wire.COALESCE_MAX_BYTES + 1, np.uint8)}
+        assert not wire.fits_one_write(big)
+        header, _, _ = await asyncio.get_running_loop().run_in_executor(
+            rest, worker.exchange, {"n": 5}, big, 30
+        )
+        assert header["n"] == 5
+        with pytest.raises(WorkerTimeout):
+            await worker.exchange_in_loop({"n": 1, "wait": 2}, request, 0.2, rest)
+        parent.recv_bytes()  # the late answer, so that the next exchange is in step
+        with pytest.raises(WorkerLost, match="died"):
+            await worker.exchange_in_loop({"n": 1, "die": True}, request, 30, rest)
+
+    try:
+        if loop == "uvloop":
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                runner.run(scenario())
+        else:
+            asyncio.run(scenario())
+    finally:
+        rest.shutdown()
+        parent.close()
+        control.close()
+        control_child.close()
+        proc.join(timeout=30)
+    assert proc.exitcode == 3
 
 
 async def _until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
