@@ -294,11 +294,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     app.mount("/static", ui.static_files(), name="static")
-    app.include_router(ui.router)
-    app.include_router(health.router)
-    app.include_router(v1.router)
-    app.include_router(jobs.router)
+    # FastAPI tries the routers in this order, a route at a time (1–2 µs each,
+    # twice per request): the prediction routes first, the pages and probes last.
     # Before v2: /v2/models/stats must not be read as the metadata of a model "stats".
     app.include_router(repository.router)
     app.include_router(v2.router)
+    app.include_router(v1.router)
+    app.include_router(jobs.router)
+    app.include_router(health.router)
+    app.include_router(ui.router)
     return app
