@@ -60,6 +60,9 @@ class Metrics:
             ),
             registry=self.registry,
         )
+        # Each stage's series looked up once: labels() takes a lock and hashes its
+        # key, eight times per prediction.
+        self._stage_children = {s: self.stage.labels(s) for s in STAGES}
         self.points = Histogram(
             "bagserve_points_per_bag",
             "points in each predicted bag",
@@ -102,9 +105,11 @@ class Metrics:
 
     def observe_stages(self, timings: dict[str, float]) -> None:
         """Record seconds per prediction stage (read, parse, validate, ...)."""
+        children = self._stage_children
         for stage, seconds in timings.items():
-            if stage in STAGES:
-                self.stage.labels(stage).observe(seconds)
+            child = children.get(stage)
+            if child is not None:
+                child.observe(seconds)
 
     def observe_audit_commit(self, records: int, seconds: float) -> None:
         """One audit transaction: how many records it held and how long it took

@@ -245,6 +245,21 @@ def logged(
         time.sleep(0.05)
 
 
+def stage_counts(url: str) -> dict[str, float]:
+    """How many observations each prediction stage has in the service's ``/metrics``
+    (every stage's series exists from the start: a test compares counts, not names)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        sample.labels["stage"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "bagserve_stage_seconds"
+        for sample in family.samples
+        if sample.name == "bagserve_stage_seconds_count"
+    }
+
+
 def audit_log(data_dir: Path) -> AuditLog:
     """The audit chain of a service whose state is SQLite in ``data_dir``."""
     return AuditLog(Database(None, data_dir, pool_size=1))
