@@ -67,6 +67,11 @@ __all__ = [
 
 log = logging.getLogger("bagserve.workers")
 
+#: Small requests are exchanged on the event loop (:meth:`_Worker.exchange_in_loop`)
+#: where it can watch the worker's pipe and sentinel as descriptors: not on Windows,
+#: whose pipes and process handles are no sockets.
+_LOOP_EXCHANGE = os.name == "posix"
+
 
 class PoolError(ServiceError):
     """A request could not be computed by the worker pool."""
@@ -658,7 +663,7 @@ class WorkerPool:
         self._busy += 1
         loop = asyncio.get_running_loop()
         try:
-            if not lent and fits_one_write(arrays):
+            if _LOOP_EXCHANGE and not lent and fits_one_write(arrays):
                 out_header, out_arrays, aside = await worker.exchange_in_loop(
                     header, arrays, timeout, self._executor, meanwhile
                 )
