@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from bagserve.core import MarginalTransferClassifier
 from bagserve.core.datasets import make_batched_cytometry_tasks
-from bagserve.core.estimators import _transfer_cv, _transfer_nystroem
+from bagserve.core.estimators import _transfer_cv, _transfer_nystroem, _transfer_search
 from bagserve.core.estimators._transfer_cv import reusing_fold_evaluations
 from sklearn.base import clone
 
@@ -126,6 +126,37 @@ def test_every_fold_evaluates_the_final_bandwidth_and_features_each_task_once(da
         assert len(sigmas) <= len(specs[data_id])
     # The oracle: the final fit's bandwidth, from its own median of the same points.
     assert model.point_bandwidth_ in {s for _, s, _ in computed}
+
+
+def test_each_set_of_points_gets_its_bandwidth_median_once_per_fit(data, monkeypatch):
+    """The point bandwidth's median heuristic (a distance matrix of 2,000 points) is
+    computed once for each set of points in a fit, the final fits' and the fallback's
+    included, and the model is the one computed without keeping them."""
+    tasks, y, _ = data
+    seen: list[bytes] = []
+    median = _transfer_search._median_distance
+
+    def recording(points, kernel, rng):
+        seen.append(np.ascontiguousarray(points).tobytes())
+        return median(points, kernel, rng)
+
+    monkeypatch.setattr(_transfer_search, "_median_distance", recording)
+    model = MarginalTransferClassifier(random_state=0, cv=3)
+    kept = _fits(tasks, y, None, [model])[0]
+    assert kept.fallback_ is not None  # the fallback's final fit asks too
+    assert seen and len(seen) == len(set(seen))
+    # The oracle: every median computed again wherever it is asked for.
+    monkeypatch.setattr(
+        _transfer_search.SearchMixin,
+        "_point_median",
+        lambda self, points: recording(points, "gaussian", np.random.default_rng(self.seed_)),
+    )
+    again = _fits(tasks, y, None, [model])[0]
+    assert len(seen) > len(set(seen))  # asked for again, so the first fit saved some
+    assert kept.point_bandwidth_ == again.point_bandwidth_
+    assert kept.fallback_.point_bandwidth_ == again.fallback_.point_bandwidth_
+    _same(kept.selection_, again.selection_)
+    np.testing.assert_array_equal(kept.predict(tasks[:2]), again.predict(tasks[:2]))
 
 
 def test_task_statistics_on_all_cores_are_those_computed_one_task_after_another(monkeypatch):

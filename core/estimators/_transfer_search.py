@@ -10,6 +10,7 @@ fallback or batches, their own choices (:mod:`._transfer_fallback`,
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -150,7 +151,20 @@ class SearchMixin:
         kind, value = spec
         if kind == "absolute":
             return value
-        return value * _median_distance(points, "gaussian", np.random.default_rng(self.seed_))
+        return value * self._point_median(points)
+
+    def _point_median(self, points: NDArray[np.float64]) -> float:
+        """The median distance of ``points`` (a subsample drawn with ``seed_``), computed
+        once per set of points: the search's evaluator of a normalisation and the final
+        fit on it (the fallback's too) ask for the same one, a distance matrix of 2,000
+        points each time. Keyed by the points' content, so a later fit on other points
+        cannot read a stale value; not part of the saved model."""
+        memo: dict[tuple[Any, ...], float] = self.__dict__.setdefault("_point_medians", {})
+        digest = hashlib.blake2b(np.ascontiguousarray(points).data, digest_size=20).hexdigest()
+        key = (points.shape, points.dtype.str, digest, self.seed_)
+        if key not in memo:
+            memo[key] = _median_distance(points, "gaussian", np.random.default_rng(self.seed_))
+        return memo[key]
 
     def _gamma_value(self, spec: tuple[str, float] | None, sq: NDArray[np.float64]) -> float | None:
         """``γ`` of ``k_P`` of a spec; relative ones scale the median heuristic on ``sq``."""
