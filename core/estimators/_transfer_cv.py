@@ -42,6 +42,7 @@ __all__ = [
     "SearchSetup",
     "choose_normalisation",
     "choose_refinement",
+    "content_digest",
     "coordinate_search",
     "mean_squared_error",
     "misclassification_rate",
@@ -168,6 +169,14 @@ def _update(h: Any, value: Any) -> None:
         h.update(repr(value).encode())
 
 
+def content_digest(*parts: Any) -> str:
+    """A digest of ``parts`` (arrays by dtype, shape and bytes; bags; sequences; other
+    values by ``repr``): the key of a value computed from them alone."""
+    h = hashlib.blake2b(digest_size=20)
+    _update(h, parts)
+    return h.hexdigest()
+
+
 def reused_across_fits(parts: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
     """``compute()``, or, within :func:`reusing_fold_evaluations`, what it returned for
     the same ``parts`` (arrays, bags and values that determine the result) in the block.
@@ -177,10 +186,8 @@ def reused_across_fits(parts: tuple[Any, ...], compute: Callable[[], Any]) -> An
     reused = _REUSED.get()
     if reused is None:
         return compute()
-    h = hashlib.blake2b(digest_size=20)
-    _update(h, parts)
     store = reused.setdefault("values", {})
-    key = h.hexdigest()
+    key = content_digest(*parts)
     if key not in store:
         store[key] = compute()
     return store[key]

@@ -24,7 +24,6 @@ of each population, which the caller asks for knowingly).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +32,7 @@ from numpy.typing import NDArray
 from scipy.stats import chi2
 
 from ..bags import Bags, BagValidationError
-from ._transfer_cv import FoldEvaluator, one_standard_error_record
+from ._transfer_cv import FoldEvaluator, content_digest, one_standard_error_record
 
 __all__ = [
     "REJECT_THRESHOLDS",
@@ -107,16 +106,12 @@ def choose_reject(
 
     # Every threshold sees the same held-out answers: the refinement (a mixture fitted
     # to each held-out task) runs once per task and answer, not once per threshold.
-    answered: dict[bytes, NDArray[np.float64]] = {}
+    answered: dict[str, NDArray[np.float64]] = {}
 
     def given(points: NDArray[np.float64], scores: NDArray[np.float64]) -> NDArray[np.float64]:
         if answer is None:
             return scores
-        h = hashlib.blake2b(digest_size=16)
-        for a in (points, scores):
-            h.update(str(a.shape).encode())
-            h.update(np.ascontiguousarray(a).tobytes())
-        key = h.digest()
+        key = content_digest(points, scores)
         if key not in answered:
             answered[key] = answer(points, scores)
         return answered[key]

@@ -10,7 +10,6 @@ fallback or batches, their own choices (:mod:`._transfer_fallback`,
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ from ._transfer_cv import (
     SearchSetup,
     choose_normalisation,
     choose_refinement,
+    content_digest,
     coordinate_search,
     mean_squared_error,
     misclassification_rate,
@@ -159,9 +159,8 @@ class SearchMixin:
         fit on it (the fallback's too) ask for the same one, a distance matrix of 2,000
         points each time. Keyed by the points' content, so a later fit on other points
         cannot read a stale value; not part of the saved model."""
-        memo: dict[tuple[Any, ...], float] = self.__dict__.setdefault("_point_medians", {})
-        digest = hashlib.blake2b(np.ascontiguousarray(points).data, digest_size=20).hexdigest()
-        key = (points.shape, points.dtype.str, digest, self.seed_)
+        memo: dict[str, float] = self.__dict__.setdefault("_point_medians", {})
+        key = content_digest(points, self.seed_)
         if key not in memo:
             memo[key] = _median_distance(points, "gaussian", np.random.default_rng(self.seed_))
         return memo[key]
