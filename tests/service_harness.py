@@ -245,19 +245,24 @@ def logged(
         time.sleep(0.05)
 
 
+def metric_samples(url: str, name: str) -> list[Any]:
+    """The samples called ``name`` (``bagserve_requests_total``, ...) in the service's
+    ``/metrics``, parsed by prometheus-client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return [
+        sample
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    ]
+
+
 def stage_counts(url: str) -> dict[str, float]:
     """How many observations each prediction stage has in the service's ``/metrics``
     (every stage's series exists from the start: a test compares counts, not names)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics").text
-    return {
-        sample.labels["stage"]: sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "bagserve_stage_seconds"
-        for sample in family.samples
-        if sample.name == "bagserve_stage_seconds_count"
-    }
+    return {s.labels["stage"]: s.value for s in metric_samples(url, "bagserve_stage_seconds_count")}
 
 
 def audit_log(data_dir: Path) -> AuditLog:

@@ -36,9 +36,8 @@ import uvicorn
 import yaml
 from bagserve.core.demo import build_demo_models
 from bagserve.service.settings import Settings
-from prometheus_client.parser import text_string_to_metric_families
 
-from .service_harness import free_port, logged, wait_ready
+from .service_harness import free_port, logged, metric_samples, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
@@ -418,13 +417,10 @@ def replicas_behind_nginx(nginx_exe: str, root: Path) -> Iterator[Stack]:
 
 def predict_count(url: str) -> float:
     """Predictions a replica has answered (its own /metrics, asked directly)."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
     return sum(
         s.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "bagserve_requests"
-        for s in family.samples
-        if s.name == "bagserve_requests_total" and s.labels["route"].endswith("/predict")
+        for s in metric_samples(url, "bagserve_requests_total")
+        if s.labels["route"].endswith("/predict")
     )
 
 
