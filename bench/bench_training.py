@@ -50,9 +50,10 @@ CASES = ("yeast", "gvhd", "synthetic")
 #: across the candidates and the widening refit) was 04e337a with core/training/folds.py,
 #: core/training/fit_memory.py, _transfer_cv.py and _transfer_nystroem.py; this one
 #: (one median per search for both bandwidths, task statistics on all cores, with the
-#: fallback rules of issue 30 made meanwhile) is bb75d39 with every estimator file
-#: changed since.
-BEFORE = "bb75d39"
+#: fallback rules of issue 30 made meanwhile) was bb75d39 with every estimator file
+#: changed since; this one (the search stops evaluating candidates that cannot win)
+#: is 04bf58d, the files below as they were there.
+BEFORE = "04bf58d"
 CHANGED = (
     "core/kernels.py",
     "core/estimators/transfer.py",

@@ -63,13 +63,13 @@ def test_refit_with_a_widened_grid_is_the_fit_alone(data, batched, monkeypatch):
     models = [edge, widened]
 
     calls = {"n": 0}
-    evaluate = _transfer_cv.FoldEvaluator._evaluate
+    evaluate = _transfer_cv.FoldEvaluator._fold_error
 
-    def counting(self, cand):
+    def counting(self, cand, f):
         calls["n"] += 1
-        return evaluate(self, cand)
+        return evaluate(self, cand, f)
 
-    monkeypatch.setattr(_transfer_cv.FoldEvaluator, "_evaluate", counting)
+    monkeypatch.setattr(_transfer_cv.FoldEvaluator, "_fold_error", counting)
     alone = _fits(tasks, y, groups, models)
     alone_calls = calls["n"]
     calls["n"] = 0

@@ -265,6 +265,9 @@ class FoldEvaluator:
         self._medians: dict[str, float | None] = {}
         #: Per configuration: validation error per fold and ``λ``, shape (folds, λ).
         self.fold_errors: dict[tuple[Any, ...], NDArray[np.float64]] = {}
+        #: Configurations whose evaluation stopped early (:meth:`score_unless`): the
+        #: folds evaluated so far, resumed where they stopped if asked again.
+        self._partial: dict[tuple[Any, ...], list[NDArray[np.float64]]] = {}
         self._held_out: dict[int, tuple[NDArray[np.float64], NDArray[np.float64]]] = {}
         self._strategy_cache: dict[Hashable, Any] = {}
         #: Errors of this setup's configurations evaluated by any fit in the block.
@@ -281,11 +284,12 @@ class FoldEvaluator:
                         "held_out": self._held_out,
                         "strategy": self._strategy_cache,
                         "errors": {},
+                        "partial": self._partial,
                     },
                 )
                 self._embeddings, self._medians = state["embeddings"], state["medians"]
                 self._held_out, self._strategy_cache = state["held_out"], state["strategy"]
-                self._reused_errors = state["errors"]
+                self._reused_errors, self._partial = state["errors"], state["partial"]
 
     def _fold_embedding(
         self, f: int, factor: float
@@ -381,46 +385,74 @@ class FoldEvaluator:
     def score(self, cand: dict[str, Any]) -> NDArray[np.float64]:
         """Mean validation error (per task, then over folds) for each ``λ`` of the grid;
         each configuration is evaluated once (per-fold errors in :attr:`fold_errors`)."""
+        mean = self.score_unless(cand, None)
+        assert mean is not None
+        return mean
+
+    def score_unless(
+        self, cand: dict[str, Any], cannot_win: Callable[[float], bool] | None
+    ) -> NDArray[np.float64] | None:
+        """:meth:`score`, fold by fold, or ``None`` as soon as ``cannot_win`` holds for a
+        lower bound of the configuration's best mean error (over ``λ``).
+
+        Errors are never negative, so the mean over the folds evaluated so far, with
+        the missing folds counted as zero, bounds the mean of them all from below.
+        It is computed as the complete mean is (the same array shape, the same
+        summation), and floating-point sums of non-negative terms are monotone in each
+        term: the bound never exceeds the complete value the search would compare.
+        A stopped evaluation resumes from its last fold when asked again.
+        """
         key = self.key(cand)
         if key not in self.fold_errors:
             reused = self._reused_errors
             if reused is not None and key in reused:
                 self.fold_errors[key] = reused[key].copy()
             else:
-                self.fold_errors[key] = self._evaluate(cand)
+                rows = self._partial.setdefault(key, [])
+                n_folds = len(self.setup.folds)
+                while len(rows) < n_folds:
+                    if cannot_win is not None and rows:
+                        bound = np.zeros((n_folds, self.setup.alphas.size))
+                        bound[: len(rows)] = rows
+                        if cannot_win(float(bound.mean(axis=0).min())):
+                            return None
+                    rows.append(self._fold_error(cand, len(rows)))
+                self.fold_errors[key] = np.array(rows)
+                del self._partial[key]
                 if reused is not None:
                     reused[key] = self.fold_errors[key].copy()
         return self.fold_errors[key].mean(axis=0)
 
-    def _evaluate(self, cand: dict[str, Any]) -> NDArray[np.float64]:
+    def _fold_error(self, cand: dict[str, Any], f: int) -> NDArray[np.float64]:
+        """Validation error of ``cand`` on fold ``f``, per ``λ``."""
         setup = self.setup
-        errors = np.zeros((len(setup.folds), setup.alphas.size))
-        for f, (train, val) in enumerate(setup.folds):
-            if cand["tau"] == 1.0:
-                # The pooled model ignores the tasks' distributions: no embedding to fit.
-                sq_tr = np.zeros((train.size, train.size))
-                sq_va = np.zeros((val.size, train.size))
-                embeddings = None
-                gamma = None
-            else:
-                sq_tr, sq_va, embeddings = self._fold_embedding(f, cand["emb"])
-                gamma = setup.resolve_gamma(cand["gamma"], sq_tr)
-            fold = ValidationFold(
-                data=setup.data,
-                train=train,
-                val=val,
-                params=KernelParameters(
-                    sigma=self._sigma(f, cand["sigma"]), tau=cand["tau"], gamma=gamma
-                ),
-                kp_train=task_similarity(setup.task_kernel, sq_tr, gamma),
-                kp_val=task_similarity(setup.task_kernel, sq_va, gamma),
-                embeddings=embeddings,
-                held_out=[self._held_out_points(int(v)) for v in val],
-                error=setup.error,
-                transform=setup.transform,
-            )
-            errors[f] = self.strategy.fold_errors(fold, setup.alphas, self._strategy_cache)
-        return errors
+        train, val = setup.folds[f]
+        if cand["tau"] == 1.0:
+            # The pooled model ignores the tasks' distributions: no embedding to fit.
+            sq_tr = np.zeros((train.size, train.size))
+            sq_va = np.zeros((val.size, train.size))
+            embeddings = None
+            gamma = None
+        else:
+            sq_tr, sq_va, embeddings = self._fold_embedding(f, cand["emb"])
+            gamma = setup.resolve_gamma(cand["gamma"], sq_tr)
+        fold = ValidationFold(
+            data=setup.data,
+            train=train,
+            val=val,
+            params=KernelParameters(
+                sigma=self._sigma(f, cand["sigma"]), tau=cand["tau"], gamma=gamma
+            ),
+            kp_train=task_similarity(setup.task_kernel, sq_tr, gamma),
+            kp_val=task_similarity(setup.task_kernel, sq_va, gamma),
+            embeddings=embeddings,
+            held_out=[self._held_out_points(int(v)) for v in val],
+            error=setup.error,
+            transform=setup.transform,
+        )
+        return np.asarray(
+            self.strategy.fold_errors(fold, setup.alphas, self._strategy_cache), dtype=np.float64
+        )
 
     def per_fold(self, best: dict[str, Any]) -> NDArray[np.float64]:
         """Validation error per fold of an evaluated configuration at its ``alpha``."""
@@ -435,6 +467,10 @@ class FoldEvaluator:
         return key, int(np.argmin(means[key]))
 
 
+class _Unbeatable(Exception):
+    """The search found a configuration with no error on any fold."""
+
+
 def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> dict[str, Any]:
     """Cross-validated search, coordinate-wise as the authors' code does it.
 
@@ -446,6 +482,15 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     seen wins, the pooled model included: MTL against pooling is decided by the same
     cross-validation (on the folds of the evaluator).
 
+    Candidates that cannot win are not evaluated to the end. Each step keeps the
+    option of least mean error (the first among equals), so an option whose lower
+    bound (:meth:`FoldEvaluator.score_unless`) already reaches an option before it,
+    or exceeds one after it, cannot be the step's choice: its evaluation stops, and
+    every step chooses what a complete evaluation would. Once a configuration errs
+    on no fold (at its best ``λ``), nothing visited later can be strictly better and
+    the search ends: the choice and its errors are those of the complete search,
+    whose further configurations would only have been recorded.
+
     Parameters
     ----------
     evaluator : FoldEvaluator
@@ -455,8 +500,10 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     Returns
     -------
     dict
-        The selection record: every configuration evaluated with its CV error per
-        ``λ``, the ``λ`` grid, the folds, and the best configuration with its ``alpha``.
+        The selection record: every configuration visited, with its CV error per
+        ``λ`` or, if its evaluation stopped, the folds it was evaluated on
+        (``pruned_after``); the ``λ`` grid, the folds, and the best configuration with
+        its ``alpha``.
     """
     alphas = evaluator.setup.alphas
     others = [t for t in grid["tau"] if t != 1.0]
@@ -464,48 +511,70 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     bar = progress_bar(bound, "marginal transfer: search", "config")
     visited: list[tuple[Any, ...]] = []
 
-    def errors(c: dict[str, Any]) -> float:
+    def value(c: dict[str, Any], cannot_win: Callable[[float], bool] | None) -> float | None:
         key = FoldEvaluator.key(c)
         if key not in visited:
             visited.append(key)
             bar.update(1)
-        return float(evaluator.score(c).min())
+        mean = evaluator.score_unless(c, cannot_win)
+        return None if mean is None else float(mean.min())
 
     def best_of(options: list[dict[str, Any]]) -> dict[str, Any]:
-        return min(options, key=errors)
+        # The option of least error, the first among equals, as min() over complete
+        # evaluations would pick it. Options evaluated in an earlier step are known
+        # and bound those before them in the list too.
+        keys = [FoldEvaluator.key(o) for o in options]
+        known = {
+            i: float(evaluator.fold_errors[k].mean(axis=0).min())
+            for i, k in enumerate(keys)
+            if k in evaluator.fold_errors
+        }
+        chosen: tuple[int, float] | None = None
+        for i, option in enumerate(options):
+            before = chosen[1] if chosen is not None else np.inf
+            after = min((v for j, v in known.items() if j > i), default=np.inf)
+            v = value(option, lambda lb, b=before, a=after: lb >= b or lb > a)
+            if v is not None and (chosen is None or v < chosen[1]):
+                chosen = (i, v)
+                if v == 0.0:
+                    raise _Unbeatable
+        assert chosen is not None
+        return options[chosen[0]]
 
     def middle(values: list[Any]) -> Any:
         return values[len(values) // 2]
 
     current = {k: v[0] for k, v in grid.items()}
-    if 1.0 in grid["tau"]:
-        current = best_of([{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]])
-    if others:
-        gamma, emb = middle(grid["gamma"]), middle(grid["emb"])
-        if 1.0 not in grid["tau"]:
-            # No pooled model to choose the point bandwidth: the first share does.
-            current = best_of(
-                [{**current, "sigma": s, "tau": others[0], "gamma": gamma, "emb": emb}
-                 for s in grid["sigma"]]
-            )  # fmt: skip
-        current = best_of([{**current, "tau": t, "gamma": gamma, "emb": emb} for t in others])
-        current = best_of([{**current, "gamma": g} for g in grid["gamma"]])
-        current = best_of([{**current, "emb": e} for e in grid["emb"]])
+    try:
+        if 1.0 in grid["tau"]:
+            current = best_of([{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]])
+        if others:
+            gamma, emb = middle(grid["gamma"]), middle(grid["emb"])
+            if 1.0 not in grid["tau"]:
+                # No pooled model to choose the point bandwidth: the first share does.
+                current = best_of(
+                    [{**current, "sigma": s, "tau": others[0], "gamma": gamma, "emb": emb}
+                     for s in grid["sigma"]]
+                )  # fmt: skip
+            current = best_of([{**current, "tau": t, "gamma": gamma, "emb": emb} for t in others])
+            current = best_of([{**current, "gamma": g} for g in grid["gamma"]])
+            current = best_of([{**current, "emb": e} for e in grid["emb"]])
+    except _Unbeatable:
+        pass
     bar.close()
-    key, li = evaluator.best(visited)
+    key, li = evaluator.best([k for k in visited if k in evaluator.fold_errors])
     best = {"sigma": key[0], "tau": key[1], "gamma": key[2], "emb": key[3]}
     best["alpha"] = float(alphas[li])
+    entries = []
+    for k in visited:
+        entry: dict[str, Any] = {"sigma": k[0], "tau": k[1], "gamma": k[2], "emb": k[3]}
+        if k in evaluator.fold_errors:
+            entry["cv_error"] = evaluator.fold_errors[k].mean(axis=0).tolist()
+        else:
+            entry["pruned_after"] = len(evaluator._partial.get(k, ()))
+        entries.append(entry)
     return {
-        "evaluated": [
-            {
-                "sigma": k[0],
-                "tau": k[1],
-                "gamma": k[2],
-                "emb": k[3],
-                "cv_error": evaluator.fold_errors[k].mean(axis=0).tolist(),
-            }
-            for k in visited
-        ],
+        "evaluated": entries,
         "alpha_grid": alphas,
         "folds": evaluator.setup.folds,
         "best": best,

@@ -118,7 +118,7 @@ class FallbackMixin:
         found = []
         for name, ev, option_grid in options:
             result = coordinate_search(ev, option_grid)
-            error = min(min(e["cv_error"]) for e in result["evaluated"])
+            error = min(min(e["cv_error"]) for e in result["evaluated"] if "cv_error" in e)
             kernel = "linear" if name == "pooled linear" else self.point_kernel_
             found.append((error, name, ev, {**result["best"], "point_kernel": kernel}))
         record["fallback_options"] = {name: e for e, name, _, _ in found}

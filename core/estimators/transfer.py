@@ -844,7 +844,9 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
     embedding_ : BagRepresentation
         Fitted task representation; ``train_embedding_`` its training-task embedding.
     selection_ : dict
-        Candidates, their CV errors per ``λ``, the folds and their scheme (``cv``:
+        Candidates, their CV errors per ``λ`` (or, for one whose evaluation stopped
+        because it could not win, ``pruned_after``: the folds it was evaluated on;
+        see :func:`~._transfer_cv.coordinate_search`), the folds and their scheme (``cv``:
         ``"leave-tasks-out"`` or ``"leave-one-batch-out"``), and the normalisation
         record (``normalisation``: each option's CV error, the choice; the
         fallback's configuration, its folds' scheme ``fallback_cv``, its CV error,
