@@ -467,10 +467,6 @@ class FoldEvaluator:
         return key, int(np.argmin(means[key]))
 
 
-class _Unbeatable(Exception):
-    """The search found a configuration with no error on any fold."""
-
-
 def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> dict[str, Any]:
     """Cross-validated search, coordinate-wise as the authors' code does it.
 
@@ -519,10 +515,16 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
         mean = evaluator.score_unless(c, cannot_win)
         return None if mean is None else float(mean.min())
 
-    def best_of(options: list[dict[str, Any]]) -> dict[str, Any]:
+    # Set once a configuration errs on no fold: nothing visited later can beat it.
+    unbeatable = False
+
+    def best_of(current: dict[str, Any], options: list[dict[str, Any]]) -> dict[str, Any]:
         # The option of least error, the first among equals, as min() over complete
         # evaluations would pick it. Options evaluated in an earlier step are known
         # and bound those before them in the list too.
+        nonlocal unbeatable
+        if unbeatable:
+            return current
         keys = [FoldEvaluator.key(o) for o in options]
         known = {
             i: float(evaluator.fold_errors[k].mean(axis=0).min())
@@ -537,7 +539,8 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
             if v is not None and (chosen is None or v < chosen[1]):
                 chosen = (i, v)
                 if v == 0.0:
-                    raise _Unbeatable
+                    unbeatable = True
+                    break
         assert chosen is not None
         return options[chosen[0]]
 
@@ -545,22 +548,22 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
         return values[len(values) // 2]
 
     current = {k: v[0] for k, v in grid.items()}
-    try:
-        if 1.0 in grid["tau"]:
-            current = best_of([{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]])
-        if others:
-            gamma, emb = middle(grid["gamma"]), middle(grid["emb"])
-            if 1.0 not in grid["tau"]:
-                # No pooled model to choose the point bandwidth: the first share does.
-                current = best_of(
-                    [{**current, "sigma": s, "tau": others[0], "gamma": gamma, "emb": emb}
-                     for s in grid["sigma"]]
-                )  # fmt: skip
-            current = best_of([{**current, "tau": t, "gamma": gamma, "emb": emb} for t in others])
-            current = best_of([{**current, "gamma": g} for g in grid["gamma"]])
-            current = best_of([{**current, "emb": e} for e in grid["emb"]])
-    except _Unbeatable:
-        pass
+    if 1.0 in grid["tau"]:
+        current = best_of(current, [{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]])
+    if others:
+        gamma, emb = middle(grid["gamma"]), middle(grid["emb"])
+        if 1.0 not in grid["tau"]:
+            # No pooled model to choose the point bandwidth: the first share does.
+            current = best_of(
+                current,
+                [{**current, "sigma": s, "tau": others[0], "gamma": gamma, "emb": emb}
+                 for s in grid["sigma"]],
+            )  # fmt: skip
+        current = best_of(
+            current, [{**current, "tau": t, "gamma": gamma, "emb": emb} for t in others]
+        )
+        current = best_of(current, [{**current, "gamma": g} for g in grid["gamma"]])
+        current = best_of(current, [{**current, "emb": e} for e in grid["emb"]])
     bar.close()
     key, li = evaluator.best([k for k in visited if k in evaluator.fold_errors])
     best = {"sigma": key[0], "tau": key[1], "gamma": key[2], "emb": key[3]}
