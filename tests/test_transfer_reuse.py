@@ -9,6 +9,7 @@ and its model must be exactly those of the fit alone, and it must evaluate less.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -16,8 +17,10 @@ import numpy as np
 import pytest
 from bagserve.core import MarginalTransferClassifier
 from bagserve.core.datasets import make_batched_cytometry_tasks
-from bagserve.core.estimators import _transfer_cv, _transfer_nystroem, _transfer_search
+from bagserve.core.estimators import _transfer_cv, _transfer_nystroem, transfer
 from bagserve.core.estimators._transfer_cv import reusing_fold_evaluations
+from bagserve.core.representations import mean
+from bagserve.core.representations.mean import _median_distance, sharing_median_distances
 from sklearn.base import clone
 
 
@@ -128,35 +131,51 @@ def test_every_fold_evaluates_the_final_bandwidth_and_features_each_task_once(da
     assert model.point_bandwidth_ in {s for _, s, _ in computed}
 
 
-def test_each_set_of_points_gets_its_bandwidth_median_once_per_fit(data, monkeypatch):
-    """The point bandwidth's median heuristic (a distance matrix of 2,000 points) is
-    computed once for each set of points in a fit, the final fits' and the fallback's
-    included, and the model is the one computed without keeping them."""
+def test_each_median_heuristic_is_computed_once_per_fit(data, monkeypatch):
+    """The median heuristics (a distance matrix of up to 2,000 points each: the point
+    bandwidth's, the task embedding's) are computed once for each set of points and
+    generator state in a fit, the final fits' and the fallback's included, and the
+    model is the one computed without keeping them."""
     tasks, y, _ = data
-    seen: list[bytes] = []
-    median = _transfer_search._median_distance
+    seen: list[tuple[bytes, str]] = []
+    median = mean._computed_median_distance
 
     def recording(points, kernel, rng):
-        seen.append(np.ascontiguousarray(points).tobytes())
+        seen.append((np.ascontiguousarray(points).tobytes(), repr(rng.bit_generator.state)))
         return median(points, kernel, rng)
 
-    monkeypatch.setattr(_transfer_search, "_median_distance", recording)
+    monkeypatch.setattr(mean, "_computed_median_distance", recording)
     model = MarginalTransferClassifier(random_state=0, cv=3)
     kept = _fits(tasks, y, None, [model])[0]
     assert kept.fallback_ is not None  # the fallback's final fit asks too
-    assert seen and len(seen) == len(set(seen))
+    assert len(seen) >= 4 and len(seen) == len(set(seen))
     # The oracle: every median computed again wherever it is asked for.
-    monkeypatch.setattr(
-        _transfer_search.SearchMixin,
-        "_point_median",
-        lambda self, points: recording(points, "gaussian", np.random.default_rng(self.seed_)),
-    )
+    monkeypatch.setattr(transfer, "sharing_median_distances", contextlib.nullcontext)
+    seen.clear()
     again = _fits(tasks, y, None, [model])[0]
     assert len(seen) > len(set(seen))  # asked for again, so the first fit saved some
     assert kept.point_bandwidth_ == again.point_bandwidth_
     assert kept.fallback_.point_bandwidth_ == again.fallback_.point_bandwidth_
+    assert kept.embedding_.bandwidth_ == again.embedding_.bandwidth_
+    assert kept.fallback_.embedding_.bandwidth_ == again.fallback_.embedding_.bandwidth_
     _same(kept.selection_, again.selection_)
     np.testing.assert_array_equal(kept.predict(tasks[:2]), again.predict(tasks[:2]))
+    np.testing.assert_array_equal(kept.decision_function(tasks), again.decision_function(tasks))
+
+
+def test_a_kept_median_leaves_the_generator_where_its_computation_did():
+    points = np.random.default_rng(0).standard_normal((3000, 3))
+    plain = np.random.default_rng(5)
+    first = _median_distance(points, "gaussian", plain)
+    after = plain.random(4)
+    with sharing_median_distances():
+        for _ in range(2):
+            rng = np.random.default_rng(5)
+            assert _median_distance(points, "gaussian", rng) == first
+            np.testing.assert_array_equal(rng.random(4), after)
+        other = np.random.default_rng(6)  # another state: its own subsample
+        alone = _median_distance(points, "gaussian", np.random.default_rng(6))
+    assert _median_distance(points, "gaussian", other) == alone
 
 
 def test_task_statistics_on_all_cores_are_those_computed_one_task_after_another(monkeypatch):

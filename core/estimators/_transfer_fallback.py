@@ -63,7 +63,6 @@ class FallbackMixin:
         for name in (
             "n_features_in_", "n_tasks_", "loss_", "seed_", "task_kernel_",
             "point_frequencies_", "joint_frequencies_", "classes_", "y_ndim_",
-            "_point_medians",
         ):  # fmt: skip
             if hasattr(self, name):
                 setattr(fallback, name, getattr(self, name))

@@ -25,7 +25,6 @@ from ._transfer_cv import (
     SearchSetup,
     choose_normalisation,
     choose_refinement,
-    content_digest,
     coordinate_search,
     mean_squared_error,
     misclassification_rate,
@@ -154,16 +153,11 @@ class SearchMixin:
         return value * self._point_median(points)
 
     def _point_median(self, points: NDArray[np.float64]) -> float:
-        """The median distance of ``points`` (a subsample drawn with ``seed_``), computed
-        once per set of points: the search's evaluator of a normalisation and the final
-        fit on it (the fallback's too) ask for the same one, a distance matrix of 2,000
-        points each time. Keyed by the points' content, so a later fit on other points
-        cannot read a stale value; not part of the saved model."""
-        memo: dict[str, float] = self.__dict__.setdefault("_point_medians", {})
-        key = content_digest(points, self.seed_)
-        if key not in memo:
-            memo[key] = _median_distance(points, "gaussian", np.random.default_rng(self.seed_))
-        return memo[key]
+        """The median distance of ``points`` (a subsample drawn with ``seed_``): the
+        search's evaluator of a normalisation and the final fit on it (the fallback's
+        too) ask for the same one, computed once per fit
+        (:func:`~..representations.mean.sharing_median_distances`)."""
+        return _median_distance(points, "gaussian", np.random.default_rng(self.seed_))
 
     def _gamma_value(self, spec: tuple[str, float] | None, sq: NDArray[np.float64]) -> float | None:
         """``γ`` of ``k_P`` of a spec; relative ones scale the median heuristic on ``sq``."""

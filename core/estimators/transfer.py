@@ -69,6 +69,7 @@ from ..blas import one_thread
 from ..domain import NEAREST, DomainReport
 from ..kernels import get_kernel
 from ..representations.base import BagRepresentation, Embedding
+from ..representations.mean import sharing_median_distances
 from ._grid_choices import GridChoice, transfer_choices, warn_grid_edges
 from ._transfer_calibration import CalibrationMixin
 from ._transfer_exact import ExactKernelStrategy
@@ -284,6 +285,12 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             the one model answers every task and is chosen leave-one-batch-out. The
             normalisation itself is chosen leave-tasks-out.
         """
+        # The search, the final fits and the fallback's ask for the same medians.
+        with sharing_median_distances():
+            return self._fit_tasks(X, y, groups)
+
+    def _fit_tasks(self, X: Any, y: ArrayLike, groups: ArrayLike | None) -> _MarginalTransfer:
+        """:meth:`fit`'s work."""
         strategy = self._strategy()
         loss = self._loss(strategy)
         choices = self._normalisations()

@@ -18,7 +18,10 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Literal
 
 import numpy as np
@@ -28,6 +31,7 @@ from scipy.spatial.distance import cdist, pdist
 from .._random import check_generator
 from ..bags import Bags
 from ..blas import one_thread
+from ..hashing import points_sha256
 from ..kernels import (
     POINT_KERNELS,
     point_kernel,
@@ -309,8 +313,50 @@ class SetKernelEmbedding(Embedding):
         return D
 
 
+#: The medians kept within :func:`sharing_median_distances`, by their inputs' key.
+_MEDIANS: ContextVar[dict[tuple[Any, ...], tuple[float, Any]] | None] = ContextVar(
+    "median_distances", default=None
+)
+
+
+@contextmanager
+def sharing_median_distances() -> Iterator[None]:
+    """Within the block, the median heuristic of the same points, kernel and generator
+    state is computed once: a fit that asks for it again (its search, then its final
+    fit; an embedding's bandwidth, then the same embedding refitted) gets the value
+    computed first, and the generator is left in the state the computation left it,
+    so every later draw is the one it would have been. Nested blocks share the
+    outermost one's values; they are dropped when it ends."""
+    if _MEDIANS.get() is not None:
+        yield
+        return
+    token = _MEDIANS.set({})
+    try:
+        yield
+    finally:
+        _MEDIANS.reset(token)
+
+
 def _median_distance(points: NDArray[np.float64], kernel: str, rng: np.random.Generator) -> float:
-    """Median pairwise distance (Euclidean, or ℓ1 for the Laplace kernel) of a subsample."""
+    """Median pairwise distance (Euclidean, or ℓ1 for the Laplace kernel) of a subsample
+    drawn with ``rng``; once per inputs within :func:`sharing_median_distances`."""
+    kept = _MEDIANS.get()
+    if kept is None:
+        return _computed_median_distance(points, kernel, rng)
+    key = (points_sha256(points), points.shape, kernel, repr(rng.bit_generator.state))
+    if key not in kept:
+        value = _computed_median_distance(points, kernel, rng)
+        kept[key] = (value, rng.bit_generator.state)
+    value, state = kept[key]
+    rng.bit_generator.state = state
+    return value
+
+
+def _computed_median_distance(
+    points: NDArray[np.float64], kernel: str, rng: np.random.Generator
+) -> float:
+    """:func:`_median_distance` itself: a distance matrix of at most
+    ``_MEDIAN_SUBSAMPLE`` points."""
     if points.shape[0] > _MEDIAN_SUBSAMPLE:
         points = points[rng.choice(points.shape[0], _MEDIAN_SUBSAMPLE, replace=False)]
     d = pdist(points, metric="cityblock" if kernel == "laplace" else "euclidean")
