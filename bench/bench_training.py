@@ -51,11 +51,13 @@ CASES = ("yeast", "gvhd", "synthetic")
 #: core/training/fit_memory.py, _transfer_cv.py and _transfer_nystroem.py; this one
 #: (one median per search for both bandwidths, task statistics on all cores, with the
 #: fallback rules of issue 30 made meanwhile) was bb75d39 with every estimator file
-#: changed since; this one (the search stops evaluating candidates that cannot win)
-#: is 04bf58d, the files below as they were there.
+#: changed since; this one (the search stops evaluating candidates that cannot win,
+#: and every median heuristic once per fit) is 04bf58d, the files below as they were
+#: there.
 BEFORE = "04bf58d"
 CHANGED = (
     "core/kernels.py",
+    "core/representations/mean.py",
     "core/estimators/transfer.py",
     "core/estimators/_transfer_cv.py",
     "core/estimators/_transfer_fallback.py",
