@@ -215,3 +215,15 @@ def test_task_statistics_on_all_cores_are_those_computed_one_task_after_another(
         np.testing.assert_array_equal(got.B, alone.B)
         for z, z0 in zip(got.Z, alone.Z, strict=True):
             np.testing.assert_array_equal(z, z0)
+
+
+def test_grid_edge_warnings_point_at_the_callers_fit(data):
+    """The fit runs inside the medians' block; its grid-edge warnings still name the
+    line that called ``fit``, as every estimator's do."""
+    tasks, y, _ = data
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MarginalTransferClassifier(random_state=0, cv=3).fit(tasks, y)
+    edges = [w for w in caught if "grid" in str(w.message)]
+    assert edges
+    assert {w.filename for w in edges} == {__file__}

@@ -287,9 +287,12 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
         """
         # The search, the final fits and the fallback's ask for the same medians.
         with sharing_median_distances():
-            return self._fit_tasks(X, y, groups)
+            self._fit_tasks(X, y, groups)
+        # Warned from here, so that the warning points at the caller's fit().
+        warn_grid_edges(self)
+        return self
 
-    def _fit_tasks(self, X: Any, y: ArrayLike, groups: ArrayLike | None) -> _MarginalTransfer:
+    def _fit_tasks(self, X: Any, y: ArrayLike, groups: ArrayLike | None) -> None:
         """:meth:`fit`'s work."""
         strategy = self._strategy()
         loss = self._loss(strategy)
@@ -358,8 +361,6 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
                     strategy, variants["standard"], Y, record["fallback_blend"]
                 )
             self.disagreement_threshold_ = self.range_factor * record["disagreement_bound"]
-        warn_grid_edges(self)
-        return self
 
     def grid_choices(self) -> list[GridChoice]:
         """The coordinates of the search chosen from more than one value (see
