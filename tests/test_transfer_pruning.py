@@ -109,6 +109,7 @@ def searches(monkeypatch):
 
 
 def _fit(strength: float, n: int, seed: int, noise: float = 0.0) -> MarginalTransferClassifier:
+    """A fit on one batch of 6 samples (its grid-edge warnings left to the caller)."""
     tasks, y, _ = make_batched_cytometry_tasks(2, 6, n, strength=strength, random_state=seed)
     one = np.asarray(tasks.bag_index() < 6)  # the first batch's 6 samples
     cells = Bags.from_arrays([np.asarray(tasks[t]) for t in range(6)])
@@ -117,9 +118,33 @@ def _fit(strength: float, n: int, seed: int, noise: float = 0.0) -> MarginalTran
     rng = np.random.default_rng(seed)
     flip = np.flatnonzero(rng.random(y.size) < noise)
     y[flip] = rng.permutation(y[flip])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return MarginalTransferClassifier(random_state=0, cv=3).fit(cells, y[one])
+    return MarginalTransferClassifier(random_state=0, cv=3).fit(cells, y[one])
+
+
+def _edge_warnings(**data: Any) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(**data)
+    return sorted(str(w.message) for w in caught if "of its grid" in str(w.message))
+
+
+def _complete_record(ev: FoldEvaluator, grid: dict[str, list[Any]]) -> dict[str, Any]:
+    """The selection record of the search without pruning."""
+    found = _complete_search(ev, grid)
+    alphas = ev.setup.alphas
+    names = ("sigma", "tau", "gamma", "emb")
+    return {
+        "evaluated": [
+            {**dict(zip(names, k, strict=True)), "cv_error": found["cv_error"][k]}
+            for k in found["visited"]
+        ],
+        "alpha_grid": alphas,
+        "folds": ev.setup.folds,
+        "best": {
+            **dict(zip(names, found["best"], strict=True)),
+            "alpha": float(alphas[found["alpha_index"]]),
+        },
+    }
 
 
 def _check_same_choice(found: list[dict[str, Any]]) -> None:
@@ -147,7 +172,9 @@ def _check_same_choice(found: list[dict[str, Any]]) -> None:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_pruned_search_chooses_as_the_complete_one_on_folds_that_err(searches, seed):
-    _fit(strength=2.5, n=150, seed=seed, noise=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit(strength=2.5, n=150, seed=seed, noise=0.2)
     _check_same_choice(searches)
     errs = [min(v) for s in searches for v in s["oracle"]["cv_error"].values()]
     assert min(errs) > 0.0  # every configuration errs: no early end, only bounds
@@ -155,7 +182,9 @@ def test_pruned_search_chooses_as_the_complete_one_on_folds_that_err(searches, s
 
 
 def test_search_ends_at_a_configuration_without_fold_errors(searches):
-    _fit(strength=0.5, n=300, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _fit(strength=0.5, n=300, seed=0)
     _check_same_choice(searches)
     primary = searches[0]
     assert min(primary["oracle"]["cv_error"][primary["oracle"]["best"]]) == 0.0
@@ -188,7 +217,7 @@ def test_lower_bound_never_exceeds_the_complete_error():
         ev.score_unless(cand, lambda b, seen=bounds: seen.append(b) or False)
         complete = float(ev.score(cand).min())
         assert complete == float(rows.mean(axis=0).min())
-        assert len(bounds) == rows.shape[0] - 1
+        assert len(bounds) == rows.shape[0] and bounds[0] == 0.0
         assert bounds == sorted(bounds) and bounds[-1] <= complete
 
 
@@ -203,3 +232,20 @@ def test_a_stopped_evaluation_resumes_where_it_stopped():
     assert calls == [0] and FoldEvaluator.key(cand) not in ev.fold_errors
     assert np.array_equal(ev.score(cand), rows.mean(axis=0))
     assert calls == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"strength": 2.5, "n": 150, "seed": 0, "noise": 0.2},  # every fold errs
+        {"strength": 0.5, "n": 300, "seed": 0},  # the search ends early
+    ],
+)
+def test_grid_edges_are_those_of_the_complete_search(monkeypatch, data):
+    """What the record shows of each grid decides the grid-edge warnings, and with
+    them which grids training widens: a search that ends early records the rest of
+    its step, and warns as the complete search does."""
+    pruned = _edge_warnings(**data)
+    monkeypatch.setattr(_transfer_search, "coordinate_search", _complete_record)
+    monkeypatch.setattr(_transfer_fallback, "coordinate_search", _complete_record)
+    assert pruned and pruned == _edge_warnings(**data)

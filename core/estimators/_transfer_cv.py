@@ -411,9 +411,10 @@ class FoldEvaluator:
                 rows = self._partial.setdefault(key, [])
                 n_folds = len(self.setup.folds)
                 while len(rows) < n_folds:
-                    if cannot_win is not None and rows:
+                    if cannot_win is not None:
                         bound = np.zeros((n_folds, self.setup.alphas.size))
-                        bound[: len(rows)] = rows
+                        if rows:
+                            bound[: len(rows)] = rows
                         if cannot_win(float(bound.mean(axis=0).min())):
                             return None
                     rows.append(self._fold_error(cand, len(rows)))
@@ -485,7 +486,10 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     every step chooses what a complete evaluation would. Once a configuration errs
     on no fold (at its best ``λ``), nothing visited later can be strictly better and
     the search ends: the choice and its errors are those of the complete search,
-    whose further configurations would only have been recorded.
+    whose further configurations would only have been recorded. The rest of that
+    step's options are recorded unevaluated, so the grid the record shows around the
+    choice (its grid-edge warnings, the grids training widens) is the complete
+    search's.
 
     Parameters
     ----------
@@ -540,6 +544,10 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
                 chosen = (i, v)
                 if v == 0.0:
                     unbeatable = True
+                    # The step's other values are recorded unevaluated: its grid, and
+                    # whether the choice sits on an edge of it, stay what they were.
+                    for later in options[i + 1 :]:
+                        value(later, lambda _: True)
                     break
         assert chosen is not None
         return options[chosen[0]]
