@@ -15,8 +15,8 @@ Everything the search needs from the estimator arrives in a :class:`SearchSetup`
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,6 +28,7 @@ from ..bags import Bags
 from ..kernels import DistanceKernel
 from ..progress import progress_bar
 from ..representations.base import BagRepresentation, Embedding
+from ..scopes import scoped_store
 from ._transfer_strategy import (
     KernelParameters,
     SolverStrategy,
@@ -128,8 +129,7 @@ _REUSED: ContextVar[dict[str, dict[str, Any]] | None] = ContextVar(
 )
 
 
-@contextmanager
-def reusing_fold_evaluations() -> Iterator[None]:
+def reusing_fold_evaluations() -> AbstractContextManager[None]:
     """Within the block, fits that search on the same tasks, targets, feature maps,
     folds and ``λ`` grid share their fold evaluations.
 
@@ -142,14 +142,7 @@ def reusing_fold_evaluations() -> Iterator[None]:
     evaluations would give again: they are functions of what the digest covers.
     Nested blocks share the outermost one's evaluations.
     """
-    if _REUSED.get() is not None:
-        yield
-        return
-    token = _REUSED.set({})
-    try:
-        yield
-    finally:
-        _REUSED.reset(token)
+    return scoped_store(_REUSED)
 
 
 def _update(h: Any, value: Any) -> None:

@@ -18,9 +18,8 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Any, Literal
 
@@ -38,6 +37,7 @@ from ..kernels import (
     random_fourier_features,
     random_fourier_frequencies,
 )
+from ..scopes import scoped_store
 from .base import BagRepresentation, Embedding, FeatureEmbedding
 from .base import n_threads_for as _n_threads
 
@@ -319,22 +319,14 @@ _MEDIANS: ContextVar[dict[tuple[Any, ...], tuple[float, Any]] | None] = ContextV
 )
 
 
-@contextmanager
-def sharing_median_distances() -> Iterator[None]:
+def sharing_median_distances() -> AbstractContextManager[None]:
     """Within the block, the median heuristic of the same points, kernel and generator
     state is computed once: a fit that asks for it again (its search, then its final
     fit; an embedding's bandwidth, then the same embedding refitted) gets the value
     computed first, and the generator is left in the state the computation left it,
     so every later draw is the one it would have been. Nested blocks share the
     outermost one's values; they are dropped when it ends."""
-    if _MEDIANS.get() is not None:
-        yield
-        return
-    token = _MEDIANS.set({})
-    try:
-        yield
-    finally:
-        _MEDIANS.reset(token)
+    return scoped_store(_MEDIANS)
 
 
 def _median_distance(points: NDArray[np.float64], kernel: str, rng: np.random.Generator) -> float:
