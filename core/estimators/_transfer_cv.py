@@ -404,10 +404,9 @@ class FoldEvaluator:
                 rows = self._partial.setdefault(key, [])
                 n_folds = len(self.setup.folds)
                 while len(rows) < n_folds:
-                    if cannot_win is not None:
+                    if cannot_win is not None and rows:
                         bound = np.zeros((n_folds, self.setup.alphas.size))
-                        if rows:
-                            bound[: len(rows)] = rows
+                        bound[: len(rows)] = rows
                         if cannot_win(float(bound.mean(axis=0).min())):
                             return None
                     rows.append(self._fold_error(cand, len(rows)))
@@ -504,11 +503,14 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     bar = progress_bar(bound, "marginal transfer: search", "config")
     visited: list[tuple[Any, ...]] = []
 
-    def value(c: dict[str, Any], cannot_win: Callable[[float], bool] | None) -> float | None:
+    def visit(c: dict[str, Any]) -> None:
         key = FoldEvaluator.key(c)
         if key not in visited:
             visited.append(key)
             bar.update(1)
+
+    def value(c: dict[str, Any], cannot_win: Callable[[float], bool]) -> float | None:
+        visit(c)
         mean = evaluator.score_unless(c, cannot_win)
         return None if mean is None else float(mean.min())
 
@@ -540,7 +542,7 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
                     # The step's other values are recorded unevaluated: its grid, and
                     # whether the choice sits on an edge of it, stay what they were.
                     for later in options[i + 1 :]:
-                        value(later, lambda _: True)
+                        visit(later)
                     break
         assert chosen is not None
         return options[chosen[0]]
