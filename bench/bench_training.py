@@ -51,10 +51,10 @@ CASES = ("yeast", "gvhd", "synthetic")
 #: core/training/fit_memory.py, _transfer_cv.py and _transfer_nystroem.py; this one
 #: (one median per search for both bandwidths, task statistics on all cores, with the
 #: fallback rules of issue 30 made meanwhile) was bb75d39 with every estimator file
-#: changed since; this one (the search stops evaluating candidates that cannot win,
-#: and every median heuristic once per fit) is 04bf58d, the files below as they were
-#: there.
-BEFORE = "04bf58d"
+#: changed since; the third (the search stops evaluating candidates that cannot win,
+#: and every median heuristic once per fit) was 04bf58d with the files below; this one
+#: (a candidate's folds on all cores) is e4d0385, the files below as they were there.
+BEFORE = "e4d0385"
 CHANGED = (
     "core/kernels.py",
     "core/representations/mean.py",

@@ -193,45 +193,55 @@ def test_search_ends_at_a_configuration_without_fold_errors(searches):
 
 
 class _DrawnErrors(FoldEvaluator):
-    """An evaluator whose fold errors are given rows (folds × λ)."""
+    """An evaluator whose fold errors are given rows (folds × λ), ``at_once`` folds per
+    round where more than one (as a strategy that evaluates folds at once has them)."""
 
-    def __init__(self, rows: np.ndarray) -> None:
+    def __init__(self, rows: np.ndarray, at_once: bool = False) -> None:
         self.rows = rows
         self.fold_errors, self._partial, self._reused_errors = {}, {}, None
         self.setup = SimpleNamespace(folds=[None] * rows.shape[0], alphas=rows[0])
+        self.strategy = SimpleNamespace(concurrent_folds=at_once)
+        self.rounds: list[list[int]] = []
 
-    def _fold_error(self, cand: dict[str, Any], f: int) -> np.ndarray:
-        return self.rows[f]
+    def _fold_errors(self, cand: dict[str, Any], folds: range) -> list[np.ndarray]:
+        self.rounds.append(list(folds))
+        return [self.rows[f] for f in folds]
 
 
-def test_lower_bound_never_exceeds_the_complete_error():
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_lower_bound_never_exceeds_the_complete_error(threads, monkeypatch):
     """The bound a stopped evaluation is judged by, against the error its completion
     gives, on fold errors spanning 12 orders of magnitude, some exactly 0 (floating-point
-    sums of non-negative terms are monotone in each term)."""
+    sums of non-negative terms are monotone in each term), checked after every round of
+    folds: one fold, or one per thread and the last few together."""
+    monkeypatch.setattr(_transfer_cv, "n_threads_for", lambda n_jobs: threads)
     rng = np.random.default_rng(0)
     cand = {"sigma": ("relative", 1.0), "tau": 1.0, "gamma": None, "emb": 1.0}
     for _ in range(300):
         rows = 10.0 ** rng.uniform(-12, 0, size=(7, 6)) * (rng.random((7, 6)) > 0.2)
-        ev = _DrawnErrors(rows)
+        ev = _DrawnErrors(rows, at_once=True)
         bounds: list[float] = []
         ev.score_unless(cand, lambda b, seen=bounds: seen.append(b) or False)
         complete = float(ev.score(cand).min())
         assert complete == float(rows.mean(axis=0).min())
-        assert len(bounds) == rows.shape[0] - 1
+        assert [f for r in ev.rounds for f in r] == list(range(7))
+        assert max(map(len, ev.rounds)) <= max(threads, 1) + (threads > 1)
+        assert len(bounds) == len(ev.rounds) - 1
         assert bounds == sorted(bounds) and bounds[-1] <= complete
 
 
-def test_a_stopped_evaluation_resumes_where_it_stopped():
+@pytest.mark.parametrize(
+    ("threads", "first", "then"), [(1, [[0]], [[1], [2], [3], [4]]), (2, [[0, 1]], [[2, 3, 4]])]
+)
+def test_a_stopped_evaluation_resumes_where_it_stopped(threads, first, then, monkeypatch):
+    monkeypatch.setattr(_transfer_cv, "n_threads_for", lambda n_jobs: threads)
     rows = np.random.default_rng(1).random((5, 3))
-    ev = _DrawnErrors(rows)
-    calls: list[int] = []
-    fold_error = ev._fold_error
-    ev._fold_error = lambda cand, f: calls.append(f) or fold_error(cand, f)
+    ev = _DrawnErrors(rows, at_once=True)
     cand = {"sigma": ("relative", 1.0), "tau": 1.0, "gamma": None, "emb": 1.0}
     assert ev.score_unless(cand, lambda b: b > 0.0) is None
-    assert calls == [0] and FoldEvaluator.key(cand) not in ev.fold_errors
+    assert ev.rounds == first and FoldEvaluator.key(cand) not in ev.fold_errors
     assert np.array_equal(ev.score(cand), rows.mean(axis=0))
-    assert calls == [0, 1, 2, 3, 4]
+    assert ev.rounds == first + then
 
 
 @pytest.mark.parametrize(

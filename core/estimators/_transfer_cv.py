@@ -4,7 +4,9 @@
 strategy scores one fold over the whole ridge path (one factorisation per fold covers
 every ``λ``). The evaluator caches, per fold, the fold's own embedding and the point
 bandwidths' median heuristic (both from its training tasks only), and the points each
-held-out task is scored on, so candidates that share them pay once.
+held-out task is scored on, so candidates that share them pay once. Where the
+strategy allows it, a candidate's folds run on all cores at once, each computing what
+it would alone.
 :func:`coordinate_search` walks the grid; :func:`choose_normalisation` picks the per-task
 normalisation before it, :func:`choose_refinement` whether a model post-processes each
 task's answer after it.
@@ -16,8 +18,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from contextvars import ContextVar
+from contextvars import ContextVar, copy_context
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,7 +30,7 @@ from numpy.typing import NDArray
 from ..bags import Bags
 from ..kernels import DistanceKernel
 from ..progress import progress_bar
-from ..representations.base import BagRepresentation, Embedding
+from ..representations.base import BagRepresentation, Embedding, n_threads_for
 from ..scopes import scoped_store
 from ._transfer_strategy import (
     KernelParameters,
@@ -385,15 +388,16 @@ class FoldEvaluator:
     def score_unless(
         self, cand: dict[str, Any], cannot_win: Callable[[float], bool] | None
     ) -> NDArray[np.float64] | None:
-        """:meth:`score`, fold by fold, or ``None`` as soon as ``cannot_win`` holds for a
-        lower bound of the configuration's best mean error (over ``λ``).
+        """:meth:`score`, a round of folds at a time (:meth:`_next_folds`), or ``None`` as
+        soon as ``cannot_win`` holds for a lower bound of the configuration's best mean
+        error (over ``λ``).
 
         Errors are never negative, so the mean over the folds evaluated so far, with
         the missing folds counted as zero, bounds the mean of them all from below.
         It is computed as the complete mean is (the same array shape, the same
         summation), and floating-point sums of non-negative terms are monotone in each
         term: the bound never exceeds the complete value the search would compare.
-        A stopped evaluation resumes from its last fold when asked again.
+        A stopped evaluation resumes after its last fold when asked again.
         """
         key = self.key(cand)
         if key not in self.fold_errors:
@@ -409,15 +413,61 @@ class FoldEvaluator:
                         bound[: len(rows)] = rows
                         if cannot_win(float(bound.mean(axis=0).min())):
                             return None
-                    rows.append(self._fold_error(cand, len(rows)))
+                    rows.extend(self._fold_errors(cand, self._next_folds(len(rows))))
                 self.fold_errors[key] = np.array(rows)
                 del self._partial[key]
                 if reused is not None:
                     reused[key] = self.fold_errors[key].copy()
         return self.fold_errors[key].mean(axis=0)
 
+    def _next_folds(self, done: int) -> range:
+        """The folds :meth:`score_unless` evaluates next, after ``done`` of them, before it
+        checks its bound again: one per core where the strategy can evaluate folds at
+        once, and the last few together rather than one alone; else one."""
+        n_folds = len(self.setup.folds)
+        at_once = n_threads_for(-1) if self.strategy.concurrent_folds else 1
+        if at_once > 1 and n_folds - done <= at_once + 1:
+            return range(done, n_folds)
+        return range(done, min(n_folds, done + at_once))
+
+    def _fold_errors(self, cand: dict[str, Any], folds: range) -> list[NDArray[np.float64]]:
+        """Validation errors of ``cand`` on ``folds``, each per ``λ``.
+
+        What the folds share (the median bandwidths, the held-out points, the
+        strategy's statistics of the tasks they train on) is computed first, on this
+        thread; each fold's own work (its embedding, its ridge path, its held-out
+        scores) then runs on a thread of its own. A fold computes what it would alone,
+        so the errors are the same to the last bit.
+        """
+        setup = self.setup
+        sigmas = [self._sigma(f, cand["sigma"]) for f in folds]
+        if cand["tau"] != 1.0:
+            self._embedding_base()
+        for f in folds:
+            for v in setup.folds[f][1]:
+                self._held_out_points(int(v))
+        self.strategy.prepare_folds(
+            setup.data,
+            [(s, setup.folds[f][0]) for s, f in zip(sigmas, folds, strict=True)],
+            self._strategy_cache,
+        )
+        if len(folds) == 1:
+            return [self._fold_error(cand, folds[0])]
+        with ThreadPoolExecutor(len(folds)) as pool:
+            runs = [pool.submit(copy_context().run, self._fold_error, cand, f) for f in folds]
+            return [run.result() for run in runs]
+
     def _fold_error(self, cand: dict[str, Any], f: int) -> NDArray[np.float64]:
         """Validation error of ``cand`` on fold ``f``, per ``λ``."""
+        return np.asarray(
+            self.strategy.fold_errors(
+                self._validation_fold(cand, f), self.setup.alphas, self._strategy_cache
+            ),
+            dtype=np.float64,
+        )
+
+    def _validation_fold(self, cand: dict[str, Any], f: int) -> ValidationFold:
+        """Fold ``f`` at configuration ``cand``, with its embeddings and bandwidths."""
         setup = self.setup
         train, val = setup.folds[f]
         if cand["tau"] == 1.0:
@@ -429,7 +479,7 @@ class FoldEvaluator:
         else:
             sq_tr, sq_va, embeddings = self._fold_embedding(f, cand["emb"])
             gamma = setup.resolve_gamma(cand["gamma"], sq_tr)
-        fold = ValidationFold(
+        return ValidationFold(
             data=setup.data,
             train=train,
             val=val,
@@ -442,9 +492,6 @@ class FoldEvaluator:
             held_out=[self._held_out_points(int(v)) for v in val],
             error=setup.error,
             transform=setup.transform,
-        )
-        return np.asarray(
-            self.strategy.fold_errors(fold, setup.alphas, self._strategy_cache), dtype=np.float64
         )
 
     def per_fold(self, best: dict[str, Any]) -> NDArray[np.float64]:

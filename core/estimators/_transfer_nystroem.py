@@ -32,6 +32,7 @@ from ._transfer_strategy import (
     FeatureMaps,
     NewTasks,
     RandomFeatureStrategy,
+    TrainingData,
     TrainingProblem,
     ValidationFold,
     held_out_error,
@@ -130,18 +131,32 @@ class NystroemFeatureStrategy(RandomFeatureStrategy):
     """Weighted ridge on ``s(P) ⊗ z(x)``, coefficients ``θ`` of shape (1 + r, D, k)."""
 
     fitted_attributes: ClassVar[tuple[str, ...]] = ("coef_", "task_basis_")
+    # A fold reads the shared statistics and writes only its own held-out features.
+    concurrent_folds: ClassVar[bool] = True
+
+    def prepare_folds(
+        self,
+        data: TrainingData,
+        folds: list[tuple[float, NDArray[np.int64]]],
+        cache: dict[Hashable, Any],
+    ) -> None:
+        # Statistics per bandwidth, filled in for the tasks the folds train on (all at
+        # once: tasks are spread over the cores): every configuration at that bandwidth
+        # reuses them, and so does every fold.
+        for sigma in dict.fromkeys(s for s, _ in folds):
+            train = np.unique(np.concatenate([t for s, t in folds if s == sigma]))
+            key = ("statistics", sigma)
+            cache[key] = task_statistics(
+                data.maps, data.tasks, data.Y, sigma, train, cache.get(key)
+            )
 
     def fold_errors(
         self, fold: ValidationFold, alphas: NDArray[np.float64], cache: dict[Hashable, Any]
     ) -> NDArray[np.float64]:
         data, params = fold.data, fold.params
-        # Statistics per bandwidth, filled in for the tasks each fold trains on: every
-        # configuration at that bandwidth reuses them, and so does every fold that shares
-        # it (a fixed σ; a relative one scales each fold's own median).
         key = ("statistics", params.sigma)
-        cache[key] = task_statistics(
-            data.maps, data.tasks, data.Y, params.sigma, fold.train, cache.get(key)
-        )
+        if key not in cache or not cache[key].done[fold.train].all():
+            self.prepare_folds(data, [(params.sigma, fold.train)], cache)
         basis = None if params.tau == 1.0 else nystroem_basis(fold.kp_train)
         S = task_coordinates(fold.kp_train, basis, params.tau)
         Sv = task_coordinates(fold.kp_val, basis, params.tau)

@@ -320,6 +320,21 @@ class SolverStrategy(ABC):
         return None
 
     # ------------------------------------------------------------ numerics
+    #: Whether :meth:`fold_errors` of different folds may run at once on threads, once
+    #: :meth:`prepare_folds` has run for them on the caller's thread.
+    concurrent_folds: ClassVar[bool] = False
+
+    def prepare_folds(
+        self,
+        data: TrainingData,
+        folds: list[tuple[float, NDArray[np.int64]]],
+        cache: dict[Hashable, Any],
+    ) -> None:
+        """Put in ``cache`` what :meth:`fold_errors` shares between folds, for folds of
+        these point bandwidths ``σ`` and training tasks, so that folds evaluated at
+        once only read it (nothing by default)."""
+        return None
+
     @abstractmethod
     def fold_errors(
         self, fold: ValidationFold, alphas: NDArray[np.float64], cache: dict[Hashable, Any]
