@@ -193,14 +193,14 @@ def test_search_ends_at_a_configuration_without_fold_errors(searches):
 
 
 class _DrawnErrors(FoldEvaluator):
-    """An evaluator whose fold errors are given rows (folds × λ), ``at_once`` folds per
-    round where more than one (as a strategy that evaluates folds at once has them)."""
+    """An evaluator whose fold errors are given rows (folds × λ), of a strategy that
+    evaluates folds at once (as many per round as ``n_threads_for`` gives)."""
 
-    def __init__(self, rows: np.ndarray, at_once: bool = False) -> None:
+    def __init__(self, rows: np.ndarray) -> None:
         self.rows = rows
         self.fold_errors, self._partial, self._reused_errors = {}, {}, None
         self.setup = SimpleNamespace(folds=[None] * rows.shape[0], alphas=rows[0])
-        self.strategy = SimpleNamespace(concurrent_folds=at_once)
+        self.strategy = SimpleNamespace(concurrent_folds=True)
         self.rounds: list[list[int]] = []
 
     def _fold_errors(self, cand: dict[str, Any], folds: range) -> list[np.ndarray]:
@@ -219,13 +219,13 @@ def test_lower_bound_never_exceeds_the_complete_error(threads, monkeypatch):
     cand = {"sigma": ("relative", 1.0), "tau": 1.0, "gamma": None, "emb": 1.0}
     for _ in range(300):
         rows = 10.0 ** rng.uniform(-12, 0, size=(7, 6)) * (rng.random((7, 6)) > 0.2)
-        ev = _DrawnErrors(rows, at_once=True)
+        ev = _DrawnErrors(rows)
         bounds: list[float] = []
         ev.score_unless(cand, lambda b, seen=bounds: seen.append(b) or False)
         complete = float(ev.score(cand).min())
         assert complete == float(rows.mean(axis=0).min())
         assert [f for r in ev.rounds for f in r] == list(range(7))
-        assert max(map(len, ev.rounds)) <= max(threads, 1) + (threads > 1)
+        assert max(map(len, ev.rounds)) <= threads + (threads > 1)
         assert len(bounds) == len(ev.rounds) - 1
         assert bounds == sorted(bounds) and bounds[-1] <= complete
 
@@ -236,7 +236,7 @@ def test_lower_bound_never_exceeds_the_complete_error(threads, monkeypatch):
 def test_a_stopped_evaluation_resumes_where_it_stopped(threads, first, then, monkeypatch):
     monkeypatch.setattr(_transfer_cv, "n_threads_for", lambda n_jobs: threads)
     rows = np.random.default_rng(1).random((5, 3))
-    ev = _DrawnErrors(rows, at_once=True)
+    ev = _DrawnErrors(rows)
     cand = {"sigma": ("relative", 1.0), "tau": 1.0, "gamma": None, "emb": 1.0}
     assert ev.score_unless(cand, lambda b: b > 0.0) is None
     assert ev.rounds == first and FoldEvaluator.key(cand) not in ev.fold_errors
