@@ -22,21 +22,7 @@ from bagserve.core.datasets import make_batched_cytometry_tasks
 from bagserve.core.estimators import _transfer_cv, _transfer_nystroem
 from sklearn.base import clone
 
-
-def _same(a: Any, b: Any, path: str = "") -> None:
-    """``a`` and ``b`` equal to the last bit (dicts, sequences, arrays, floats)."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), path
-        for k in a:
-            _same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        assert np.array_equal(np.asarray(a), np.asarray(b)), path
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b or (a != a and b != b), path
+from .exact import assert_same
 
 
 def _fit(model, tasks, y, groups, threads: int, monkeypatch) -> tuple[Any, list[int]]:
@@ -76,7 +62,7 @@ def _without_searches(selection: Any) -> Any:
 
 
 def _assert_same_model(serial, concurrent, tasks) -> None:
-    _same(_without_searches(serial.selection_), _without_searches(concurrent.selection_))
+    assert_same(_without_searches(serial.selection_), _without_searches(concurrent.selection_))
     searches = zip(_searches(serial.selection_), _searches(concurrent.selection_), strict=True)
     for one, many in searches:
         # The same configurations, visited in the same order.

@@ -23,21 +23,7 @@ from bagserve.core.representations import mean
 from bagserve.core.representations.mean import _median_distance, sharing_median_distances
 from sklearn.base import clone
 
-
-def _same(a: Any, b: Any, path: str = "") -> None:
-    """``a`` and ``b`` equal to the last bit (dicts, sequences, arrays, floats)."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), path
-        for k in a:
-            _same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        assert np.array_equal(np.asarray(a), np.asarray(b)), path
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b or (a != a and b != b), path
+from .exact import assert_same
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +66,9 @@ def test_refit_with_a_widened_grid_is_the_fit_alone(data, batched, monkeypatch):
         shared = _fits(tasks, y, groups, models)
     shared_calls = calls["n"]
 
-    _same(first.selection_, alone[0].selection_)
+    assert_same(first.selection_, alone[0].selection_)
     for a, s in zip(alone, shared, strict=True):
-        _same(a.selection_, s.selection_)
+        assert_same(a.selection_, s.selection_)
         assert a.normalise_ == s.normalise_
         assert np.array_equal(a.decision_function(tasks), s.decision_function(tasks))
     # The second fit evaluated only what the first had not.
@@ -158,7 +144,7 @@ def test_each_median_heuristic_is_computed_once_per_fit(data, monkeypatch):
     assert kept.fallback_.point_bandwidth_ == again.fallback_.point_bandwidth_
     assert kept.embedding_.bandwidth_ == again.embedding_.bandwidth_
     assert kept.fallback_.embedding_.bandwidth_ == again.fallback_.embedding_.bandwidth_
-    _same(kept.selection_, again.selection_)
+    assert_same(kept.selection_, again.selection_)
     np.testing.assert_array_equal(kept.predict(tasks[:2]), again.predict(tasks[:2]))
     np.testing.assert_array_equal(kept.decision_function(tasks), again.decision_function(tasks))
 

@@ -155,8 +155,6 @@ class NystroemFeatureStrategy(RandomFeatureStrategy):
     ) -> NDArray[np.float64]:
         data, params = fold.data, fold.params
         key = ("statistics", params.sigma)
-        if key not in cache or not cache[key].done[fold.train].all():
-            self.prepare_folds(data, [(params.sigma, fold.train)], cache)
         basis = None if params.tau == 1.0 else nystroem_basis(fold.kp_train)
         S = task_coordinates(fold.kp_train, basis, params.tau)
         Sv = task_coordinates(fold.kp_val, basis, params.tau)

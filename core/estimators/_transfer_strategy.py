@@ -342,7 +342,7 @@ class SolverStrategy(ABC):
         """Validation error of the fold for every ridge ``λ`` of ``alphas``.
 
         ``cache`` lives as long as one search: what the strategy can reuse across folds
-        and candidates.
+        and candidates. :meth:`prepare_folds` has run for this fold before.
         """
 
     @abstractmethod
