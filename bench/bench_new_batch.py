@@ -200,7 +200,11 @@ def _chosen(model: Any, answers: list[Any]) -> str:
             text += f", refine {refine['chosen']}"
         if getattr(model, "fallback_", None) is not None:
             used = sum(bool(a.report.fallback) for a in answers)
-            text += f"; fallback answered {used}/{len(answers)}"
+            record = model.selection_.get("normalisation") or {}
+            kind = record.get("fallback_model") or (record.get("fallback_choice") or {}).get(
+                "chosen", "chosen by batch folds"
+            )
+            text += f"; fallback ({kind}) answered {used}/{len(answers)}"
         return text
     except (AttributeError, TypeError, KeyError):
         return ""

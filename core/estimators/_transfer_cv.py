@@ -336,7 +336,7 @@ class FoldEvaluator:
             )
         return value * self._medians["all"]
 
-    def _held_out_points(self, v: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    def held_out_points(self, v: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """Points (at most ``cv_points``, drawn per task) held-out task ``v`` is scored on."""
         if v not in self._held_out:
             tasks, Y = self._held_out_sources()[0], self.setup.data.Y
@@ -445,7 +445,7 @@ class FoldEvaluator:
             self._embedding_base()
         for f in folds:
             for v in setup.folds[f][1]:
-                self._held_out_points(int(v))
+                self.held_out_points(int(v))
         self.strategy.prepare_folds(
             setup.data,
             [(s, setup.folds[f][0]) for s, f in zip(sigmas, folds, strict=True)],
@@ -489,7 +489,7 @@ class FoldEvaluator:
             kp_train=task_similarity(setup.task_kernel, sq_tr, gamma),
             kp_val=task_similarity(setup.task_kernel, sq_va, gamma),
             embeddings=embeddings,
-            held_out=[self._held_out_points(int(v)) for v in val],
+            held_out=[self.held_out_points(int(v)) for v in val],
             error=setup.error,
             transform=setup.transform,
         )

@@ -20,6 +20,7 @@ from sklearn.base import clone
 from ..bags import Bags
 from ._transfer_cv import FoldEvaluator, coordinate_search
 from ._transfer_strategy import SolverStrategy
+from ._transfer_trees import choose_trees
 
 __all__ = ["LINEAR_FALLBACK_GRID", "FallbackMixin"]
 
@@ -96,7 +97,10 @@ class FallbackMixin:
         margin (:func:`_capacity_choice`), and otherwise the fallback averages both
         (``blend_``), each configured on those folds. With batches
         named, leave-one-batch-out folds, the case it is for, choose one, and the
-        fallback is kept only where it beats the primary model there. Either way it
+        fallback is kept only where it beats the primary model there. Where either
+        way chooses the kernel, a classifier's boosted trees take its place when the
+        same folds show them clearly better (:func:`~._transfer_trees.choose_trees`,
+        ``record["fallback_trees"]``; ``record["fallback_model"]`` then says so). Either way it
         must get at most half of what a constant prediction gets wrong (a blend: each
         member): where standardising erases what the target depends on (a level, a
         size), there is no fallback.
@@ -137,8 +141,16 @@ class FallbackMixin:
             # The one the folds chose, or with batch folds the simplest first among
             # equals.
             named = [f for f in found if f[1] == pick] or found
-            error, _, ev, best = min(named, key=lambda f: f[0])
+            error, name, ev, best = min(named, key=lambda f: f[0])
             members = [(ev, best)]
+            if name == "own kernel" and self._is_classifier:
+                # Capacity pays on these folds: the axis-aligned kind may pay more.
+                trees = record["fallback_trees"] = choose_trees(
+                    ev, ev.per_fold(best), constant, self.seed_
+                )
+                if trees["chosen"] == "boosted trees":
+                    record["fallback_model"] = "boosted trees"
+                    error = float(np.mean(trees["fold_errors"]["boosted trees"]))
         record["fallback_cv"] = "leave-tasks-out" if batch_folds is None else "leave-one-batch-out"
         record["fallback_cv_error"] = error
         record["constant_error"] = constant
@@ -153,6 +165,7 @@ class FallbackMixin:
             keep = keep and error < primary
         if not keep:
             record.pop("fallback_blend", None)
+            record.pop("fallback_model", None)
         else:
             record["fallback"] = best
             # Where both models are as accurate as their folds say, they disagree on a
@@ -162,7 +175,20 @@ class FallbackMixin:
             # as it answers: refined, where it refines.
             refine = self.selection_["refine"]
             record["primary_fold_errors"] = refine["fold_errors"][refine["chosen"]]
-            refine = record["fallback_refine"] = self._choose_refinement(members, for_fallback=True)
+            if record.get("fallback_model") == "boosted trees":
+                # The trees answer as they are: the mixture refinement starts from
+                # labels of a smooth model, and its folds were the kernel's.
+                errors = np.asarray(record["fallback_trees"]["fold_errors"]["boosted trees"])
+                refine = record["fallback_refine"] = {
+                    "rule": "boosted trees answer unrefined",
+                    "cv_error": {"none": float(errors.mean())},
+                    "fold_errors": {"none": errors},
+                    "chosen": "none",
+                }
+            else:
+                refine = record["fallback_refine"] = self._choose_refinement(
+                    members, for_fallback=True
+                )
             record["fallback_fold_errors"] = refine["fold_errors"][refine["chosen"]]
             worst = [
                 float(record["primary_fold_errors"].max()),

@@ -90,6 +90,7 @@ from ._transfer_strategy import (
     TrainingProblem,
     task_similarity,
 )
+from ._transfer_trees import fit_trees, tree_scores
 
 __all__ = [
     "MarginalTransferClassifier",
@@ -356,6 +357,8 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
         if "fallback" in record:
             self.fallback_ = self._fallback(strategy, variants["standard"], Y, record["fallback"])
             self.fallback_.refine_ = record["fallback_refine"]["chosen"]
+            if record.get("fallback_model") == "boosted trees":
+                self.fallback_.trees_ = fit_trees(variants["standard"].points, Y, self.seed_)
             if "fallback_blend" in record:
                 self.fallback_.blend_ = self._fallback(
                     strategy, variants["standard"], Y, record["fallback_blend"]
@@ -539,10 +542,15 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
                 # hundred points each) are cheap to redo, their cells are not.
                 tasks = tasks[np.array(near)]
                 emb, sq_new = self._task_similarities(tasks)
-            strategy = self._strategy()
-            answered = strategy.task_scores(
-                self._fitted_state(strategy), self._new_tasks(tasks, emb, sq_new)
-            )
+            trees = getattr(self, "trees_", None)
+            if trees is not None:
+                # A fallback of boosted trees: its task embedding only reports.
+                answered = [tree_scores(trees, np.asarray(tasks[t])) for t in range(len(tasks))]
+            else:
+                strategy = self._strategy()
+                answered = strategy.task_scores(
+                    self._fitted_state(strategy), self._new_tasks(tasks, emb, sq_new)
+                )
             blend = getattr(self, "blend_", None)
             if blend is not None:
                 # A blended fallback: its scores and its partner's, averaged.
@@ -766,10 +774,14 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         folds show it helps by more than their noise;
         :func:`~._transfer_cv.choose_normalisation`), and, unless that is
         ``"standard"``, an invariant fallback fitted on standardised tasks
-        (``fallback_``): the pooled linear model and the model's own kernel, their
-        scores averaged (no fold can say which capacity carries over to a batch none
-        of them contains), or, with batches named, whichever of the two the
-        leave-one-batch-out folds prefer. It is kept only
+        (``fallback_``): the pooled linear model or the model's own kernel where the
+        folds show one clearly better, else both with their scores averaged (no fold
+        of one batch shows well which capacity carries over to a batch none of them
+        contains), or, with batches named, whichever of the two the
+        leave-one-batch-out folds prefer; where the kernel is chosen, a classifier
+        answers with boosted trees on the same cells instead when the same folds show
+        them clearly better (axis-aligned splits, as gates are drawn;
+        :func:`~._transfer_trees.choose_trees`). It is kept only
         when the folds find it useful (at most half the error of a constant
         prediction and, with batches named, less error than the primary model's on
         leave-one-batch-out folds), and answers every new task out of the training
@@ -827,7 +839,8 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         The invariant fallback for tasks out of range (``normalise="auto"`` when the
         choice was not ``"standard"``); its ``blend_``, when set, is the second model
         whose scores it averages with its own (``selection_["normalisation"]
-        ["fallback_choice"]`` says why: one capacity, or both).
+        ["fallback_choice"]`` says why: one capacity, or both); its ``trees_``, when
+        set, the boosted trees it answers with (``["fallback_trees"]`` says why).
     refine_ : str
         ``"mixture"`` or ``"none"``: whether this model refines its answers (the
         fallback's own ``refine_`` for the tasks it answers).
