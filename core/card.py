@@ -173,6 +173,9 @@ def render_card(
             + (" by leave-subject-out" if cal.get("groups") else "")
             + ("; widened with the domain score" if cal.get("scaling") == "domain" else "")
         )
+    new = metadata.get("new_batches")
+    if isinstance(new, dict):
+        lines.append(_new_batch_line(new))
     calibration = metadata.get("probability_calibration")
     if calibration:
         lines.append(
@@ -199,3 +202,46 @@ def render_card(
     if libraries:
         lines.append("- Libraries: " + ", ".join(f"{k} {v}" for k, v in sorted(libraries.items())))
     return "\n".join(lines) + "\n"
+
+
+#: What answers a sample out of range, by ``fallback`` of the card's ``new_batches``.
+_FALLBACK_TEXT = {
+    "boosted trees": "gradient-boosted trees",
+    "own kernel": "the model's own kernel",
+    "pooled linear": "a pooled linear model",
+    "blend": "the average of a pooled linear model and the model's own kernel",
+}
+
+
+def _new_batch_line(new: Mapping[str, Any]) -> str:
+    """The card's line on samples unlike the training samples (per-cell models)."""
+    fallback = new.get("fallback")
+    if fallback:
+        cv = new.get("fallback_cv")
+        error = new.get("fallback_cv_error")
+        text = (
+            "- Samples unlike the training samples (another batch or instrument): "
+            f"answered by {_FALLBACK_TEXT.get(str(fallback), str(fallback))} on "
+            "per-sample standardised cells"
+            + (f", chosen on {cv} folds" if cv else "")
+            + (f" (fold error {_fmt(error)})" if isinstance(error, float) else "")
+        )
+    elif new.get("normalise") == "standard":
+        text = (
+            "- Samples unlike the training samples (another batch or instrument): "
+            "answered by the model itself, which standardises every sample's cells"
+        )
+    else:
+        text = (
+            "- Samples unlike the training samples: answered by the model itself (it has "
+            "no invariant fallback), flagged out of range"
+        )
+    how = new.get("calibration")
+    if how == "landmarks":
+        text += (
+            "; a sample whose populations sit beyond the training ones is first shifted "
+            "onto their centres (landmarks)"
+        )
+    elif how not in (None, "none"):
+        text += f"; such samples are first calibrated to the training samples ({how})"
+    return text

@@ -480,6 +480,9 @@ n_splits = 3
     assert cal["nll"] <= cal["nll_at_1"] + 1e-12
     card = (result.path / "card.md").read_text()
     assert "Research use: gating synthetic samples" in card and "| leave-tasks-out |" in card
+    # A per-cell model has no intervals: its calibration_ is that of new batches.
+    assert "Intervals:" not in card
+    assert "- Samples unlike the training samples" in card
     page = (result.path / "report" / "report.html").read_text()
     assert "Class probabilities" in page and f"{cal['cells']}" in page
     rt = ModelRuntime.open(result.path)

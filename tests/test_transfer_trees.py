@@ -263,3 +263,17 @@ def test_the_trees_evaluation_stops_only_where_it_cannot_change_the_choice(monke
             assert record["chosen"] == "own kernel" and record["stopped_after"] < 3
         seen.add(record.get("stopped_after", 3))
     assert seen == {0, 2, 3}
+
+
+def test_the_card_says_the_trees_answer_new_batches(gated_model):
+    from bagserve.core.card import render_card
+    from bagserve.core.training.saving import _calibration_record, _new_batch_record
+
+    model = gated_model[0]
+    record = _new_batch_record(model)
+    assert record["fallback"] == "boosted trees" and record["fallback_cv"] == "leave-tasks-out"
+    assert _calibration_record(model) is None  # no intervals: calibration_ is of new batches
+    card = render_card({"new_batches": record}, estimator="MarginalTransferClassifier", kind="cell")
+    line = next(x for x in card.splitlines() if x.startswith("- Samples unlike"))
+    assert "gradient-boosted trees on per-sample standardised cells" in line
+    assert f"fold error {record['fallback_cv_error']:.4g}" in line

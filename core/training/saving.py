@@ -165,6 +165,7 @@ def _save(
         "grouping": fitted.grouping,
         "serving": serving,
         "calibration": _calibration_record(fitted.final),
+        "new_batches": _new_batch_record(fitted.final),
         "metrics": json.loads(json.dumps(metrics["cv"], default=str)),
         "config": {k: v for k, v in config.items() if not k.startswith("_")},
     }
@@ -214,11 +215,42 @@ def _chosen_values(best_params: Mapping[str, Any], model: Any) -> dict[str, Any]
 
 def _calibration_record(model: Any) -> dict[str, Any] | None:
     """How the model's intervals were calibrated (for the card), or None without."""
+    from ..runtime import ModelKind, kind_of
+
     method = getattr(model, "calibration_", None)
-    if method is None:
+    # A per-cell model's calibration_ is that of new batches (_new_batch_record).
+    if method is None or kind_of(type(model)) is ModelKind.CELL:
         return None
     return {
         "method": method,
         "scaling": getattr(model, "interval_scaling", "none"),
         "groups": getattr(model, "calibration_groups_", None) is not None,
+    }
+
+
+def _new_batch_record(model: Any) -> dict[str, Any] | None:
+    """How a per-cell model answers a sample unlike its training samples (for the card):
+    which invariant fallback, chosen on which folds, and the calibration of such
+    samples; None for other models."""
+    from ..runtime import ModelKind, kind_of
+
+    if kind_of(type(model)) is not ModelKind.CELL:
+        return None
+    record = (getattr(model, "selection_", None) or {}).get("normalisation") or {}
+    fallback = None
+    if getattr(model, "fallback_", None) is not None:
+        if record.get("fallback_model"):
+            fallback = record["fallback_model"]
+        elif "fallback_blend" in record:
+            fallback = "blend"
+        elif (record.get("fallback") or {}).get("point_kernel") == "linear":
+            fallback = "pooled linear"
+        else:
+            fallback = "own kernel"
+    return {
+        "fallback": fallback,
+        "fallback_cv": record.get("fallback_cv"),
+        "fallback_cv_error": record.get("fallback_cv_error"),
+        "calibration": getattr(model, "calibration_", "none"),
+        "normalise": getattr(model, "normalise_", None),
     }
