@@ -19,6 +19,7 @@ from bagserve.core.estimators._transfer_trees import (
 )
 from bagserve.core.selection import GridEdgeWarning
 from sklearn.ensemble import HistGradientBoostingClassifier
+from threadpoolctl import threadpool_limits
 
 
 def _coded(codes: np.ndarray, n_classes: int) -> np.ndarray:
@@ -51,7 +52,10 @@ def test_stored_trees_answer_as_scikit_learn_does(n_classes):
     expected = 2.0 * oracle.predict_proba(new) - 1.0
     if n_classes == 2:
         expected = expected[:, 1:]
-    np.testing.assert_allclose(tree_scores(trees, new), expected, rtol=0, atol=1e-12)
+    scores = tree_scores(trees, new)
+    np.testing.assert_allclose(scores, expected, rtol=0, atol=1e-12)
+    with threadpool_limits(1, user_api="openmp"):  # as in a service worker
+        np.testing.assert_array_equal(tree_scores(trees, new), scores)
 
 
 def test_a_class_the_trees_never_saw_scores_minus_one():

@@ -181,6 +181,8 @@ def tree_scores(trees: dict[str, Any], points: NDArray[np.float64]) -> NDArray[n
     """Scores of ``points`` (n, d) in the models' ±1 coding: ``2 p - 1`` from the trees'
     class probabilities ``p`` (−1 for a class the trees never saw), one column for two
     classes (positive means the second)."""
+    from sklearn.utils._openmp_helpers import _openmp_effective_n_threads
+
     X = np.ascontiguousarray(points, dtype=np.float64)
     check_trees(trees, X.shape[1])
     classes = np.asarray(trees["classes"], dtype=np.int64)
@@ -192,8 +194,11 @@ def tree_scores(trees: dict[str, Any], points: NDArray[np.float64]) -> NDArray[n
         k = baseline.size
         no_categories = np.zeros((0, 8), dtype=np.uint32)
         f_idx_map = np.zeros(X.shape[1], dtype=np.uint32)
+        # Cells in parallel, as many OpenMP threads as allowed here (one in a service
+        # worker); each cell's sum over the trees is the same whatever the count.
+        threads = _openmp_effective_n_threads()
         for i, predictor in enumerate(_predictors(trees)):
-            raw[:, i % k] += predictor.predict(X, no_categories, f_idx_map, 1)
+            raw[:, i % k] += predictor.predict(X, no_categories, f_idx_map, threads)
         if k == 1:
             p1 = 1.0 / (1.0 + np.exp(-raw[:, 0]))
             probs = np.column_stack([1.0 - p1, p1])
