@@ -281,3 +281,38 @@ def test_the_card_says_the_trees_answer_new_batches(gated_model):
     line = next(x for x in card.splitlines() if x.startswith("- Samples unlike"))
     assert "gradient-boosted trees on per-sample standardised cells" in line
     assert f"fold error {record['fallback_cv_error']:.4g}" in line
+
+
+def test_trees_are_fitted_on_at_most_tree_points_cells_of_each_task(monkeypatch):
+    """Each task gives at most ``TREE_POINTS`` of its cells, the same ones in every call
+    (folds and final fit alike), in their order; a smaller task gives all of them."""
+    import bagserve.core.estimators._transfer_trees as trees_module
+
+    xs, ys = _gated_tasks(3, 300, 2)
+    xs[1] = xs[1][:80]
+    ys[1] = ys[1][:80]
+    tasks = Bags.from_arrays(xs)
+    Y = _coded(np.concatenate(ys), 4)
+    seen = []
+    real_fit = trees_module.fit_trees
+    monkeypatch.setattr(
+        trees_module, "fit_trees", lambda p, y, seed: seen.append((p, y)) or real_fit(p, y, seed)
+    )
+    monkeypatch.setattr(trees_module, "TREE_POINTS", 100)
+    first = trees_module.fit_task_trees(tasks, Y, seed=0)
+    again = trees_module.fit_task_trees(tasks, Y, seed=0, which=[0, 1, 2])
+    (points, targets), (points2, _) = seen
+    np.testing.assert_array_equal(points, points2)
+    for name in ("value", "feature", "threshold", "tree_offsets"):
+        np.testing.assert_array_equal(first[name], again[name])
+    assert points.shape == (100 + 80 + 100, 4)
+    parts = np.split(np.arange(points.shape[0]), [100, 180])
+    for t, part in enumerate(parts):
+        rows = [np.flatnonzero((xs[t] == p).all(axis=1))[0] for p in points[part]]
+        assert np.all(np.diff(rows) > 0)  # distinct cells of task t, in order
+        np.testing.assert_array_equal(targets[part], _coded(ys[t], 4)[rows])
+    assert len(set(map(tuple, points[:100]))) == 100
+    monkeypatch.setattr(trees_module, "TREE_POINTS", 10_000)
+    seen.clear()
+    trees_module.fit_task_trees(tasks, Y, seed=0)
+    np.testing.assert_array_equal(seen[0][0], tasks.points)

@@ -90,7 +90,7 @@ from ._transfer_strategy import (
     TrainingProblem,
     task_similarity,
 )
-from ._transfer_trees import fit_trees, tree_scores
+from ._transfer_trees import fit_task_trees, tree_scores
 
 __all__ = [
     "MarginalTransferClassifier",
@@ -358,7 +358,7 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             self.fallback_ = self._fallback(strategy, variants["standard"], Y, record["fallback"])
             self.fallback_.refine_ = record["fallback_refine"]["chosen"]
             if record.get("fallback_model") == "boosted trees":
-                self.fallback_.trees_ = fit_trees(variants["standard"].points, Y, self.seed_)
+                self.fallback_.trees_ = fit_task_trees(variants["standard"], Y, self.seed_)
             if "fallback_blend" in record:
                 self.fallback_.blend_ = self._fallback(
                     strategy, variants["standard"], Y, record["fallback_blend"]
