@@ -241,9 +241,15 @@ def test_validation_tasks_never_reach_the_fold_training_side(ellipses, monkeypat
     """No fold-side fit sees a held-out task's points or labels; the bandwidths' median
     heuristics, which use no label, are taken on all the tasks' points as the final
     model's are."""
+    from bagserve.core.estimators import _transfer_cv
+
     tasks, y = ellipses
     # Task 7 moved far away: any fold-side fit that saw its points would show them.
     shifted = Bags.from_arrays([*list(tasks)[:-1], tasks[7] + 1000.0])
+    # Folds one at a time, so that the embeddings are fitted in fold order (on threads
+    # they finish in any order; tests/test_transfer_concurrency.py checks that folds on
+    # threads compute what they compute alone).
+    monkeypatch.setattr(_transfer_cv, "n_threads_for", lambda n_jobs: 1)
     seen: list[float] = []
     original = MarginalTransferClassifier._fit_embedding
 
