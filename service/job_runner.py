@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from .codecs import BodySpec
@@ -26,6 +27,11 @@ from .uploads import markers_param
 __all__ = ["JobRunner"]
 
 log = logging.getLogger("bagserve.jobs")
+
+#: How long a job waits out refusals that pass (503: every worker busy and the queue
+#: full, the model still being loaded into the workers, a worker being replaced) before
+#: it fails with the last one; the wait between tries doubles from 50 ms up to 2 s.
+TRANSIENT_PATIENCE = 300.0
 
 
 class JobRunner:
@@ -62,16 +68,26 @@ class JobRunner:
             markers=markers_param(meta.get("markers")),
             default_id=meta.get("bag_id"),
         )
-        try:
-            # A body that breaks a limit fails here with its problem, in a worker: the
-            # job is failed once and the replica goes on.
-            outcome = await self.predictor.run(
-                caller, entry, body, spec, options, request_sha256=meta["input_sha256"]
-            )
-        except Problem as exc:
-            problem = {"status": exc.status, "detail": exc.detail, "errors": exc.errors}
-            await asyncio.to_thread(store.finish, job_id, "failed", problem)
-            return
+        deadline = time.monotonic() + TRANSIENT_PATIENCE
+        pause = 0.05
+        while True:
+            try:
+                # A body that breaks a limit fails here with its problem, in a worker:
+                # the job is failed once and the replica goes on.
+                outcome = await self.predictor.run(
+                    caller, entry, body, spec, options, request_sha256=meta["input_sha256"]
+                )
+                break
+            except Problem as exc:
+                if exc.status == 503 and time.monotonic() + pause < deadline:
+                    # A stored job was accepted already: it waits its turn (each refused
+                    # try is audited as such) instead of failing for a busy moment.
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, 2.0)
+                    continue
+                problem = {"status": exc.status, "detail": exc.detail, "errors": exc.errors}
+                await asyncio.to_thread(store.finish, job_id, "failed", problem)
+                return
         document = await encode_off_loop(
             outcome.result,
             encode_document,
