@@ -297,7 +297,9 @@ def choose_trees(
         with one_thread("openmp"):  # OpenMP's thread count is each thread's own
             trees = fit_task_trees(tasks, Y, seed, train)
         held = [kernel.held_out_points(int(v)) for v in val]
-        return float(np.mean([setup.error(tree_scores(trees, x), y) for x, y in held]))
+        sizes = np.cumsum([x.shape[0] for x, _ in held])[:-1]
+        scores = np.split(tree_scores(trees, np.concatenate([x for x, _ in held])), sizes)
+        return float(np.mean([setup.error(sc, y) for sc, (_, y) in zip(scores, held, strict=True)]))
 
     n_folds = len(setup.folds)
     at_once = max(1, min(n_threads_for(-1), n_folds))

@@ -544,8 +544,9 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
                 emb, sq_new = self._task_similarities(tasks)
             trees = getattr(self, "trees_", None)
             if trees is not None:
-                # A fallback of boosted trees: its task embedding only reports.
-                answered = [tree_scores(trees, np.asarray(tasks[t])) for t in range(len(tasks))]
+                # A fallback of boosted trees: its task embedding only reports. Every
+                # cell is scored on its own, so all tasks go through the trees at once.
+                answered = np.split(tree_scores(trees, tasks.points), tasks.offsets[1:-1])
             else:
                 strategy = self._strategy()
                 answered = strategy.task_scores(
