@@ -201,9 +201,7 @@ def _chosen(model: Any, answers: list[Any]) -> str:
         if getattr(model, "fallback_", None) is not None:
             used = sum(bool(a.report.fallback) for a in answers)
             record = model.selection_.get("normalisation") or {}
-            kind = record.get("fallback_model") or (record.get("fallback_choice") or {}).get(
-                "chosen", "chosen by batch folds"
-            )
+            kind = record.get("fallback_model", "?")
             text += f"; fallback ({kind}) answered {used}/{len(answers)}"
         return text
     except (AttributeError, TypeError, KeyError):

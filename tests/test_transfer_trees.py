@@ -226,8 +226,9 @@ def test_the_trees_evaluation_stops_only_where_it_cannot_change_the_choice(monke
     """The oracle: every fold's trees fitted by scikit-learn and the rule applied by hand.
     Against kernels erring more or less than the trees, the evaluation stops before any
     fold, after some, or runs to the end, and chooses as the complete evaluation does."""
+    import bagserve.core.estimators._transfer_fallback as fallback_module
     import bagserve.core.estimators._transfer_trees as trees_module
-    from bagserve.core.estimators._transfer_trees import TREE_GAIN, choose_trees
+    from bagserve.core.estimators._transfer_fallback import CAPACITY_GAIN, choose_trees
 
     kernel, tasks, Y = _stub_evaluator()
     labels = np.argmax(Y, axis=1)
@@ -239,12 +240,12 @@ def test_the_trees_evaluation_stops_only_where_it_cannot_change_the_choice(monke
         held = [kernel.held_out_points(int(v)) for v in val]
         oracle.append(np.mean([np.mean(model.predict(x) != np.argmax(y, 1)) for x, y in held]))
     oracle = np.array(oracle)
-    monkeypatch.setattr(trees_module, "n_threads_for", lambda n_jobs: 2)  # rounds of 2 folds
+    monkeypatch.setattr(fallback_module, "n_threads_for", lambda n_jobs: 2)  # rounds of 2 folds
     fitted = []
     real_fit = trees_module.fit_trees
     monkeypatch.setattr(trees_module, "fit_trees", lambda *a: fitted.append(1) or real_fit(*a))
     constant = 0.5
-    least = TREE_GAIN * constant
+    least = CAPACITY_GAIN * constant
     stop_at_two = (3 * least + oracle[0] + oracle[1]) / 2 - 0.001
     assert stop_at_two * 2 / 3 > least  # so not before the first fold
     seen = set()

@@ -10,6 +10,7 @@ the two disagree beyond what their fold errors allow is answered by it
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -18,11 +19,13 @@ from numpy.typing import NDArray
 from sklearn.base import clone
 
 from ..bags import Bags
+from ..blas import one_thread
+from ..representations.base import n_threads_for
 from ._transfer_cv import FoldEvaluator, coordinate_search
 from ._transfer_strategy import SolverStrategy
-from ._transfer_trees import choose_trees
+from ._transfer_trees import fit_task_trees, tree_scores
 
-__all__ = ["LINEAR_FALLBACK_GRID", "FallbackMixin"]
+__all__ = ["LINEAR_FALLBACK_GRID", "FallbackMixin", "choose_trees"]
 
 #: The low-capacity fallback for tasks out of range: the pooled linear model (on
 #: per-task standardised tasks), ``λ`` searched.
@@ -99,9 +102,10 @@ class FallbackMixin:
         named, leave-one-batch-out folds, the case it is for, choose one, and the
         fallback is kept only where it beats the primary model there. Where either
         way chooses the kernel, a classifier's boosted trees take its place when the
-        same folds show them clearly better (:func:`~._transfer_trees.choose_trees`,
-        ``record["fallback_trees"]``; ``record["fallback_model"]`` then says so). Either way it
-        must get at most half of what a constant prediction gets wrong (a blend: each
+        same folds show them clearly better (:func:`choose_trees`,
+        ``record["fallback_trees"]``). ``record["fallback_model"]`` names what answers:
+        ``"pooled linear"``, ``"own kernel"``, ``"blend"`` or ``"boosted trees"``.
+        Either way it must get at most half of what a constant prediction gets wrong (a blend: each
         member): where standardising erases what the target depends on (a level, a
         size), there is no fallback.
         """
@@ -137,12 +141,14 @@ class FallbackMixin:
             error = max(f[0] for f in found)
             members = [(f[2], f[3]) for f in found]
             best, record["fallback_blend"] = found[0][3], found[1][3]
+            record["fallback_model"] = "blend"
         else:
             # The one the folds chose, or with batch folds the simplest first among
             # equals.
             named = [f for f in found if f[1] == pick] or found
             error, name, ev, best = min(named, key=lambda f: f[0])
             members = [(ev, best)]
+            record["fallback_model"] = name
             if name == "own kernel" and self._is_classifier:
                 # Capacity pays on these folds: the axis-aligned kind may pay more.
                 trees = record["fallback_trees"] = choose_trees(
@@ -251,10 +257,8 @@ def _capacity_choice(
         ``"blend"``.
     """
     per = {name: np.asarray(ev.per_fold(best), dtype=np.float64) for _, name, ev, best in found}
-    diff = per["pooled linear"] - per["own kernel"]
-    se = float(diff.std(ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else 0.0
-    margin = max(se, CAPACITY_GAIN * constant)
-    gain = float(diff.mean())
+    rule = _clear_gain(per["pooled linear"], per["own kernel"], constant)
+    gain, margin = rule["gain"], rule["margin"]
     chosen = "own kernel" if gain > margin else "pooled linear" if -gain > margin else "blend"
     return {
         "rule": (
@@ -263,8 +267,91 @@ def _capacity_choice(
             "prediction's error; otherwise both averaged"
         ),
         "fold_errors": {name: e.tolist() for name, e in per.items()},
-        "gain": gain,
-        "se": se,
-        "margin": margin,
+        **rule,
         "chosen": chosen,
     }
+
+
+def _clear_gain(
+    errors: NDArray[np.float64], other: NDArray[np.float64], constant: float
+) -> dict[str, float]:
+    """The fallback's rule for more capacity: ``other``'s mean ``gain`` over ``errors``,
+    fold by fold, its paired standard error ``se``, and the ``margin`` the gain must
+    exceed: the larger of ``se`` and ``CAPACITY_GAIN`` of the constant prediction's
+    error."""
+    diff = errors - other
+    se = float(diff.std(ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else 0.0
+    return {"gain": float(diff.mean()), "se": se, "margin": max(se, CAPACITY_GAIN * constant)}
+
+
+def choose_trees(
+    kernel: FoldEvaluator,
+    kernel_errors: NDArray[np.float64],
+    constant: float,
+    seed: int,
+) -> dict[str, Any]:
+    """Whether the fallback answers with boosted trees instead of its kernel, by the
+    kernel's own folds and held-out points.
+
+    The trees are fitted on each fold's training tasks (per-task standardised, as the
+    kernel saw them) and scored on the points the kernel was scored on; they are
+    taken when their mean fold error is below the kernel's by more than the paired
+    standard error and by more than ``CAPACITY_GAIN`` of the constant prediction's
+    error: the rule that chose the kernel over the linear model (:func:`_clear_gain`).
+
+    Folds run a round at a time, one per core, and the evaluation stops as soon as the
+    trees cannot be taken whatever the remaining folds show: their error is at least 0,
+    so on a fold still to come they gain at most the kernel's error there. Where the
+    kernel errs on at most ``CAPACITY_GAIN`` of what the constant prediction does, no tree
+    is fitted. The choice is the complete evaluation's.
+
+    Returns
+    -------
+    dict
+        ``rule``, the per-fold ``fold_errors`` of both (the trees': the folds
+        evaluated), the ``margin`` and ``chosen``: ``"boosted trees"`` or
+        ``"own kernel"``; the trees' mean ``gain`` and its ``se`` when every fold was
+        evaluated, else ``stopped_after`` (folds).
+    """
+    setup = kernel.setup
+    tasks, Y = setup.data.tasks, setup.data.Y
+    kernel_errors = np.asarray(kernel_errors, dtype=np.float64)
+    least = CAPACITY_GAIN * constant
+    record: dict[str, Any] = {
+        "rule": (
+            "boosted trees when their mean fold error is lower than the kernel's by more "
+            f"than the paired standard error and by more than {CAPACITY_GAIN:g} of the "
+            "constant prediction's error"
+        ),
+        "fold_errors": {"own kernel": kernel_errors.tolist(), "boosted trees": []},
+        "margin": least,
+        "chosen": "own kernel",
+    }
+
+    def fold_error(f: int) -> float:
+        train, val = setup.folds[f]
+        with one_thread("openmp"):  # OpenMP's thread count is each thread's own
+            trees = fit_task_trees(tasks, Y, seed, train)
+        held = [kernel.held_out_points(int(v)) for v in val]
+        sizes = np.cumsum([x.shape[0] for x, _ in held])[:-1]
+        scores = np.split(tree_scores(trees, np.concatenate([x for x, _ in held])), sizes)
+        return float(np.mean([setup.error(sc, y) for sc, (_, y) in zip(scores, held, strict=True)]))
+
+    n_folds = len(setup.folds)
+    at_once = max(1, min(n_threads_for(-1), n_folds))
+    errors: list[float] = []
+    # A fold per core, each fit on one OpenMP thread (its Cython releases the GIL); the
+    # fitted trees do not depend on the thread count.
+    with ThreadPoolExecutor(at_once) as pool:
+        while len(errors) < n_folds:
+            done = len(errors)
+            best_case = (kernel_errors[:done] - errors).sum() + kernel_errors[done:].sum()
+            if best_case / n_folds <= least:
+                record["stopped_after"] = done
+                record["fold_errors"]["boosted trees"] = errors
+                return record
+            errors += pool.map(fold_error, range(done, min(done + at_once, n_folds)))
+    record["fold_errors"]["boosted trees"] = errors
+    record.update(_clear_gain(kernel_errors, np.asarray(errors), constant))
+    record["chosen"] = "boosted trees" if record["gain"] > record["margin"] else "own kernel"
+    return record

@@ -4,7 +4,7 @@ Gates are drawn as thresholds and polygons on one or two markers at a time, and 
 cells no gate claims are whatever lies outside them: on such labels a model of
 axis-aligned splits can carry over to a new batch better than a smooth kernel does
 (FlowSOM's gated sample, ``bench/bench_new_batch.py``). The fallback takes them where
-its folds show it clearly (:func:`choose_trees`).
+its folds show it clearly (:func:`~._transfer_fallback.choose_trees`).
 
 The trees are fitted by scikit-learn's histogram gradient boosting and kept as plain
 arrays (:func:`fit_trees`), so that a model stores them without pickle; answering
@@ -14,26 +14,21 @@ rebuilds scikit-learn's compiled tree predictors from those arrays after checkin
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from ..blas import one_thread
 from ..errors import BagValidationError
-from ..representations.base import n_threads_for
 
 if TYPE_CHECKING:
     from ..bags import Bags
-    from ._transfer_cv import FoldEvaluator
 
 __all__ = [
     "TREE_PARAMETERS",
     "TREE_POINTS",
     "check_trees",
-    "choose_trees",
     "fit_task_trees",
     "fit_trees",
     "tree_scores",
@@ -68,11 +63,6 @@ _FIELDS: dict[str, tuple[str, type]] = {
 #: samples would otherwise fit every fold on all of them). The benchmarks' samples
 #: (3,000 cells) are fitted whole.
 TREE_POINTS = 20_000
-
-#: The least gain of the trees over the kernel, as a share of the constant prediction's
-#: fold error, for which the folds' choice counts (besides their noise): the same bar
-#: as the choice between the kernel and the linear model (``CAPACITY_GAIN``).
-TREE_GAIN = 0.02
 
 
 def _labels(Y: NDArray[np.float64]) -> NDArray[np.int64]:
@@ -246,84 +236,3 @@ def tree_scores(trees: dict[str, Any], points: NDArray[np.float64]) -> NDArray[n
     full[:, classes] = probs
     scores = 2.0 * full - 1.0
     return scores[:, 1:2] if n_outputs == 1 else scores
-
-
-def choose_trees(
-    kernel: FoldEvaluator,
-    kernel_errors: NDArray[np.float64],
-    constant: float,
-    seed: int,
-) -> dict[str, Any]:
-    """Whether the fallback answers with boosted trees instead of its kernel, by the
-    kernel's own folds and held-out points.
-
-    The trees are fitted on each fold's training tasks (per-task standardised, as the
-    kernel saw them) and scored on the points the kernel was scored on; they are
-    taken when their mean fold error is below the kernel's by more than the paired
-    standard error and by more than ``TREE_GAIN`` of the constant prediction's error,
-    the rule that chose the kernel over the linear model (``_capacity_choice``).
-
-    Folds run a round at a time, one per core, and the evaluation stops as soon as the
-    trees cannot be taken whatever the remaining folds show: their error is at least 0,
-    so on a fold still to come they gain at most the kernel's error there. Where the
-    kernel errs on at most ``TREE_GAIN`` of what the constant prediction does, no tree
-    is fitted. The choice is the complete evaluation's.
-
-    Returns
-    -------
-    dict
-        ``rule``, the per-fold ``fold_errors`` of both (the trees': the folds
-        evaluated), the ``margin`` and ``chosen``: ``"boosted trees"`` or
-        ``"own kernel"``; the trees' mean ``gain`` and its ``se`` when every fold was
-        evaluated, else ``stopped_after`` (folds).
-    """
-    setup = kernel.setup
-    tasks, Y = setup.data.tasks, setup.data.Y
-    kernel_errors = np.asarray(kernel_errors, dtype=np.float64)
-    least = TREE_GAIN * constant
-    record: dict[str, Any] = {
-        "rule": (
-            "boosted trees when their mean fold error is lower than the kernel's by more "
-            f"than the paired standard error and by more than {TREE_GAIN:g} of the "
-            "constant prediction's error"
-        ),
-        "fold_errors": {"own kernel": kernel_errors.tolist(), "boosted trees": []},
-        "margin": least,
-        "chosen": "own kernel",
-    }
-
-    def fold_error(f: int) -> float:
-        train, val = setup.folds[f]
-        with one_thread("openmp"):  # OpenMP's thread count is each thread's own
-            trees = fit_task_trees(tasks, Y, seed, train)
-        held = [kernel.held_out_points(int(v)) for v in val]
-        sizes = np.cumsum([x.shape[0] for x, _ in held])[:-1]
-        scores = np.split(tree_scores(trees, np.concatenate([x for x, _ in held])), sizes)
-        return float(np.mean([setup.error(sc, y) for sc, (_, y) in zip(scores, held, strict=True)]))
-
-    n_folds = len(setup.folds)
-    at_once = max(1, min(n_threads_for(-1), n_folds))
-    errors: list[float] = []
-    # A fold per core, each fit on one OpenMP thread (its Cython releases the GIL); the
-    # fitted trees do not depend on the thread count.
-    with ThreadPoolExecutor(at_once) as pool:
-        while len(errors) < n_folds:
-            done = len(errors)
-            best_case = (kernel_errors[:done] - errors).sum() + kernel_errors[done:].sum()
-            if best_case / n_folds <= least:
-                record["stopped_after"] = done
-                record["fold_errors"]["boosted trees"] = errors
-                return record
-            errors += pool.map(fold_error, range(done, min(done + at_once, n_folds)))
-    diff = kernel_errors - np.asarray(errors)
-    se = float(diff.std(ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else 0.0
-    margin = max(se, least)
-    gain = float(diff.mean())
-    record["fold_errors"]["boosted trees"] = errors
-    record.update(
-        gain=gain,
-        se=se,
-        margin=margin,
-        chosen="boosted trees" if gain > margin else "own kernel",
-    )
-    return record

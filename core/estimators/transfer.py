@@ -782,7 +782,7 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         leave-one-batch-out folds prefer; where the kernel is chosen, a classifier
         answers with boosted trees on the same cells instead when the same folds show
         them clearly better (axis-aligned splits, as gates are drawn;
-        :func:`~._transfer_trees.choose_trees`). It is kept only
+        :func:`~._transfer_fallback.choose_trees`). It is kept only
         when the folds find it useful (at most half the error of a constant
         prediction and, with batches named, less error than the primary model's on
         leave-one-batch-out folds), and answers every new task out of the training

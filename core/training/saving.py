@@ -237,18 +237,9 @@ def _new_batch_record(model: Any) -> dict[str, Any] | None:
     if kind_of(type(model)) is not ModelKind.CELL:
         return None
     record = (getattr(model, "selection_", None) or {}).get("normalisation") or {}
-    fallback = None
-    if getattr(model, "fallback_", None) is not None:
-        if record.get("fallback_model"):
-            fallback = record["fallback_model"]
-        elif "fallback_blend" in record:
-            fallback = "blend"
-        elif (record.get("fallback") or {}).get("point_kernel") == "linear":
-            fallback = "pooled linear"
-        else:
-            fallback = "own kernel"
+    has_fallback = getattr(model, "fallback_", None) is not None
     return {
-        "fallback": fallback,
+        "fallback": record.get("fallback_model") if has_fallback else None,
         "fallback_cv": record.get("fallback_cv"),
         "fallback_cv_error": record.get("fallback_cv_error"),
         "calibration": getattr(model, "calibration_", "none"),
