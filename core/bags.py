@@ -30,6 +30,7 @@ __all__ = [
     "segment_sum",
     "standardise_each_bag",
     "subsample_bags",
+    "subsample_rows",
 ]
 
 
@@ -426,6 +427,18 @@ def subsample_bags(bags: Bags, size: int | None, seed: int, *, canonical: bool =
     """
     if not canonical and (size is None or bags.sizes.max() <= size):
         return bags
+    rows = subsample_rows(bags, size, seed, canonical=canonical)
+    sizes = bags.sizes if size is None else np.minimum(bags.sizes, size)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    w = None if bags.weights is None else bags.weights[rows]
+    return Bags(bags.points[rows], offsets, w, validate=False)
+
+
+def subsample_rows(
+    bags: Bags, size: int | None, seed: int, *, canonical: bool = False
+) -> NDArray[np.int64]:
+    """The rows of ``bags.points`` that :func:`subsample_bags` keeps, bag after bag in
+    its order: for indexing what goes with the points (labels, targets)."""
     keep = []
     for t in range(len(bags)):
         lo, hi = int(bags.offsets[t]), int(bags.offsets[t + 1])
@@ -439,11 +452,7 @@ def subsample_bags(bags: Bags, size: int | None, seed: int, *, canonical: bool =
             keep.append(lo + np.lexsort(pts.T[::-1]))
         else:
             keep.append(np.arange(lo, hi))
-    rows = np.concatenate(keep)
-    sizes = np.array([k.size for k in keep])
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
-    w = None if bags.weights is None else bags.weights[rows]
-    return Bags(bags.points[rows], offsets, w, validate=False)
+    return np.concatenate(keep).astype(np.int64)
 
 
 def standardise_each_bag(bags: Bags) -> Bags:

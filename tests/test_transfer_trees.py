@@ -286,9 +286,11 @@ def test_the_card_says_the_trees_answer_new_batches(gated_model):
 
 
 def test_trees_are_fitted_on_at_most_tree_points_cells_of_each_task(monkeypatch):
-    """Each task gives at most ``TREE_POINTS`` of its cells, the same ones in every call
-    (folds and final fit alike), in their order; a smaller task gives all of them."""
+    """Each task gives at most ``TREE_POINTS`` of its cells with their own targets, the
+    same ones in every call (folds and final fit alike) and whatever the order of its
+    cells, as ``subsample_bags`` draws them; a smaller task gives all of them."""
     import bagserve.core.estimators._transfer_trees as trees_module
+    from bagserve.core.bags import subsample_bags
 
     xs, ys = _gated_tasks(3, 300, 2)
     xs[1] = xs[1][:80]
@@ -307,13 +309,22 @@ def test_trees_are_fitted_on_at_most_tree_points_cells_of_each_task(monkeypatch)
     np.testing.assert_array_equal(points, points2)
     for name in ("value", "feature", "threshold", "tree_offsets"):
         np.testing.assert_array_equal(first[name], again[name])
+    np.testing.assert_array_equal(points, subsample_bags(tasks, 100, seed=0).points)
     assert points.shape == (100 + 80 + 100, 4)
     parts = np.split(np.arange(points.shape[0]), [100, 180])
     for t, part in enumerate(parts):
         rows = [np.flatnonzero((xs[t] == p).all(axis=1))[0] for p in points[part]]
-        assert np.all(np.diff(rows) > 0)  # distinct cells of task t, in order
+        assert len(set(rows)) == len(rows)  # distinct cells of task t
         np.testing.assert_array_equal(targets[part], _coded(ys[t], 4)[rows])
-    assert len(set(map(tuple, points[:100]))) == 100
+    # Task 2 alone (a fold training on it), its cells shuffled: the same cells.
+    order = np.random.default_rng(1).permutation(300)
+    shuffled = Bags.from_arrays([xs[0], xs[1], xs[2][order]])
+    Ys = _coded(np.concatenate([ys[0], ys[1], ys[2][order]]), 4)
+    seen.clear()
+    trees_module.fit_task_trees(shuffled, Ys, seed=0, which=[2])
+    alone, alone_targets = seen[0]
+    np.testing.assert_array_equal(alone, points[180:])
+    np.testing.assert_array_equal(alone_targets, targets[180:])
     monkeypatch.setattr(trees_module, "TREE_POINTS", 10_000)
     seen.clear()
     trees_module.fit_task_trees(tasks, Y, seed=0)

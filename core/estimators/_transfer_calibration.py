@@ -39,7 +39,7 @@ from ..selection import leave_one_group_out_folds
 from ._transfer_cv import FoldEvaluator, Folds, one_standard_error_record
 from ._transfer_refine import refine_scores
 from ._transfer_reports import TaskReport
-from ._transfer_strategy import Transform
+from ._transfer_strategy import Transform, class_codes
 
 __all__ = [
     "LANDMARK_ITERATIONS",
@@ -237,7 +237,7 @@ class CalibrationMixin:
     def _fit_landmarks(self, raw: Bags, Y: NDArray[np.float64]) -> None:
         """The training populations' centres on the cells as they arrived (the
         landmarks of ``calibrate="landmarks"``)."""
-        codes = np.argmax(Y, axis=1) if Y.shape[1] > 1 else (Y[:, 0] > 0).astype(np.int64)
+        codes = class_codes(Y)
         sums = np.zeros((self.classes_.size, raw.dim))
         np.add.at(sums, codes, raw.points)
         counts = np.bincount(codes, minlength=self.classes_.size)[:, None]

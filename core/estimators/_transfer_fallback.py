@@ -22,7 +22,7 @@ from ..bags import Bags
 from ..blas import one_thread
 from ..representations.base import n_threads_for
 from ._transfer_cv import FoldEvaluator, coordinate_search
-from ._transfer_strategy import SolverStrategy
+from ._transfer_strategy import SolverStrategy, class_codes
 from ._transfer_trees import fit_task_trees, tree_scores
 
 __all__ = ["LINEAR_FALLBACK_GRID", "FallbackMixin", "choose_trees"]
@@ -209,7 +209,7 @@ class FallbackMixin:
         the mean), per task then averaged, as the folds average it."""
         owner = tasks.bag_index()
         if self._is_classifier:
-            labels = np.argmax(Y, axis=1) if Y.shape[1] > 1 else (Y[:, 0] > 0).astype(int)
+            labels = class_codes(Y)
             wrong = (labels != np.bincount(labels).argmax()).astype(np.float64)
         else:
             wrong = np.mean((Y - Y.mean(axis=0)) ** 2, axis=1)

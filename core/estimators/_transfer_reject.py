@@ -33,6 +33,7 @@ from scipy.stats import chi2
 
 from ..bags import Bags, BagValidationError
 from ._transfer_cv import FoldEvaluator, content_digest, one_standard_error_record
+from ._transfer_strategy import class_codes
 
 __all__ = [
     "REJECT_THRESHOLDS",
@@ -222,7 +223,7 @@ class OpenSetMixin:
             self.reject_threshold_ = None
         if not self._is_classifier:
             return
-        codes = np.argmax(Y, axis=1) if Y.shape[1] > 1 else (Y[:, 0] > 0).astype(np.int64)
+        codes = class_codes(Y)
         self.population_means_, self.population_precisions_ = population_statistics(
             tasks.points, codes, self.classes_.size, self.rest_code_
         )

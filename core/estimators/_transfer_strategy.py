@@ -220,6 +220,14 @@ class ValidationFold:
     transform: Transform | None = None
 
 
+def class_codes(Y: NDArray[np.float64]) -> NDArray[np.int64]:
+    """Class codes of the classifiers' ±1-coded targets: the sign of the one column for
+    two classes, else the column of the +1."""
+    if Y.shape[1] == 1:
+        return (Y[:, 0] > 0).astype(np.int64)
+    return np.argmax(Y, axis=1).astype(np.int64)
+
+
 def held_out_error(fold: ValidationFold, scores: list[NDArray[np.float64]]) -> float:
     """Mean over the held-out tasks of each task's validation error (of its scores
     after ``fold.transform``, when set)."""

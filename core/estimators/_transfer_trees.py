@@ -15,15 +15,14 @@ rebuilds scikit-learn's compiled tree predictors from those arrays after checkin
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from ..bags import Bags, subsample_rows
 from ..errors import BagValidationError
-
-if TYPE_CHECKING:
-    from ..bags import Bags
+from ._transfer_strategy import class_codes
 
 __all__ = [
     "TREE_PARAMETERS",
@@ -59,17 +58,10 @@ _FIELDS: dict[str, tuple[str, type]] = {
 }
 
 #: Cells of each training task the trees are fitted on, a seeded draw where a task has
-#: more: it bounds a fit, linear in the cells, at 20,000 a sample (a cohort of 10^6-cell
-#: samples would otherwise fit every fold on all of them). The benchmarks' samples
-#: (3,000 cells) are fitted whole.
+#: more (:func:`~core.bags.subsample_rows`): it bounds a fit, linear in the cells, at
+#: 20,000 a sample (a cohort of 10^6-cell samples would otherwise fit every fold on all
+#: of them). The benchmarks' samples (3,000 cells) are fitted whole.
 TREE_POINTS = 20_000
-
-
-def _labels(Y: NDArray[np.float64]) -> NDArray[np.int64]:
-    """Class codes of ±1-coded targets (one column: the sign; else the argmax)."""
-    if Y.shape[1] == 1:
-        return (Y[:, 0] > 0).astype(np.int64)
-    return np.argmax(Y, axis=1).astype(np.int64)
 
 
 def fit_trees(points: NDArray[np.float64], Y: NDArray[np.float64], seed: int) -> dict[str, Any]:
@@ -88,7 +80,7 @@ def fit_trees(points: NDArray[np.float64], Y: NDArray[np.float64], seed: int) ->
     """
     from sklearn.ensemble import HistGradientBoostingClassifier
 
-    codes = _labels(Y)
+    codes = class_codes(Y)
     present = np.unique(codes)
     out: dict[str, Any] = {"n_outputs": int(Y.shape[1])}
     if present.size < 2:
@@ -115,21 +107,14 @@ def fit_task_trees(
     tasks: Bags, Y: NDArray[np.float64], seed: int, which: Any = None
 ) -> dict[str, Any]:
     """:func:`fit_trees` on the cells of tasks ``which`` (default: all), at most
-    :data:`TREE_POINTS` of each (drawn with ``seed`` and the task's index, so that a
-    task gives the same cells in every fold and in the final fit)."""
-    which = range(len(tasks)) if which is None else which
-    rows = []
-    for t in which:
-        lo, hi = int(tasks.offsets[t]), int(tasks.offsets[t + 1])
-        if hi - lo > TREE_POINTS:
-            pick = np.random.default_rng([seed, int(t), 1]).choice(
-                hi - lo, TREE_POINTS, replace=False
-            )
-            rows.append(lo + np.sort(pick))
-        else:
-            rows.append(np.arange(lo, hi))
-    index = np.concatenate(rows)
-    return fit_trees(tasks.points[index], Y[index], seed)
+    :data:`TREE_POINTS` of each, drawn as :func:`~core.bags.subsample_bags` draws them
+    (from the cells alone: a task gives the same ones in every fold and the final fit)."""
+    if which is not None:
+        which = np.asarray(which)
+        Y = Y[np.concatenate([np.arange(tasks.offsets[t], tasks.offsets[t + 1]) for t in which])]
+        tasks = tasks[which]
+    rows = subsample_rows(tasks, TREE_POINTS, seed)
+    return fit_trees(tasks.points[rows], Y[rows], seed)
 
 
 def check_trees(trees: dict[str, Any], n_features: int) -> None:
