@@ -175,6 +175,9 @@ def render_card(
         )
     new = metadata.get("new_batches")
     if isinstance(new, dict):
+        primary = _PRIMARY_TEXT.get(str(new.get("primary")))
+        if primary:
+            lines.append(f"- Samples like the training samples: answered by {primary}")
         lines.append(_new_batch_line(new))
     calibration = metadata.get("probability_calibration")
     if calibration:
@@ -210,6 +213,17 @@ _FALLBACK_TEXT = {
     "own kernel": "the model's own kernel",
     "pooled linear": "a pooled linear model",
     "blend": "the average of a pooled linear model and the model's own kernel",
+}
+
+
+#: What answers a sample in range where the model's capacity choice did not leave its
+#: kernel alone, by ``primary`` of the card's ``new_batches``.
+_PRIMARY_TEXT = {
+    "blend": (
+        "the average of the model's own kernel and a pooled linear model (its folds did "
+        "not show the kernel clearly better)"
+    ),
+    "pooled linear": "a pooled linear model (its folds showed it clearly better than the kernel)",
 }
 
 

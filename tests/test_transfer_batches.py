@@ -584,3 +584,150 @@ def test_without_batches_the_folds_choose_a_capacity_only_by_a_clear_margin(
     assert record["se"] == pytest.approx(se)
     assert record["margin"] == pytest.approx(max(se, CAPACITY_GAIN * constant))
     assert record["chosen"] == chosen
+
+
+# ----------------------------------------------------------------- the primary's capacity
+def test_without_batches_the_primary_averages_its_kernel_with_the_pooled_linear_model(tmp_path):
+    """Gaussian populations a linear model separates as well as the kernel: the folds
+    of one batch show no clear gain for the kernel, so the primary model answers with
+    both averaged, the pooled linear one fitted on the tasks as the primary sees them
+    (no normalisation here). scikit-learn's Ridge on ``[x, 1]`` with weights
+    ``1/(N n_i)`` at the chosen λ is the linear member's oracle; the average is what
+    answers, refined by the primary's own choice, and it survives saving."""
+    import copy
+
+    from bagserve.core import save
+    from bagserve.core.estimators._transfer_fallback import CAPACITY_GAIN
+    from sklearn.linear_model import Ridge
+
+    tasks, y, batches = make_batched_cytometry_tasks(2, 4, 300, random_state=[0, 1], strength=2)
+    per = [y[tasks.offsets[t] : tasks.offsets[t + 1]] for t in range(len(tasks))]
+    train_idx = np.flatnonzero(batches == 0)
+    model = MarginalTransferClassifier(n_components=32, refine="none", random_state=0)
+    model.fit(tasks[train_idx], np.concatenate([per[t] for t in train_idx]))
+    record = model.selection_["capacity"]
+    gain = np.mean(record["fold_errors"]["pooled linear"]) - np.mean(
+        record["fold_errors"]["own kernel"]
+    )
+    assert abs(gain) <= max(record["se"], CAPACITY_GAIN * record["constant_error"])
+    assert record["chosen"] == "blend"
+    partner = model.blend_
+    assert partner.point_kernel_ == "linear" and partner.tau_ == 1.0
+    assert partner.normalise_ == model.normalise_ == "none"
+    assert model.point_kernel_ == "gaussian+linear"
+
+    train_tasks = tasks[train_idx]
+    X = np.hstack([train_tasks.points, np.ones((train_tasks.n_points, 1))])
+    codes = np.searchsorted(model.classes_, np.concatenate([per[t] for t in train_idx]))
+    Y = -np.ones((codes.size, model.classes_.size))
+    Y[np.arange(codes.size), codes] = 1.0
+    w = np.repeat(1.0 / (len(train_tasks) * train_tasks.sizes), train_tasks.sizes)
+    ridge = Ridge(alpha=partner.alpha_, fit_intercept=False).fit(X, Y, sample_weight=w)
+    inside = tasks[train_idx[:2]]
+    Xn = np.hstack([inside.points, np.ones((inside.n_points, 1))])
+    np.testing.assert_allclose(
+        partner.decision_function(inside), ridge.predict(Xn), rtol=1e-7, atol=1e-9
+    )
+    kernel = copy.copy(model)
+    kernel.blend_, kernel.fallback_ = None, None
+    answered = model.predict_tasks(inside)
+    assert not any(p.report.fallback for p in answered)
+    average = (kernel.decision_function(inside) + partner.decision_function(inside)) / 2
+    np.testing.assert_allclose(
+        np.concatenate([p.scores for p in answered]), average, rtol=1e-12, atol=1e-12
+    )
+    again = load(save(model, tmp_path / "m"))
+    np.testing.assert_array_equal(again.decision_function(tasks), model.decision_function(tasks))
+    # The model card says so.
+    from bagserve.core.card import render_card
+    from bagserve.core.training.saving import _new_batch_record
+
+    card = render_card(
+        {"new_batches": _new_batch_record(model)},
+        estimator="MarginalTransferClassifier",
+        kind="cell",
+    )
+    assert (
+        "- Samples like the training samples: answered by the average of the model's own "
+        "kernel and a pooled linear model"
+    ) in card
+
+
+def test_the_primary_keeps_its_kernel_alone_where_the_folds_show_it_clearly_better():
+    """Two classes on the diagonals of four clusters (an exclusive or): no linear
+    model separates them, the kernel's folds gain far beyond both bars, and the kernel
+    answers alone."""
+    rng = np.random.default_rng(0)
+    centres = np.array([[-2.0, -2.0], [2.0, 2.0], [-2.0, 2.0], [2.0, -2.0]])
+    bags, labels = [], []
+    for _ in range(5):
+        which = rng.integers(0, 4, 240)
+        bags.append(centres[which] + rng.normal(scale=0.5, size=(240, 2)))
+        labels.append(np.where(which < 2, "a", "b"))
+    model = MarginalTransferClassifier(n_components=32, refine="none", random_state=0)
+    model.fit(Bags.from_arrays(bags), np.concatenate(labels))
+    record = model.selection_["capacity"]
+    assert record["chosen"] == "own kernel", record
+    assert record["gain"] > max(record["se"], 0.02 * record["constant_error"])
+    assert model.blend_ is None
+    assert np.mean(model.predict(Bags.from_arrays(bags)) == np.concatenate(labels)) > 0.95
+
+
+def test_a_fixed_linear_kernel_batch_folds_or_no_fallback_ask_no_capacity_question():
+    """The comparison is for a kernel chosen on leave-tasks-out folds beside a fallback:
+    a model told to be linear has nothing to compare, a model chosen on batch folds
+    (batches named, no fallback) had the transfer itself measured, and without a
+    fallback the primary answers the tasks far out of range too, where a linear model
+    of raw cells extrapolates worst."""
+    tasks, y, batches = make_batched_cytometry_tasks(2, 4, 200, random_state=[0, 1], strength=2)
+    alone = MarginalTransferClassifier(
+        n_components=16, normalise="none", refine="none", random_state=0
+    ).fit(tasks[batches == 0], y[np.repeat(batches, tasks.sizes) == 0])
+    assert alone.fallback_ is None
+    assert "capacity" not in alone.selection_ and alone.blend_ is None
+    linear = MarginalTransferClassifier(
+        n_components=16, point_kernel="linear", refine="none", random_state=0
+    ).fit(tasks, y)
+    assert "capacity" not in linear.selection_ and linear.blend_ is None
+    by_batch = MarginalTransferClassifier(
+        n_components=16, normalise="standard", refine="none", random_state=0
+    ).fit(tasks, y, groups=batches)
+    assert by_batch.selection_["cv"] == "leave-one-batch-out"
+    assert "capacity" not in by_batch.selection_ and by_batch.blend_ is None
+
+
+def test_where_the_linear_model_is_chosen_the_primary_is_that_model(monkeypatch):
+    """The plumbing of the third outcome, forced (the kernel has a linear part, so folds
+    rarely show the linear model clearly better): the primary model is then the pooled
+    linear model at the λ its folds chose, as a model fixed to it is."""
+    from bagserve.core.estimators import _transfer_fallback
+
+    real = _transfer_fallback._capacity_choice
+
+    def linear_wins(found, constant):
+        return {**real(found, constant), "chosen": "pooled linear"}
+
+    monkeypatch.setattr(_transfer_fallback, "_capacity_choice", linear_wins)
+    tasks, y, _ = make_batched_cytometry_tasks(2, 4, 200, random_state=[0, 1], strength=2)
+    model = MarginalTransferClassifier(n_components=16, refine="none", random_state=0)
+    model.fit(tasks, y)
+    linear = model.selection_["capacity"]["pooled_linear"]
+    assert model.point_kernel_ == "linear" and model.tau_ == 1.0 and model.blend_ is None
+    assert model.alpha_ == linear["alpha"]
+    fixed = MarginalTransferClassifier(
+        n_components=16,
+        point_kernel="linear",
+        tau=[1.0],
+        alpha=[linear["alpha"]],
+        normalise=model.normalise_,
+        refine="none",
+        random_state=0,
+    ).fit(tasks, y)
+    inside = tasks[[0, 1]]
+    alone, fixed_alone = clone_without_fallback(model), clone_without_fallback(fixed)
+    np.testing.assert_allclose(
+        alone.decision_function(inside),
+        fixed_alone.decision_function(inside),
+        rtol=1e-9,
+        atol=1e-12,
+    )

@@ -272,12 +272,10 @@ class CalibrationMixin:
 
     def _primary_scores(self, raw: Bags) -> list[NDArray[np.float64]]:
         """The primary model's scores of ``raw``, whatever their range (no fallback,
-        refinement or reject rule)."""
+        refinement or reject rule; a blend averaged)."""
         tasks = self._normalise(raw)
         emb, sq_new = self._task_similarities(tasks)
-        strategy = self._strategy()
-        state = self._fitted_state(strategy)
-        return strategy.task_scores(state, self._new_tasks(tasks, emb, sq_new))
+        return self._model_scores(raw, tasks, emb, sq_new)
 
     def _landmark_aligned(
         self, x: NDArray[np.float64], only_beyond: bool = False

@@ -29,6 +29,7 @@ from ._transfer_cv import (
     mean_squared_error,
     misclassification_rate,
 )
+from ._transfer_fallback import _fits_linear_pooled
 from ._transfer_refine import refine_scores
 from ._transfer_reject import choose_reject
 from ._transfer_strategy import SolverStrategy
@@ -181,7 +182,13 @@ class SearchMixin:
         """Cross-validation: the normalisation (:func:`~._transfer_cv.choose_normalisation`)
         when there is a choice, then the kernel (:func:`~._transfer_cv.coordinate_search`)
         on the tasks so normalised. Sets ``selection_``; returns the normalisation and
-        the best configuration."""
+        the best configuration.
+
+        A classifier's kernel chosen on leave-tasks-out folds beside an invariant
+        fallback then faces the pooled linear model
+        (:meth:`~._transfer_fallback.FallbackMixin._choose_capacity`): alone, or both
+        averaged where the folds cannot tell them apart by a clear margin; the
+        refinement and the reject rule are chosen for what answers."""
         N = len(next(iter(variants.values())))
         if N < 2:
             raise BagValidationError(
@@ -235,14 +242,22 @@ class SearchMixin:
             searched = searched.on_folds(batch_folds)
             self.selection_ = coordinate_search(searched, grid)
             self.selection_["cv"] = "leave-one-batch-out"
-        self.selection_["refine"] = self._choose_refinement([(searched, self.selection_["best"])])
+        members = [(searched, self.selection_["best"])]
+        if (
+            with_fallback
+            and self._is_classifier
+            and self.point_kernel_ != "linear"
+            and _fits_linear_pooled(searched.strategy, self.loss_)
+        ):
+            members = self._choose_capacity(searched, Y)
+        self.selection_["refine"] = self._choose_refinement(members)
         rest = self._rest_code()
         thresholds = self._reject_options()
         if rest is not None and thresholds is not None:
             seed = self.seed_
             refined = self.selection_["refine"]["chosen"] == "mixture"
             self.selection_["reject"] = choose_reject(
-                [(searched, self.selection_["best"])],
+                members,
                 (lambda x, s: refine_scores(x, s, seed)[0]) if refined else None,
                 rest,
                 thresholds,

@@ -345,7 +345,16 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             best = {name: values[0] for name, values in grid.items()}
             best["alpha"] = float(alphas[0])
             self.selection_ = {"evaluated": [], "folds": [], "best": best}
+        capacity = self.selection_.get("capacity") or {}
+        if capacity.get("chosen") == "pooled linear":
+            best = capacity["pooled_linear"]
+            self.point_kernel_ = "linear"
         self._fit_on(strategy, variants[chosen], Y, chosen, best)
+        self.blend_ = None
+        if capacity.get("chosen") == "blend":
+            self.blend_ = self._fallback(
+                strategy, variants[chosen], Y, capacity["pooled_linear"], normalise=chosen
+            )
         self.refine_ = (self.selection_.get("refine") or {}).get("chosen", refinements[0])
         self._fit_open_set(variants[chosen], Y)
         if self._is_classifier:
@@ -542,21 +551,7 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
                 # hundred points each) are cheap to redo, their cells are not.
                 tasks = tasks[np.array(near)]
                 emb, sq_new = self._task_similarities(tasks)
-            trees = getattr(self, "trees_", None)
-            if trees is not None:
-                # A fallback of boosted trees: its task embedding only reports. Every
-                # cell is scored on its own, so all tasks go through the trees at once.
-                answered = np.split(tree_scores(trees, tasks.points), tasks.offsets[1:-1])
-            else:
-                strategy = self._strategy()
-                answered = strategy.task_scores(
-                    self._fitted_state(strategy), self._new_tasks(tasks, emb, sq_new)
-                )
-            blend = getattr(self, "blend_", None)
-            if blend is not None:
-                # A blended fallback: its scores and its partner's, averaged.
-                partner, _ = blend._scores_per_task(raw[np.array(near)])
-                answered = [(a + b) / 2.0 for a, b in zip(answered, partner, strict=True)]
+            answered = self._model_scores(raw[np.array(near)], tasks, emb, sq_new)
             relabelled: list[float | None] = [None] * len(near)
             if self._refines():
                 refined = [
@@ -586,6 +581,29 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             # Whichever model answered: its scores share the ±1 coding.
             scores = [reject_scores(sc, self.rest_code_, reject) for sc in scores]
         return scores, reports
+
+    def _model_scores(
+        self, raw: Bags, tasks: Bags, emb: Embedding, sq_new: NDArray[np.float64]
+    ) -> list[NDArray[np.float64]]:
+        """This model's scores of ``tasks`` (``raw`` as they arrived, normalised; ``emb``
+        and ``sq_new`` their embedding and distances to the training tasks), before any
+        refinement or reject rule: its boosted trees or its kernel, averaged with its
+        blend partner's where it has one (``blend_``)."""
+        trees = getattr(self, "trees_", None)
+        if trees is not None:
+            # A fallback of boosted trees: its task embedding only reports. Every cell
+            # is scored on its own, so all tasks go through the trees at once.
+            answered = np.split(tree_scores(trees, tasks.points), tasks.offsets[1:-1])
+        else:
+            strategy = self._strategy()
+            answered = strategy.task_scores(
+                self._fitted_state(strategy), self._new_tasks(tasks, emb, sq_new)
+            )
+        blend = getattr(self, "blend_", None)
+        if blend is not None:
+            partner = blend._primary_scores(raw)
+            answered = [(a + b) / 2.0 for a, b in zip(answered, partner, strict=True)]
+        return answered
 
     def _refines(self) -> bool:
         """Whether this model refines its answers (models saved before ``refine_``
@@ -842,6 +860,15 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         whose scores it averages with its own (``selection_["normalisation"]
         ["fallback_choice"]`` says why: one capacity, or both); its ``trees_``, when
         set, the boosted trees it answers with (``["fallback_trees"]`` says why).
+    blend_ : MarginalTransferClassifier or None
+        The pooled linear model whose scores the primary model averages with its
+        kernel's, where the leave-tasks-out folds its kernel was chosen on do not show
+        the kernel clearly better (``selection_["capacity"]``: both models' fold errors,
+        the kernel's gain, the margin it had to clear and the choice, by the fallback's
+        rule; asked only beside an invariant fallback, which answers the tasks out of
+        range); ``None`` where the kernel answers alone (or the pooled linear model in
+        its place), without a fallback (then chosen leave-one-batch-out where batches
+        are named), or with a fixed linear ``point_kernel``.
     refine_ : str
         ``"mixture"`` or ``"none"``: whether this model refines its answers (the
         fallback's own ``refine_`` for the tasks it answers).

@@ -231,12 +231,14 @@ def _calibration_record(model: Any) -> dict[str, Any] | None:
 def _new_batch_record(model: Any) -> dict[str, Any] | None:
     """How a per-cell model answers a sample unlike its training samples (for the card):
     which invariant fallback, chosen on which folds, and the calibration of such
-    samples; None for other models."""
+    samples, and what its own capacity choice made of the model itself (``primary``);
+    None for other models."""
     from ..runtime import ModelKind, kind_of
 
     if kind_of(type(model)) is not ModelKind.CELL:
         return None
-    record = (getattr(model, "selection_", None) or {}).get("normalisation") or {}
+    selection = getattr(model, "selection_", None) or {}
+    record = selection.get("normalisation") or {}
     has_fallback = getattr(model, "fallback_", None) is not None
     return {
         "fallback": record.get("fallback_model") if has_fallback else None,
@@ -244,4 +246,5 @@ def _new_batch_record(model: Any) -> dict[str, Any] | None:
         "fallback_cv_error": record.get("fallback_cv_error"),
         "calibration": getattr(model, "calibration_", "none"),
         "normalise": getattr(model, "normalise_", None),
+        "primary": (selection.get("capacity") or {}).get("chosen"),
     }
