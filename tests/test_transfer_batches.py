@@ -731,3 +731,35 @@ def test_where_the_linear_model_is_chosen_the_primary_is_that_model(monkeypatch)
         rtol=1e-9,
         atol=1e-12,
     )
+
+
+def test_with_batches_named_the_calibration_is_chosen_for_the_blend_that_answers(monkeypatch):
+    """Batches named and a fallback: the primary is chosen on leave-tasks-out folds and
+    may be a blend; each calibration is then judged on the held-out batches for both
+    members, counted fold by fold as the worse of the two (the refinement's and reject
+    rule's convention), not for the kernel alone."""
+    from bagserve.core.estimators import _transfer_calibration
+
+    seen = {}
+    real = _transfer_calibration.choose_calibration
+
+    def spy(uncalibrated, evaluators):
+        record = real(uncalibrated, evaluators)
+        seen.update(
+            {
+                how: [ev.per_fold(best) for ev, best in members]
+                for how, members in evaluators.items()
+            }
+        )
+        return record
+
+    monkeypatch.setattr(_transfer_calibration, "choose_calibration", spy)
+    tasks, y, batches = make_batched_cytometry_tasks(2, 4, 300, random_state=[0, 1], strength=2)
+    model = MarginalTransferClassifier(n_components=32, refine="none", random_state=0)
+    model.fit(tasks, y, groups=batches)
+    assert model.fallback_ is not None and model.selection_["cv"] == "leave-tasks-out"
+    assert model.selection_["capacity"]["chosen"] == "blend"
+    record = model.selection_["calibration"]
+    for how in ("quantile", "mmd"):
+        assert len(seen[how]) == 2
+        np.testing.assert_array_equal(record["fold_errors"][how], np.max(seen[how], axis=0))

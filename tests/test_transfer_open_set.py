@@ -150,6 +150,33 @@ def test_the_mmd_map_improves_on_its_quantile_start():
         calibrate(Bags.from_arrays([moved]), "spline", bag_quantiles(Bags.from_arrays([ref]))[0])
 
 
+def test_the_mmd_gradient_weights_are_the_sum_of_the_gaussians_to_the_last_bit():
+    """Computed in place for speed: equal, bit for bit, to the formula written out."""
+    from bagserve.core.alignment import _gradient_weights
+
+    rng = np.random.default_rng(0)
+    sq = rng.uniform(0.0, 20.0, size=(60, 70))
+    h2 = (np.array([0.5, 1.0, 2.0]) * 1.9) ** 2
+    naive = sum(np.exp(-sq / (2.0 * h)) / h for h in h2)
+    np.testing.assert_array_equal(_gradient_weights(sq, h2), naive)
+    np.testing.assert_array_equal(_gradient_weights(sq, h2[:1]), np.exp(-sq / (2 * h2[0])) / h2[0])
+
+
+def test_tasks_mapped_at_once_are_mapped_as_each_alone():
+    """``calibrate(..., "mmd")`` fits the tasks' maps on threads: each task's map is
+    the one :func:`mmd_map` fits for it alone, to the last bit, whatever the order the
+    threads finish in."""
+    from bagserve.core.blas import one_thread
+
+    tasks, _, _ = batched(300)
+    reference = np.asarray(tasks[0])
+    done = calibrate(tasks[1:], "mmd", bag_quantiles(tasks[:1])[0], reference, 7)
+    with one_thread():
+        alone = [mmd_map(np.asarray(tasks[t]), reference, 7) for t in range(1, len(tasks))]
+    np.testing.assert_array_equal(done.points, np.vstack(alone))
+    np.testing.assert_array_equal(done.offsets, tasks[1:].offsets)
+
+
 def test_calibration_is_chosen_on_held_out_batches_and_none_without_them():
     tasks, y, batches = batched()
     kw = {**SMALL, "tau": [0.0, 1.0], "refine": "none"}

@@ -132,8 +132,7 @@ class CalibratedHeldOut(FoldEvaluator):
 
 def choose_calibration(
     uncalibrated: NDArray[np.float64],
-    evaluators: dict[str, FoldEvaluator],
-    best: dict[str, Any],
+    evaluators: dict[str, list[tuple[FoldEvaluator, dict[str, Any]]]],
 ) -> dict[str, Any]:
     """The calibration of tasks out of range, by the one-standard-error rule with no
     calibration first.
@@ -144,14 +143,16 @@ def choose_calibration(
         Per held-out batch, the error of what answers such tasks today (the
         fallback, or the primary model).
     evaluators : dict
-        Per calibration, a :class:`CalibratedHeldOut` of the primary model.
-    best : dict
-        The primary model's configuration (its ``alpha`` included).
+        Per calibration, the primary model's members: for each, a
+        :class:`CalibratedHeldOut` and its configuration (its ``alpha`` included). A
+        model of several members (a blend) counts, fold by fold, as its worst member,
+        as its refinement and reject rule are chosen.
     """
     per_fold: dict[str, NDArray[np.float64]] = {"none": np.asarray(uncalibrated)}
-    for name, ev in evaluators.items():
-        ev.score(best)
-        per_fold[name] = ev.per_fold(best)
+    for name, members in evaluators.items():
+        for ev, best in members:
+            ev.score(best)
+        per_fold[name] = np.max([ev.per_fold(best) for ev, best in members], axis=0)
     return one_standard_error_record(
         per_fold, "one standard error on leave-one-batch-out folds, none first"
     )
@@ -363,26 +364,28 @@ class CalibrationMixin:
     def _choose_calibration(
         self,
         raw: Bags,
-        primary: FoldEvaluator,
+        members: list[tuple[FoldEvaluator, dict[str, Any]]],
         normalisation: str,
         batch_folds: list[Any],
         record: dict[str, Any] | None,
     ) -> dict[str, Any]:
         """Whether tasks out of range are calibrated to the training reference and then
-        answered by the primary model, on leave-one-batch-out folds
-        (:mod:`._transfer_calibration`)."""
-        best = self.selection_["best"]
+        answered by the primary model (its ``members``: evaluators and configurations,
+        two for a blend), on leave-one-batch-out folds (:mod:`._transfer_calibration`)."""
         seed = self.seed_
         refines = self.selection_["refine"]["chosen"] == "mixture"
         transform = (lambda x, sc: refine_scores(x, sc, seed)[0]) if refines else None
         if record is not None and "fallback" in record:
             uncalibrated = np.asarray(record["fallback_fold_errors"])
         else:
-            on_batches = primary.on_folds(batch_folds)
-            if transform is not None:
-                on_batches = on_batches.transformed(transform, best["alpha"])
-            on_batches.score(best)
-            uncalibrated = on_batches.per_fold(best)
+            errors = []
+            for ev, best in members:
+                on_batches = ev.on_folds(batch_folds)
+                if transform is not None:
+                    on_batches = on_batches.transformed(transform, best["alpha"])
+                on_batches.score(best)
+                errors.append(on_batches.per_fold(best))
+            uncalibrated = np.max(errors, axis=0)
         evaluators = {}
         for how in ("quantile", "mmd"):
             held = normalise_each_bag(
@@ -391,7 +394,8 @@ class CalibrationMixin:
                 self.quantile_reference_,
             )
             emb = subsample_bags(held, self.embedding_points, seed, canonical=True)
-            evaluators[how] = CalibratedHeldOut(
-                primary, batch_folds, held, emb, transform, best["alpha"]
-            )
-        return choose_calibration(uncalibrated, evaluators, best)
+            evaluators[how] = [
+                (CalibratedHeldOut(ev, batch_folds, held, emb, transform, best["alpha"]), best)
+                for ev, best in members
+            ]
+        return choose_calibration(uncalibrated, evaluators)

@@ -267,7 +267,7 @@ class SearchMixin:
         self.selection_["normalisation"] = record
         if batch_folds is not None and self.calibrate == "auto":
             self.selection_["calibration"] = self._choose_calibration(
-                raw, evaluators[chosen], chosen, batch_folds, record
+                raw, members, chosen, batch_folds, record
             )
         return chosen, self.selection_["best"]
 
