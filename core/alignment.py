@@ -257,8 +257,9 @@ def calibrate(
 
     # Each task's map is fitted on its own (its own draws from random_state), so the
     # tasks run on all cores at once, one BLAS thread each, and give what they give
-    # alone: a few hundred steps of exponentials and small products, which release
-    # the GIL (1.6 s a task of 2,000 cells here, most of a fit with batches named).
+    # alone: 150 steps of exponentials and small products, which release the GIL
+    # (about a second a task here; with batches named, the calibration's choice maps
+    # every training task and was most of the fit). A request's one task runs alone.
     threads = min(n_threads_for(-1), len(tasks))
     with one_thread(), ThreadPoolExecutor(threads) as pool:
         mapped = list(pool.map(one, range(len(tasks))))

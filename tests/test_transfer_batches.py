@@ -264,6 +264,21 @@ def test_new_batches_out_of_range_are_answered_by_the_invariant_fallback():
     )
 
 
+def weighted_ridge(tasks, labels, classes, alpha):
+    """The pooled linear model's oracle: scikit-learn's Ridge on ``[x, 1]`` (no
+    intercept of its own) with weights ``1/(N n_i)`` on the ±1 one-vs-rest codes;
+    returns its scores of other tasks' cells."""
+    from sklearn.linear_model import Ridge
+
+    X = np.hstack([tasks.points, np.ones((tasks.n_points, 1))])
+    codes = np.searchsorted(classes, labels)
+    Y = -np.ones((codes.size, classes.size))
+    Y[np.arange(codes.size), codes] = 1.0
+    w = np.repeat(1.0 / (len(tasks) * tasks.sizes), tasks.sizes)
+    ridge = Ridge(alpha=alpha, fit_intercept=False).fit(X, Y, sample_weight=w)
+    return lambda new: ridge.predict(np.hstack([new.points, np.ones((new.n_points, 1))]))
+
+
 def test_without_batches_the_fallback_blends_the_pooled_linear_model_and_the_kernel():
     """With one batch in training nothing can say which capacity carries over to
     another: the fallback averages the scores of the low-capacity model and of the
@@ -271,8 +286,6 @@ def test_without_batches_the_fallback_blends_the_pooled_linear_model_and_the_ker
     a ridge on ``[x, 1]`` with weights ``1/(N n_i)`` on the ±1 one-vs-rest codes:
     scikit-learn's Ridge at the chosen λ (no intercept) is its oracle."""
     import copy
-
-    from sklearn.linear_model import Ridge
 
     tasks, y, batches = make_batched_cytometry_tasks(2, 4, 300, random_state=[0, 1], strength=2)
     per = [y[tasks.offsets[t] : tasks.offsets[t + 1]] for t in range(len(tasks))]
@@ -304,16 +317,9 @@ def test_without_batches_the_fallback_blends_the_pooled_linear_model_and_the_ker
         for x, s in zip(std_each, np.split(average, sizes), strict=True)
     ]
     np.testing.assert_array_equal(fb.decision_function(new), np.concatenate(refined))
-    std = standardise_each_bag(tasks[train])
-    X = np.hstack([std.points, np.ones((std.n_points, 1))])
-    codes = np.searchsorted(model.classes_, np.concatenate([per[t] for t in train]))
-    Y = -np.ones((codes.size, model.classes_.size))
-    Y[np.arange(codes.size), codes] = 1.0
-    w = np.repeat(1.0 / (len(std) * std.sizes), std.sizes)
-    ridge = Ridge(alpha=fb.alpha_, fit_intercept=False).fit(X, Y, sample_weight=w)
-    std_new = standardise_each_bag(new)
-    Xn = np.hstack([std_new.points, np.ones((std_new.n_points, 1))])
-    oracle = ridge.predict(Xn)
+    labels = np.concatenate([per[t] for t in train])
+    ridge = weighted_ridge(standardise_each_bag(tasks[train]), labels, model.classes_, fb.alpha_)
+    oracle = ridge(standardise_each_bag(new))
     np.testing.assert_allclose(linear.decision_function(new), oracle, rtol=1e-7, atol=1e-9)
 
 
@@ -598,7 +604,6 @@ def test_without_batches_the_primary_averages_its_kernel_with_the_pooled_linear_
 
     from bagserve.core import save
     from bagserve.core.estimators._transfer_fallback import CAPACITY_GAIN
-    from sklearn.linear_model import Ridge
 
     tasks, y, batches = make_batched_cytometry_tasks(2, 4, 300, random_state=[0, 1], strength=2)
     per = [y[tasks.offsets[t] : tasks.offsets[t + 1]] for t in range(len(tasks))]
@@ -616,17 +621,11 @@ def test_without_batches_the_primary_averages_its_kernel_with_the_pooled_linear_
     assert partner.normalise_ == model.normalise_ == "none"
     assert model.point_kernel_ == "gaussian+linear"
 
-    train_tasks = tasks[train_idx]
-    X = np.hstack([train_tasks.points, np.ones((train_tasks.n_points, 1))])
-    codes = np.searchsorted(model.classes_, np.concatenate([per[t] for t in train_idx]))
-    Y = -np.ones((codes.size, model.classes_.size))
-    Y[np.arange(codes.size), codes] = 1.0
-    w = np.repeat(1.0 / (len(train_tasks) * train_tasks.sizes), train_tasks.sizes)
-    ridge = Ridge(alpha=partner.alpha_, fit_intercept=False).fit(X, Y, sample_weight=w)
+    labels = np.concatenate([per[t] for t in train_idx])
+    ridge = weighted_ridge(tasks[train_idx], labels, model.classes_, partner.alpha_)
     inside = tasks[train_idx[:2]]
-    Xn = np.hstack([inside.points, np.ones((inside.n_points, 1))])
     np.testing.assert_allclose(
-        partner.decision_function(inside), ridge.predict(Xn), rtol=1e-7, atol=1e-9
+        partner.decision_function(inside), ridge(inside), rtol=1e-7, atol=1e-9
     )
     kernel = copy.copy(model)
     kernel.blend_, kernel.fallback_ = None, None
