@@ -219,11 +219,10 @@ _FALLBACK_TEXT = {
 #: What answers a sample in range where the model's capacity choice did not leave its
 #: kernel alone, by ``primary`` of the card's ``new_batches``.
 _PRIMARY_TEXT = {
-    "blend": (
-        "the average of the model's own kernel and a pooled linear model (its folds did "
-        "not show the kernel clearly better)"
+    "blend": f"{_FALLBACK_TEXT['blend']} (its folds did not show the kernel clearly better)",
+    "pooled linear": (
+        f"{_FALLBACK_TEXT['pooled linear']} (its folds showed it clearly better than the kernel)"
     ),
-    "pooled linear": "a pooled linear model (its folds showed it clearly better than the kernel)",
 }
 
 

@@ -56,7 +56,7 @@ def _fits_linear_pooled(strategy: SolverStrategy, loss: str) -> bool:
 class FallbackMixin:
     """The fallback's choice, fit and disagreement test (mixed into the estimator)."""
 
-    def _fallback(
+    def _fixed_model(
         self,
         strategy: SolverStrategy,
         tasks: Bags,
@@ -64,16 +64,18 @@ class FallbackMixin:
         best: dict,
         normalise: str = "standard",
     ) -> Any:
-        """The invariant fallback: per-task standardised tasks, at the configuration
-        ``best`` chosen for them (:meth:`_choose_fallback`; its point kernel under
-        ``"point_kernel"``), with this fit's random draws. With another ``normalise``
-        (the tasks normalised so), the pooled linear partner of a blended primary model
-        (:meth:`_choose_capacity`).
+        """A model of this fit at the configuration ``best`` (its point kernel under
+        ``"point_kernel"``), on ``tasks`` normalised as ``normalise``, with this fit's
+        random draws, answering alone: no search, fallback, blend or refinement of its
+        own. The invariant fallback (per-task standardised tasks, at the configuration
+        :meth:`_choose_fallback` chose for them), its blend partner, and the pooled
+        linear partner of a blended primary model (:meth:`_choose_capacity`, on the
+        tasks as the primary normalises them).
 
         The cross-validation can only judge a normalisation on tasks like the training
         tasks; a new task outside their range (another batch, instrument, centre) is
         where a per-task affine batch effect is most likely, and where undoing it is the
-        safer bet.
+        safer bet: hence standardised tasks for the fallback.
         """
         kernel = best.get("point_kernel", self.point_kernel_)
         fallback = clone(self).set_params(normalise=normalise, point_kernel=kernel)
@@ -128,12 +130,10 @@ class FallbackMixin:
         linear = self._pooled_linear(searched, Y, searched.setup.folds)
         result = coordinate_search(linear, LINEAR_FALLBACK_GRID)
         linear_best = {**result["best"], "point_kernel": "linear"}
-        found = [
-            (0.0, "pooled linear", linear, linear_best),
-            (0.0, "own kernel", searched, kernel_best),
-        ]
         constant = self._constant_error(Y, searched.setup.data.tasks)
-        record = self.selection_["capacity"] = _capacity_choice(found, constant)
+        record = self.selection_["capacity"] = _capacity_choice(
+            linear.per_fold(linear_best), searched.per_fold(kernel_best), constant
+        )
         record["pooled_linear"] = linear_best
         record["constant_error"] = constant
         if record["chosen"] == "own kernel":
@@ -192,7 +192,10 @@ class FallbackMixin:
         constant = self._constant_error(Y, evaluators[chosen].setup.data.tasks)
         pick = None
         if batch_folds is None and len(found) > 1:
-            record["fallback_choice"] = choice = _capacity_choice(found, constant)
+            (_, _, lin, lin_best), (_, _, ker, ker_best) = found
+            record["fallback_choice"] = choice = _capacity_choice(
+                lin.per_fold(lin_best), ker.per_fold(ker_best), constant
+            )
             pick = None if choice["chosen"] == "blend" else choice["chosen"]
         if batch_folds is None and len(found) > 1 and pick is None:
             # The folds do not show one capacity clearly better: both, their scores
@@ -289,7 +292,7 @@ CAPACITY_GAIN = 0.02
 
 
 def _capacity_choice(
-    found: list[tuple[float, str, FoldEvaluator, dict[str, Any]]], constant: float
+    linear: NDArray[np.float64], kernel: NDArray[np.float64], constant: float
 ) -> dict[str, Any]:
     """Which fallback the leave-tasks-out folds choose with no batches named: the pooled
     linear model, the model's own kernel, or (when they cannot tell) both averaged.
@@ -316,7 +319,10 @@ def _capacity_choice(
         it is compared with, and ``chosen``: ``"own kernel"``, ``"pooled linear"`` or
         ``"blend"``.
     """
-    per = {name: np.asarray(ev.per_fold(best), dtype=np.float64) for _, name, ev, best in found}
+    per = {
+        "pooled linear": np.asarray(linear, dtype=np.float64),
+        "own kernel": np.asarray(kernel, dtype=np.float64),
+    }
     rule = _clear_gain(per["pooled linear"], per["own kernel"], constant)
     gain, margin = rule["gain"], rule["margin"]
     chosen = "own kernel" if gain > margin else "pooled linear" if -gain > margin else "blend"

@@ -352,7 +352,7 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
         self._fit_on(strategy, variants[chosen], Y, chosen, best)
         self.blend_ = None
         if capacity.get("chosen") == "blend":
-            self.blend_ = self._fallback(
+            self.blend_ = self._fixed_model(
                 strategy, variants[chosen], Y, capacity["pooled_linear"], normalise=chosen
             )
         self.refine_ = (self.selection_.get("refine") or {}).get("chosen", refinements[0])
@@ -364,12 +364,14 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
         record = self.selection_.get("normalisation") or {}
         self.disagreement_threshold_ = None
         if "fallback" in record:
-            self.fallback_ = self._fallback(strategy, variants["standard"], Y, record["fallback"])
+            self.fallback_ = self._fixed_model(
+                strategy, variants["standard"], Y, record["fallback"]
+            )
             self.fallback_.refine_ = record["fallback_refine"]["chosen"]
             if record.get("fallback_model") == "boosted trees":
                 self.fallback_.trees_ = fit_task_trees(variants["standard"], Y, self.seed_)
             if "fallback_blend" in record:
-                self.fallback_.blend_ = self._fallback(
+                self.fallback_.blend_ = self._fixed_model(
                     strategy, variants["standard"], Y, record["fallback_blend"]
                 )
             self.disagreement_threshold_ = self.range_factor * record["disagreement_bound"]
