@@ -7,8 +7,8 @@ import tracemalloc
 import numpy as np
 import pytest
 from bagserve.core import Bags, MeanEmbedding
-from bagserve.core.representations.mean import set_kernel_gram
-from scipy.spatial.distance import cdist
+from bagserve.core.representations.mean import _median_distance, set_kernel_gram
+from scipy.spatial.distance import cdist, pdist
 
 from .conftest import random_bags
 
@@ -138,6 +138,27 @@ def test_median_heuristic_bandwidth(rng):
     me = MeanEmbedding().fit(bags)
     d = cdist(bags.points, bags.points)
     assert me.bandwidth_ == pytest.approx(np.median(d[np.triu_indices_from(d, 1)]))
+
+
+@pytest.mark.parametrize("kernel", ["gaussian", "laplace"])
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 40, 2500])
+def test_median_distance_is_the_median_of_positive_distances(kernel, n):
+    """The median heuristic's selection of ranks, against ``np.median`` of the positive
+    distances (``scipy``'s ``pdist``, subsampled as above 2,000 points), to the last
+    bit: odd and even counts, duplicated points (zero distances first), all points
+    the same (no positive distance: 1)."""
+    metric = "cityblock" if kernel == "laplace" else "euclidean"
+    data = np.random.default_rng(n)
+    for duplicates in (0, n // 2, n):
+        points = data.standard_normal((n, 3))
+        points[:duplicates] = points[0]
+        value = _median_distance(points, kernel, np.random.default_rng(5))
+        sub = points
+        if n > 2000:
+            sub = points[np.random.default_rng(5).choice(n, 2000, replace=False)]
+        d = pdist(sub, metric=metric)
+        expected = float(np.median(d[d > 0])) if np.any(d > 0) else 1.0
+        assert value == expected
 
 
 def test_exact_gram_memory_stays_bounded(rng):

@@ -10,6 +10,7 @@ and its model must be exactly those of the fit alone, and it must evaluate less.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from typing import Any
 
@@ -99,11 +100,11 @@ def test_every_fold_evaluates_the_final_bandwidth_and_features_each_task_once(da
     computed: list[tuple[int, float, int]] = []
     statistics = _transfer_nystroem.task_statistics
 
-    def counting(maps, tasks_, Y, sigma_, which=None, into=None):
+    def counting(maps, tasks_, Y, sigma_, which=None, into=None, *rows):
         if which is not None:  # the search's folds (the final fit passes none)
             done = np.zeros(len(tasks_), bool) if into is None else into.done
             computed.extend((id(tasks_), sigma_, int(t)) for t in which if not done[t])
-        return statistics(maps, tasks_, Y, sigma_, which, into)
+        return statistics(maps, tasks_, Y, sigma_, which, into, *rows)
 
     monkeypatch.setattr(_transfer_cv.FoldEvaluator, "_sigma", recording)
     monkeypatch.setattr(_transfer_nystroem, "task_statistics", counting)
@@ -115,6 +116,40 @@ def test_every_fold_evaluates_the_final_bandwidth_and_features_each_task_once(da
         assert len(sigmas) <= len(specs[data_id])
     # The oracle: the final fit's bandwidth, from its own median of the same points.
     assert model.point_bandwidth_ in {s for _, s, _ in computed}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_held_out_features_come_with_the_statistics(data, threads, monkeypatch):
+    """A held-out task's points are training points of the other folds: their features
+    are taken from the pass that computes its statistics, the same bits as computed
+    on their own. The oracle is the fit that computes every held-out task's features
+    separately; with two folds or more per round (two cores) no fold of a fit without
+    batches computes any."""
+    tasks, y, batches = data
+    monkeypatch.setattr(_transfer_cv, "n_threads_for", lambda n_jobs: threads)
+    separate: list[int] = []
+    features = _transfer_nystroem.FeatureMaps.point_features
+
+    def in_folds(self, points, sigma):
+        if any(f.function == "fold_errors" for f in inspect.stack(context=0)[1:3]):
+            separate.append(points.shape[0])
+        return features(self, points, sigma)
+
+    monkeypatch.setattr(_transfer_nystroem.FeatureMaps, "point_features", in_folds)
+    models = [MarginalTransferClassifier(random_state=0, cv=3)]
+    taken = [_fits(tasks, y, None, models)[0]]
+    computed_in_folds = len(separate)
+    # With batches named, the calibrated held-out tasks are not training points.
+    taken.append(_fits(tasks, y, batches, models)[0])
+    monkeypatch.setattr(_transfer_cv.FoldEvaluator, "_training_held_out_rows", lambda self: None)
+    separate.clear()
+    alone = [_fits(tasks, y, groups, models)[0] for groups in (None, batches)]
+    assert len(separate) > 0
+    if threads > 1:
+        assert computed_in_folds == 0
+    for a, t in zip(alone, taken, strict=True):
+        assert_same(a.selection_, t.selection_)
+        assert np.array_equal(a.decision_function(tasks), t.decision_function(tasks))
 
 
 def test_each_median_heuristic_is_computed_once_per_fit(data, monkeypatch):

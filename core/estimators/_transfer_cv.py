@@ -261,9 +261,9 @@ class FoldEvaluator:
         self._medians: dict[str, float | None] = {}
         #: Per configuration: validation error per fold and ``λ``, shape (folds, λ).
         self.fold_errors: dict[tuple[Any, ...], NDArray[np.float64]] = {}
-        #: Configurations whose evaluation stopped early (:meth:`score_unless`): the
-        #: folds evaluated so far, resumed where they stopped if asked again.
-        self._partial: dict[tuple[Any, ...], list[NDArray[np.float64]]] = {}
+        #: Configurations whose evaluation stopped early (:meth:`score_unless`): their
+        #: errors on the folds evaluated so far (by fold), resumed if asked again.
+        self._partial: dict[tuple[Any, ...], dict[int, NDArray[np.float64]]] = {}
         self._held_out: dict[int, tuple[NDArray[np.float64], NDArray[np.float64]]] = {}
         self._strategy_cache: dict[Hashable, Any] = {}
         #: Errors of this setup's configurations evaluated by any fit in the block.
@@ -336,18 +336,32 @@ class FoldEvaluator:
             )
         return value * self._medians["all"]
 
+    def _held_out_rows(self, v: int) -> NDArray[np.int64]:
+        """Rows (of the held-out sources' points) held-out task ``v`` is scored on: at
+        most ``cv_points``, drawn per task."""
+        tasks = self._held_out_sources()[0]
+        lo, hi = int(tasks.offsets[v]), int(tasks.offsets[v + 1])
+        pick = np.arange(lo, hi)
+        if pick.size > self.setup.cv_points:
+            # Seeded per task: a task is scored on the same points in every fold.
+            rng = np.random.default_rng([self.setup.seed, v])
+            pick = np.sort(rng.choice(pick, self.setup.cv_points, replace=False))
+        return pick
+
     def held_out_points(self, v: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """Points (at most ``cv_points``, drawn per task) held-out task ``v`` is scored on."""
         if v not in self._held_out:
-            tasks, Y = self._held_out_sources()[0], self.setup.data.Y
-            lo, hi = int(tasks.offsets[v]), int(tasks.offsets[v + 1])
-            pick = np.arange(lo, hi)
-            if pick.size > self.setup.cv_points:
-                # Seeded per task: a task is scored on the same points in every fold.
-                rng = np.random.default_rng([self.setup.seed, v])
-                pick = np.sort(rng.choice(pick, self.setup.cv_points, replace=False))
-            self._held_out[v] = (tasks.points[pick], Y[pick])
+            pick = self._held_out_rows(v)
+            self._held_out[v] = (self._held_out_sources()[0].points[pick], self.setup.data.Y[pick])
         return self._held_out[v]
+
+    def _training_held_out_rows(self) -> dict[int, NDArray[np.int64]] | None:
+        """Per task any fold holds out, the rows of the training points it is scored on,
+        where held-out tasks are training tasks (else ``None``)."""
+        if type(self)._held_out_sources is not FoldEvaluator._held_out_sources:
+            return None
+        held = {int(v) for _, val in self.setup.folds for v in val}
+        return {v: self._held_out_rows(v) for v in sorted(held)}
 
     def _sharing(self, setup: SearchSetup) -> FoldEvaluator:
         """An evaluator of ``setup`` sharing this one's caches: the held-out points and
@@ -405,32 +419,47 @@ class FoldEvaluator:
             if reused is not None and key in reused:
                 self.fold_errors[key] = reused[key].copy()
             else:
-                rows = self._partial.setdefault(key, [])
+                rows = self._partial.setdefault(key, {})
                 n_folds = len(self.setup.folds)
                 while len(rows) < n_folds:
                     if cannot_win is not None and rows:
                         bound = np.zeros((n_folds, self.setup.alphas.size))
-                        bound[: len(rows)] = rows
+                        for f, row in rows.items():
+                            bound[f] = row
                         if cannot_win(float(bound.mean(axis=0).min())):
                             return None
-                    rows.extend(self._fold_errors(cand, self._next_folds(len(rows))))
-                self.fold_errors[key] = np.array(rows)
+                    folds = self._next_folds(rows)
+                    rows.update(zip(folds, self._fold_errors(cand, folds), strict=True))
+                self.fold_errors[key] = np.array([rows[f] for f in range(n_folds)])
                 del self._partial[key]
                 if reused is not None:
                     reused[key] = self.fold_errors[key].copy()
         return self.fold_errors[key].mean(axis=0)
 
-    def _next_folds(self, done: int) -> range:
-        """The folds :meth:`score_unless` evaluates next, after ``done`` of them, before it
+    def _next_folds(self, done: dict[int, NDArray[np.float64]]) -> list[int]:
+        """The folds :meth:`score_unless` evaluates next, besides those ``done``, before it
         checks its bound again: one per core where the strategy can evaluate folds at
-        once, and the last few together rather than one alone; else one."""
-        n_folds = len(self.setup.folds)
-        at_once = n_threads_for(-1) if self.strategy.concurrent_folds else 1
-        if at_once > 1 and n_folds - done <= at_once + 1:
-            return range(done, n_folds)
-        return range(done, min(n_folds, done + at_once))
+        once, and the last few together rather than one alone; else one.
 
-    def _fold_errors(self, cand: dict[str, Any], folds: range) -> list[NDArray[np.float64]]:
+        The folds on which the configurations evaluated so far erred most come first:
+        a configuration that cannot win mostly shows it there, so its bound reaches
+        its bar after fewer folds. The order changes only which folds a stopped
+        evaluation skipped; a complete one has every fold, each computed as alone.
+        """
+        n_folds = len(self.setup.folds)
+        seen = np.zeros(n_folds)
+        for errors in self.fold_errors.values():
+            seen += errors.min(axis=1)
+        for rows in self._partial.values():
+            for f, row in rows.items():
+                seen[f] += row.min()
+        left = sorted((f for f in range(n_folds) if f not in done), key=lambda f: -seen[f])
+        at_once = n_threads_for(-1) if self.strategy.concurrent_folds else 1
+        if at_once > 1 and len(left) <= at_once + 1:
+            return left
+        return left[:at_once]
+
+    def _fold_errors(self, cand: dict[str, Any], folds: list[int]) -> list[NDArray[np.float64]]:
         """Validation errors of ``cand`` on ``folds``, each per ``λ``.
 
         What the folds share (the median bandwidths, the held-out points, the
@@ -450,6 +479,7 @@ class FoldEvaluator:
             setup.data,
             [(s, setup.folds[f][0]) for s, f in zip(sigmas, folds, strict=True)],
             self._strategy_cache,
+            self._training_held_out_rows(),
         )
         if len(folds) == 1:
             return [self._fold_error(cand, folds[0])]
@@ -521,14 +551,26 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     Candidates that cannot win are not evaluated to the end. Each step keeps the
     option of least mean error (the first among equals), so an option whose lower
     bound (:meth:`FoldEvaluator.score_unless`) already reaches an option before it,
-    or exceeds one after it, cannot be the step's choice: its evaluation stops, and
-    every step chooses what a complete evaluation would. Once a configuration errs
-    on no fold (at its best ``λ``), nothing visited later can be strictly better and
-    the search ends: the choice and its errors are those of the complete search,
-    whose further configurations would only have been recorded. The rest of that
-    step's options are recorded unevaluated, so the grid the record shows around the
-    choice (its grid-edge warnings, the grids training widens) is the complete
-    search's.
+    or exceeds one after it, cannot be the step's choice: its evaluation stops.
+    Once a configuration errs on no fold (at its best ``λ``), nothing visited later
+    can be strictly better and the search ends: the choice and its errors are those
+    of the complete search, whose further configurations would only have been
+    recorded. The rest of that step's options are recorded unevaluated, so the grid
+    the record shows around the choice (its grid-edge warnings, the grids training
+    widens) is the complete search's.
+
+    An option whose bound reaches the least error of the configurations evaluated
+    so far cannot be the search's answer either (the first among equals is the one
+    visited first), and its evaluation stops too. Where that leaves a step's choice
+    undecided (no option evaluated to the end has less error than a stopped one's
+    bound), the step continues from the option of least error or bound, the first
+    among equals, and the record counts it in ``steps_by_bound``. A whole step then
+    worse than an earlier configuration (the shares of pooling where the pooled
+    model fits clearly better, the synthetic batches of ``bench/bench_training.py``)
+    costs a round of folds instead of all of them. The choice is the complete
+    search's unless a later step, continued from another option of that step, would
+    have found a configuration better than all of them; with ``steps_by_bound`` 0,
+    every step chose what the complete search's did.
 
     Parameters
     ----------
@@ -541,8 +583,8 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     dict
         The selection record: every configuration visited, with its CV error per
         ``λ`` or, if its evaluation stopped, the folds it was evaluated on
-        (``pruned_after``); the ``λ`` grid, the folds, and the best configuration with
-        its ``alpha``.
+        (``pruned_after``) and the bound it stopped at (``bound``); the ``λ`` grid,
+        the folds, the best configuration with its ``alpha``, and ``steps_by_bound``.
     """
     alphas = evaluator.setup.alphas
     others = [t for t in grid["tau"] if t != 1.0]
@@ -563,12 +605,19 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
 
     # Set once a configuration errs on no fold: nothing visited later can beat it.
     unbeatable = False
+    # The bound each stopped configuration last stopped at.
+    bounds: dict[tuple[Any, ...], float] = {}
+    by_bound = 0
+
+    def least_error() -> float:
+        done = [evaluator.fold_errors[k] for k in visited if k in evaluator.fold_errors]
+        return min((float(e.mean(axis=0).min()) for e in done), default=np.inf)
 
     def best_of(current: dict[str, Any], options: list[dict[str, Any]]) -> dict[str, Any]:
         # The option of least error, the first among equals, as min() over complete
         # evaluations would pick it. Options evaluated in an earlier step are known
         # and bound those before them in the list too.
-        nonlocal unbeatable
+        nonlocal unbeatable, by_bound
         if unbeatable:
             return current
         keys = [FoldEvaluator.key(o) for o in options]
@@ -577,11 +626,23 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
             for i, k in enumerate(keys)
             if k in evaluator.fold_errors
         }
+        best_seen = least_error()
         chosen: tuple[int, float] | None = None
+        stopped: dict[int, float] = {}  # options stopped by the best seen: their bounds
         for i, option in enumerate(options):
             before = chosen[1] if chosen is not None else np.inf
             after = min((v for j, v in known.items() if j > i), default=np.inf)
-            v = value(option, lambda lb, b=before, a=after: lb >= b or lb > a)
+
+            def cannot_win(lb: float, i: int = i, b: float = before, a: float = after) -> bool:
+                bounds[keys[i]] = lb
+                if lb >= b or lb > a:
+                    return True
+                if lb >= best_seen:
+                    stopped[i] = lb
+                    return True
+                return False
+
+            v = value(option, cannot_win)
             if v is not None and (chosen is None or v < chosen[1]):
                 chosen = (i, v)
                 if v == 0.0:
@@ -591,6 +652,11 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
                     for later in options[i + 1 :]:
                         visit(later)
                     break
+        undecided = {i: lb for i, lb in stopped.items() if chosen is None or lb < chosen[1]}
+        if undecided:
+            by_bound += 1
+            ties = {**undecided, **({chosen[0]: chosen[1]} if chosen is not None else {})}
+            chosen = min(ties.items(), key=lambda item: (item[1], item[0]))
         assert chosen is not None
         return options[chosen[0]]
 
@@ -624,13 +690,16 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
         if k in evaluator.fold_errors:
             entry["cv_error"] = evaluator.fold_errors[k].mean(axis=0).tolist()
         else:
-            entry["pruned_after"] = len(evaluator._partial.get(k, ()))
+            entry["pruned_after"] = len(evaluator._partial.get(k, {}))
+            if k in bounds:
+                entry["bound"] = bounds[k]
         entries.append(entry)
     return {
         "evaluated": entries,
         "alpha_grid": alphas,
         "folds": evaluator.setup.folds,
         "best": best,
+        "steps_by_bound": by_bound,
     }
 
 

@@ -78,6 +78,8 @@ def task_statistics(
     sigma: float,
     which: NDArray[np.int64] | None = None,
     into: TaskStatistics | None = None,
+    rows: Mapping[int, NDArray[np.int64]] | None = None,
+    rows_into: dict[int, NDArray[np.float64]] | None = None,
 ) -> TaskStatistics:
     """Per-task ``A_i = Σ_j z zᵀ / n_i`` and ``b_i = Σ_j z yᵀ / n_i`` in one pass over points.
 
@@ -86,7 +88,11 @@ def task_statistics(
     Tasks are computed on all cores at once when there are enough points, each exactly
     as it would be alone.
     The features themselves are kept when there are few points in all, for the dual
-    solver (each task then fits in one chunk).
+    solver (each task then fits in one chunk). For a computed task ``t`` in ``rows``,
+    the features of its points ``rows[t]`` (rows of ``tasks.points``, ascending) go
+    into ``rows_into[t]``: a search's held-out points, whose features are then not
+    computed again (each row's features depend on its point only, so they are the
+    same bits).
     """
     N, k = len(tasks), Y.shape[1]
     keep = tasks.n_points <= min(_DUAL_MAX_POINTS, _CHUNK_POINTS)
@@ -103,6 +109,8 @@ def task_statistics(
 
     def one(t: int) -> None:
         lo, hi = int(tasks.offsets[t]), int(tasks.offsets[t + 1])
+        wanted = rows.get(t) if rows is not None and rows_into is not None else None
+        parts = []
         for c0 in range(lo, hi, _CHUNK_POINTS):
             c1 = min(hi, c0 + _CHUNK_POINTS)
             Z = maps.point_features(tasks.points[c0:c1], sigma)
@@ -110,9 +118,13 @@ def task_statistics(
             into.B[t] += Z.T @ Y[c0:c1]
             if keep:
                 into.Z[t], into.Y[t] = Z, Y[c0:c1]
+            if wanted is not None:
+                parts.append(Z[wanted[(wanted >= c0) & (wanted < c1)] - c0])
         into.A[t] /= hi - lo
         into.B[t] /= hi - lo
         into.done[t] = True
+        if wanted is not None and rows_into is not None:
+            rows_into[t] = np.concatenate(parts)
 
     threads = min(n_threads_for(-1), len(todo))
     if threads > 1 and int(tasks.sizes[todo].sum()) >= _PARALLEL_POINTS:
@@ -139,15 +151,24 @@ class NystroemFeatureStrategy(RandomFeatureStrategy):
         data: TrainingData,
         folds: list[tuple[float, NDArray[np.int64]]],
         cache: dict[Hashable, Any],
+        held_out_rows: Mapping[int, NDArray[np.int64]] | None = None,
     ) -> None:
         # Statistics per bandwidth, filled in for the tasks the folds train on (all at
         # once: tasks are spread over the cores): every configuration at that bandwidth
-        # reuses them, and so does every fold.
+        # reuses them, and so does every fold. The features of the points a task is
+        # scored on when held out come along with its statistics.
         for sigma in dict.fromkeys(s for s, _ in folds):
             train = np.unique(np.concatenate([t for s, t in folds if s == sigma]))
             key = ("statistics", sigma)
             cache[key] = task_statistics(
-                data.maps, data.tasks, data.Y, sigma, train, cache.get(key)
+                data.maps,
+                data.tasks,
+                data.Y,
+                sigma,
+                train,
+                cache.get(key),
+                held_out_rows,
+                cache.setdefault(("held-out features", sigma), {}),
             )
 
     def fold_errors(
@@ -160,11 +181,13 @@ class NystroemFeatureStrategy(RandomFeatureStrategy):
         Sv = task_coordinates(fold.kp_val, basis, params.tau)
         # Validation errors do not need the final fit's precision.
         thetas = task_ridge_path(S, cache[key], fold.train, alphas, rtol=1e-4)
-        # The held-out tasks' features at this bandwidth serve every configuration.
-        zkey = ("held-out features", params.sigma, tuple(fold.val))
-        if zkey not in cache:
-            cache[zkey] = [data.maps.point_features(pts, params.sigma) for pts, _ in fold.held_out]
-        Zv = cache[zkey]
+        # The held-out tasks' features at this bandwidth serve every configuration; a
+        # fold writes only its own held-out tasks' (prepare_folds made the dict).
+        features = cache.setdefault(("held-out features", params.sigma), {})
+        for v, (pts, _) in zip(fold.val, fold.held_out, strict=True):
+            if int(v) not in features:
+                features[int(v)] = data.maps.point_features(pts, params.sigma)
+        Zv = [features[int(v)] for v in fold.val]
         errs = np.zeros(alphas.size)
         for li, theta in enumerate(thetas):
             # Per held-out task j its own weights V[j] = Σ_a s_a(P_j) θ_a.

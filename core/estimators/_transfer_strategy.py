@@ -337,10 +337,13 @@ class SolverStrategy(ABC):
         data: TrainingData,
         folds: list[tuple[float, NDArray[np.int64]]],
         cache: dict[Hashable, Any],
+        held_out_rows: Mapping[int, NDArray[np.int64]] | None = None,
     ) -> None:
         """Put in ``cache`` what :meth:`fold_errors` shares between folds, for folds of
         these point bandwidths ``σ`` and training tasks, so that folds evaluated at
-        once only read it (nothing by default)."""
+        once only read it (nothing by default). ``held_out_rows``: per task, the rows
+        of ``data.tasks.points`` it is scored on when held out, where those are
+        training points (a strategy may compute what it needs of them along)."""
         return None
 
     @abstractmethod

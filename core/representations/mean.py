@@ -352,10 +352,16 @@ def _computed_median_distance(
     if points.shape[0] > _MEDIAN_SUBSAMPLE:
         points = points[rng.choice(points.shape[0], _MEDIAN_SUBSAMPLE, replace=False)]
     d = pdist(points, metric="cityblock" if kernel == "laplace" else "euclidean")
-    d = d[d > 0]
-    if d.size == 0:
+    # The median of the positive distances, as np.median(d[d > 0]) gives it, with
+    # neither the copies nor the sort: distances are never negative, so the zeros come
+    # first and the positive ones' middle ranks are shifted by their count.
+    zeros = d.size - np.count_nonzero(d)
+    positive = d.size - zeros
+    if positive == 0:
         return 1.0
-    return float(np.median(d))
+    lo, hi = zeros + (positive - 1) // 2, zeros + positive // 2
+    d.partition([lo, hi] if lo != hi else lo)
+    return float(d[lo]) if lo == hi else float(np.mean(d[[lo, hi]]))
 
 
 class MeanEmbedding(BagRepresentation):
