@@ -26,6 +26,7 @@ __all__ = [
     "align_quantiles",
     "as_bags",
     "bag_quantiles",
+    "lexicographic_order",
     "normalise_each_bag",
     "segment_sum",
     "standardise_each_bag",
@@ -434,6 +435,22 @@ def subsample_bags(bags: Bags, size: int | None, seed: int, *, canonical: bool =
     return Bags(bags.points[rows], offsets, w, validate=False)
 
 
+def lexicographic_order(points: NDArray[np.float64]) -> NDArray[np.int64]:
+    """The order of ``points``' rows by their first column, then the second, ...: the
+    canonical order of a bag's cells, ``np.lexsort(points.T[::-1])``.
+
+    Where the first column has no ties (cells measured on a continuous scale) that
+    order is the first column's alone, a single stable sort instead of one per
+    column; otherwise it is ``np.lexsort``'s.
+    """
+    if points.ndim == 2 and points.shape[0] > 1 and points.shape[1] > 0:
+        order = np.argsort(points[:, 0], kind="stable")
+        first = points[order, 0]
+        if np.all(first[1:] > first[:-1]):
+            return order
+    return np.lexsort(points.T[::-1])
+
+
 def subsample_rows(
     bags: Bags, size: int | None, seed: int, *, canonical: bool = False
 ) -> NDArray[np.int64]:
@@ -445,11 +462,11 @@ def subsample_rows(
         n = hi - lo
         pts = bags.points[lo:hi]
         if size is not None and n > size:
-            order = np.lexsort(pts.T[::-1])
+            order = lexicographic_order(pts)
             pick = np.sort(np.random.default_rng([seed, n]).choice(n, size, replace=False))
             keep.append(lo + order[pick])
         elif canonical:
-            keep.append(lo + np.lexsort(pts.T[::-1]))
+            keep.append(lo + lexicographic_order(pts))
         else:
             keep.append(np.arange(lo, hi))
     return np.concatenate(keep).astype(np.int64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from bagserve.core import Bags, BagValidationError, as_bags
+from bagserve.core.bags import lexicographic_order
 from sklearn.utils import _safe_indexing
 
 from .conftest import random_bags
@@ -162,3 +163,21 @@ def test_raw_constructor_validates_offsets_and_values(rng):
 
 def test_bags_error_is_a_value_error():
     assert issubclass(BagValidationError, ValueError)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3000])
+@pytest.mark.parametrize("d", [1, 6])
+def test_lexicographic_order_is_lexsorts(n, d):
+    """The canonical order of a bag's cells against ``np.lexsort`` (the oracle): values on
+    a continuous scale (no ties in the first column), channel values with ties,
+    signed zeros, and a first column all equal."""
+    rng = np.random.default_rng(n + d)
+    continuous = rng.standard_normal((n, d))
+    channels = rng.integers(0, 4, size=(n, d)).astype(np.float64)
+    zeros = continuous.copy()
+    zeros[: n // 2, 0] = -0.0
+    zeros[n // 2 :, 0] = 0.0
+    constant = continuous.copy()
+    constant[:, 0] = 1.5
+    for points in (continuous, channels, zeros, constant):
+        assert np.array_equal(lexicographic_order(points), np.lexsort(points.T[::-1]))

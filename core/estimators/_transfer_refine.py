@@ -25,6 +25,8 @@ from numpy.typing import NDArray
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.mixture import GaussianMixture
 
+from ..bags import lexicographic_order
+
 __all__ = ["REFINE_FIT_POINTS", "refine_scores"]
 
 #: Points of a task the mixture is fitted on (a seeded subsample of larger tasks);
@@ -78,7 +80,7 @@ def refine_scores(
     codes = _codes(scores)
     # Everything in lexicographic row order, and back: the same cells give the same
     # answer bit for bit, however they are ordered.
-    order = np.lexsort(points.T[::-1])
+    order = lexicographic_order(points)
     fit = order
     if n > REFINE_FIT_POINTS:
         rng = np.random.default_rng([seed, n])
