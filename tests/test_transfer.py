@@ -15,6 +15,9 @@ from bagserve.core import (
 from bagserve.core.datasets import make_ellipse_tasks
 from bagserve.core.estimators._transfer_solvers import (
     _assemble,
+    _kronecker_inverse,
+    _kronecker_preconditioner,
+    _structured_pcg,
     structured_ridge_path,
     weighted_svm,
     weighted_svr,
@@ -152,6 +155,27 @@ def test_structured_ridge_equals_dense_ridge_on_joint_features(rng, monkeypatch,
         np.testing.assert_allclose(theta.reshape(a * D, k), ref.coef_.T, rtol=1e-7, atol=1e-9)
     G = _assemble(S, A)
     np.testing.assert_allclose(G, Phi.T @ (Phi * np.concatenate(c)[:, None]), rtol=1e-10)
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.3])
+def test_kronecker_preconditioner_inverts_systems_of_one_covariance(rng, tau):
+    """With one feature covariance for every task the preconditioner is the system's
+    exact inverse (oracle: the dense matrix of ``_assemble``); with different ones it is
+    not, and conjugate gradients still solve the system (oracle: a dense solve)."""
+    N, D, k, lam = 5, 6, 2, 0.05
+    S = np.hstack([np.full((N, 1), np.sqrt(1 - tau) + 0.1), rng.normal(size=(N, 3))])
+    a = S.shape[1]
+    Z = rng.normal(size=(40, D))
+    same = np.repeat((Z.T @ Z / 40)[None], N, axis=0)
+    theta = rng.normal(size=(a, D, k))
+    for A, exact in ((same, True), (same + np.abs(rng.normal(size=(N, 1, 1))) * np.eye(D), False)):
+        G = _assemble(S, A) + lam * np.eye(a * D)
+        inverse = _kronecker_inverse(_kronecker_preconditioner(S, A), lam)
+        back = inverse((G @ theta.reshape(a * D, k)).reshape(a, D, k))
+        assert np.allclose(back, theta, rtol=1e-9, atol=1e-9) == exact
+        rhs = G @ theta.reshape(a * D, k)
+        solved = _structured_pcg(S, A, rhs.reshape(a, D, k), lam, np.zeros((a, D, k)))
+        np.testing.assert_allclose(solved.reshape(a * D, k), theta.reshape(a * D, k), rtol=1e-8)
 
 
 # ----------------------------------------------------------------- special cases

@@ -265,6 +265,7 @@ class FoldEvaluator:
         #: errors on the folds evaluated so far (by fold), resumed if asked again.
         self._partial: dict[tuple[Any, ...], dict[int, NDArray[np.float64]]] = {}
         self._held_out: dict[int, tuple[NDArray[np.float64], NDArray[np.float64]]] = {}
+        self._held_out_picks: dict[int, NDArray[np.int64]] = {}
         self._strategy_cache: dict[Hashable, Any] = {}
         #: Errors of this setup's configurations evaluated by any fit in the block.
         self._reused_errors: dict[tuple[Any, ...], NDArray[np.float64]] | None = None
@@ -278,6 +279,7 @@ class FoldEvaluator:
                         "embeddings": self._embeddings,
                         "medians": self._medians,
                         "held_out": self._held_out,
+                        "held_out_picks": self._held_out_picks,
                         "strategy": self._strategy_cache,
                         "errors": {},
                         "partial": self._partial,
@@ -285,6 +287,7 @@ class FoldEvaluator:
                 )
                 self._embeddings, self._medians = state["embeddings"], state["medians"]
                 self._held_out, self._strategy_cache = state["held_out"], state["strategy"]
+                self._held_out_picks = state["held_out_picks"]
                 self._reused_errors, self._partial = state["errors"], state["partial"]
 
     def _fold_embedding(
@@ -339,14 +342,16 @@ class FoldEvaluator:
     def _held_out_rows(self, v: int) -> NDArray[np.int64]:
         """Rows (of the held-out sources' points) held-out task ``v`` is scored on: at
         most ``cv_points``, drawn per task."""
-        tasks = self._held_out_sources()[0]
-        lo, hi = int(tasks.offsets[v]), int(tasks.offsets[v + 1])
-        pick = np.arange(lo, hi)
-        if pick.size > self.setup.cv_points:
-            # Seeded per task: a task is scored on the same points in every fold.
-            rng = np.random.default_rng([self.setup.seed, v])
-            pick = np.sort(rng.choice(pick, self.setup.cv_points, replace=False))
-        return pick
+        if v not in self._held_out_picks:
+            tasks = self._held_out_sources()[0]
+            lo, hi = int(tasks.offsets[v]), int(tasks.offsets[v + 1])
+            pick = np.arange(lo, hi)
+            if pick.size > self.setup.cv_points:
+                # Seeded per task: a task is scored on the same points in every fold.
+                rng = np.random.default_rng([self.setup.seed, v])
+                pick = np.sort(rng.choice(pick, self.setup.cv_points, replace=False))
+            self._held_out_picks[v] = pick
+        return self._held_out_picks[v]
 
     def held_out_points(self, v: int) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
         """Points (at most ``cv_points``, drawn per task) held-out task ``v`` is scored on."""
@@ -368,7 +373,7 @@ class FoldEvaluator:
         the strategy's per-bandwidth statistics always, the per-fold embeddings when the
         folds are the same, the bandwidth when the tasks are."""
         other = FoldEvaluator(setup, self.strategy)
-        other._held_out = self._held_out
+        other._held_out, other._held_out_picks = self._held_out, self._held_out_picks
         other._strategy_cache = self._strategy_cache
         if setup.folds is self.setup.folds:
             other._embeddings = self._embeddings

@@ -10,6 +10,7 @@ either on a precomputed kernel matrix over the augmented points ``x̃ = (P, x)``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,17 +144,45 @@ def _assemble(S: NDArray[np.float64], A: NDArray[np.float64]) -> NDArray[np.floa
     return np.einsum("ia,ib,ipq->apbq", S, S, A, optimize=True).reshape(a * D, a * D)
 
 
-def _block_preconditioner(
+def _kronecker_preconditioner(
     S: NDArray[np.float64], A: NDArray[np.float64]
-) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
-    """What the block-Jacobi preconditioner of :func:`_structured_pcg` needs for every
-    ``λ``: the eigenbasis ``Q`` of ``SᵀS`` and the eigendecomposition ``V w Vᵀ`` of each
-    diagonal block ``Σ_i s'_ia² A_i`` (``S' = S Q``), so that ``(block + λ I)⁻¹`` is
-    ``V diag(1 / (w + λ)) Vᵀ`` for any ``λ`` without another factorisation."""
-    _, Qs = np.linalg.eigh(S.T @ S)
-    S2 = S @ Qs
-    w, V = np.linalg.eigh(np.tensordot(S2 * S2, A, axes=(0, 0)))
-    return Qs, w, V
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]]:
+    """What the preconditioner of :func:`_structured_pcg` needs for every ``λ``: the
+    eigenbasis ``Q`` of ``SᵀS`` and its eigenvalues ``c`` (``c_a = Σ_i s'_ia²`` with
+    ``S' = S Q``), and the eigendecomposition ``E diag(e) Eᵀ`` of ``Ā = Σ_i ‖s_i‖² A_i /
+    Σ_i ‖s_i‖²``, so that ``(SᵀS ⊗ Ā + λ I)⁻¹`` is ``(Q ⊗ E) diag(1 / (c_a e_p + λ))
+    (Q ⊗ E)ᵀ`` for any ``λ``.
+
+    The system in the basis ``Q`` has diagonal blocks ``Σ_i s'_ia² A_i`` and off-diagonal
+    ones ``Σ_i s'_ia s'_ib A_i``; with one feature covariance for all tasks (``A_i = Ā``)
+    they are ``c_a Ā`` and zero, and the preconditioner is the system's inverse. ``Ā``
+    weighs each task as the diagonal blocks do in sum (``Σ_a s'_ia² = ‖s_i‖²``).
+    Against inverting each diagonal block exactly (block Jacobi, one eigendecomposition
+    per block), an iteration reads one ``D × D`` matrix instead of ``a``: on the systems
+    of the synthetic batches' searches (``a`` = 7 or 8, ``D`` = 137, six ``λ``) the paths
+    took 51 iterations on mean instead of 55, in a third less time
+    (``bench/README.md``).
+    """
+    c, Q = np.linalg.eigh(S.T @ S)
+    weight = np.einsum("ia,ia->i", S, S)
+    mean = np.tensordot(weight / max(float(weight.sum()), 1e-300), A, axes=(0, 0))
+    e, E = np.linalg.eigh(mean)
+    return Q, np.maximum(c, 0.0), E, np.maximum(e, 0.0)
+
+
+def _kronecker_inverse(
+    preconditioner: tuple[NDArray[np.float64], ...], lam: float
+) -> Callable[[NDArray[np.float64]], NDArray[np.float64]]:
+    """``R ↦ (SᵀS ⊗ Ā + λ I)⁻¹ R`` for ``R`` of shape (a, D, k), from
+    :func:`_kronecker_preconditioner`'s factors."""
+    basis, c, E, e = preconditioner
+    shrink = (1.0 / (c[:, None] * e[None, :] + lam))[:, :, None]
+
+    def inverse(R: NDArray[np.float64]) -> NDArray[np.float64]:
+        Rt = np.matmul(E.T, np.tensordot(basis.T, R, axes=(1, 0)))
+        return np.tensordot(basis, np.matmul(E, shrink * Rt), axes=(1, 0))
+
+    return inverse
 
 
 def _structured_pcg(
@@ -168,24 +197,18 @@ def _structured_pcg(
     """Preconditioned conjugate gradients for ``(Σ_i s_i s_iᵀ ⊗ A_i + λ I) θ = rhs``.
 
     Unknowns are kept as ``Θ`` of shape (a, D, k), so the product costs ``N D² k``
-    and the matrix never exists. Preconditioner: in the eigenbasis ``Q`` of ``SᵀS``
-    (``S' = S Q``) the system's diagonal blocks ``Σ_i s'_ia² A_i + λ I`` are inverted
-    exactly (block Jacobi, :func:`_block_preconditioner`, shared along a ``λ`` path).
-    The off-diagonal blocks ``Σ_i s'_ia s'_ib A_i`` vanish when all tasks share one
-    feature covariance, so the closer the tasks' covariances, the fewer iterations.
+    and the matrix never exists. Preconditioner: the inverse of ``SᵀS ⊗ Ā + λ I``
+    (:func:`_kronecker_preconditioner`, shared along a ``λ`` path), exact when all tasks
+    share one feature covariance: the closer the tasks' covariances, the fewer
+    iterations.
     """
-    Qs, w, V = preconditioner if preconditioner is not None else _block_preconditioner(S, A)
-    shrink = 1.0 / (np.maximum(w, 0.0) + lam)
+    pre = preconditioner if preconditioner is not None else _kronecker_preconditioner(S, A)
+    precondition = _kronecker_inverse(pre, lam)
 
     # Batched matmul/tensordot: several times faster here than the equivalent einsum.
     def apply(T: NDArray[np.float64]) -> NDArray[np.float64]:
         W = np.matmul(A, np.tensordot(S, T, axes=(1, 0)))
         return np.tensordot(S.T, W, axes=(1, 0)) + lam * T
-
-    def precondition(R: NDArray[np.float64]) -> NDArray[np.float64]:
-        Rt = np.tensordot(Qs.T, R, axes=(1, 0))
-        Rt = np.matmul(V, shrink[:, :, None] * np.matmul(V.transpose(0, 2, 1), Rt))
-        return np.tensordot(Qs, Rt, axes=(1, 0))
 
     X = x0.copy()
     R = rhs - apply(X)
@@ -251,7 +274,7 @@ def structured_ridge_path(
     x0 = np.zeros_like(rhs)
     # Thousands of small products: BLAS threads only add synchronisation here.
     with one_thread():
-        preconditioner = _block_preconditioner(S, A)
+        preconditioner = _kronecker_preconditioner(S, A)
         # Largest λ first: the best conditioned system, then warm starts down the path.
         for i in np.argsort(-np.asarray(lams)):
             x0 = _structured_pcg(S, A, rhs, float(lams[i]), x0, rtol, preconditioner)

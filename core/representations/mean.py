@@ -354,14 +354,18 @@ def _computed_median_distance(
     d = pdist(points, metric="cityblock" if kernel == "laplace" else "euclidean")
     # The median of the positive distances, as np.median(d[d > 0]) gives it, with
     # neither the copies nor the sort: distances are never negative, so the zeros come
-    # first and the positive ones' middle ranks are shifted by their count.
+    # first and the positive ones' middle ranks are shifted by their count. One rank
+    # is selected in place; the one below it is the largest value before it (numpy's
+    # selection of two ranks at once took ten times as long).
     zeros = d.size - np.count_nonzero(d)
     positive = d.size - zeros
     if positive == 0:
         return 1.0
-    lo, hi = zeros + (positive - 1) // 2, zeros + positive // 2
-    d.partition([lo, hi] if lo != hi else lo)
-    return float(d[lo]) if lo == hi else float(np.mean(d[[lo, hi]]))
+    hi = zeros + positive // 2
+    d.partition(hi)
+    if positive % 2:
+        return float(d[hi])
+    return float(np.mean(np.array([d[:hi].max(), d[hi]])))
 
 
 class MeanEmbedding(BagRepresentation):
