@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 from bagserve.core import MarginalTransferClassifier
+from bagserve.core.blas import one_thread
 from bagserve.core.datasets import make_batched_cytometry_tasks
 from bagserve.core.estimators import _transfer_cv, _transfer_nystroem, transfer
 from bagserve.core.estimators._transfer_cv import reusing_fold_evaluations
@@ -150,6 +152,52 @@ def test_held_out_features_come_with_the_statistics(data, threads, monkeypatch):
     for a, t in zip(alone, taken, strict=True):
         assert_same(a.selection_, t.selection_)
         assert np.array_equal(a.decision_function(tasks), t.decision_function(tasks))
+
+
+def test_final_fits_complete_the_searchs_statistics(data, monkeypatch):
+    """The final fits (the model's, its blend partner's, the fallback's) take the task
+    statistics the search computed on the same tasks at the same bandwidth: each
+    task's statistics for a kernel and bandwidth are computed once in the whole fit.
+    The oracle is the fit whose final fits compute their own (one BLAS thread for
+    both, so that the two computations are the same bits)."""
+    tasks, y, batches = data
+    computed: list[tuple[int, str, float, int]] = []
+    statistics = _transfer_nystroem.task_statistics
+
+    def counting(maps, tasks_, Y, sigma_, which=None, into=None, *rows):
+        done = np.zeros(len(tasks_), bool) if into is None else into.done.copy()
+        todo = range(len(tasks_)) if which is None else which
+        computed.extend(
+            (id(tasks_), maps.point_kernel, sigma_, int(t)) for t in todo if not done[t]
+        )
+        return statistics(maps, tasks_, Y, sigma_, which, into, *rows)
+
+    monkeypatch.setattr(_transfer_nystroem, "task_statistics", counting)
+    model = MarginalTransferClassifier(random_state=0, cv=3)
+    shared = []
+    for groups in (None, batches):
+        computed.clear()
+        with one_thread():
+            shared.append(_fits(tasks, y, groups, [model])[0])
+        assert computed and len(computed) == len(set(computed))
+    assert shared[0].fallback_ is not None  # its final fits shared too
+    fit = _transfer_nystroem.NystroemFeatureStrategy.fit
+    monkeypatch.setattr(
+        _transfer_nystroem.NystroemFeatureStrategy,
+        "fit",
+        lambda self, problem: fit(
+            self, replace(problem, data=replace(problem.data, statistics={}))
+        ),
+    )
+    computed.clear()
+    with one_thread():
+        alone = [_fits(tasks, y, None, [model])[0]]
+    assert len(computed) > len(set(computed))
+    with one_thread():
+        alone.append(_fits(tasks, y, batches, [model])[0])
+    for a, s in zip(alone, shared, strict=True):
+        assert_same(a.selection_, s.selection_)
+        assert np.array_equal(a.decision_function(tasks), s.decision_function(tasks))
 
 
 def test_each_median_heuristic_is_computed_once_per_fit(data, monkeypatch):

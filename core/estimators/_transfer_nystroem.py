@@ -160,13 +160,13 @@ class NystroemFeatureStrategy(RandomFeatureStrategy):
         for sigma in dict.fromkeys(s for s, _ in folds):
             train = np.unique(np.concatenate([t for s, t in folds if s == sigma]))
             key = ("statistics", sigma)
-            cache[key] = task_statistics(
+            cache[key] = data.statistics[sigma] = task_statistics(
                 data.maps,
                 data.tasks,
                 data.Y,
                 sigma,
                 train,
-                cache.get(key),
+                cache.get(key) or data.statistics.get(sigma),
                 held_out_rows,
                 cache.setdefault(("held-out features", sigma), {}),
             )
@@ -199,20 +199,25 @@ class NystroemFeatureStrategy(RandomFeatureStrategy):
         data, params = problem.data, problem.params
         N = len(data.tasks)
         maps = data.maps
-        # Training's widened refit fits on the same tasks at the same σ again.
-        stats = reused_across_fits(
-            (
-                "nystroem statistics",
-                data.tasks,
-                data.Y,
-                maps.point_kernel,
-                maps.point_frequencies,
-                maps.linear_centre,
-                maps.linear_scale,
-                params.sigma,
-            ),
-            lambda: task_statistics(maps, data.tasks, data.Y, params.sigma),
-        )
+        # The search's statistics of these tasks, completed; or, for training's widened
+        # refit on the same tasks at the same σ, those of the fit before.
+        known = data.statistics.get(params.sigma)
+        if known is not None:
+            stats = task_statistics(maps, data.tasks, data.Y, params.sigma, into=known)
+        else:
+            stats = reused_across_fits(
+                (
+                    "nystroem statistics",
+                    data.tasks,
+                    data.Y,
+                    maps.point_kernel,
+                    maps.point_frequencies,
+                    maps.linear_centre,
+                    maps.linear_scale,
+                    params.sigma,
+                ),
+                lambda: task_statistics(maps, data.tasks, data.Y, params.sigma),
+            )
         basis = None if params.tau == 1.0 else nystroem_basis(problem.task_gram)
         S = task_coordinates(problem.task_gram, basis, params.tau)
         (theta,) = task_ridge_path(S, stats, np.arange(N), np.array([problem.alpha]))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -170,6 +170,10 @@ class TrainingData:
         ``ℓ`` of eq. 7; the random-feature strategies minimise the squared loss only.
     epsilon : float
         Width of the ε-insensitive loss.
+    statistics : dict
+        Per point bandwidth ``σ``, what a strategy computed of the tasks at it (the
+        random-feature strategies' per-task statistics): filled in by the search's
+        folds, completed and used by the final fit on the same data.
     """
 
     tasks: Bags
@@ -177,6 +181,7 @@ class TrainingData:
     maps: FeatureMaps
     loss: str
     epsilon: float
+    statistics: dict[float, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

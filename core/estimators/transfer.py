@@ -286,9 +286,14 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             the one model answers every task and is chosen leave-one-batch-out. The
             normalisation itself is chosen leave-tasks-out.
         """
-        # The search, the final fits and the fallback's ask for the same medians.
-        with sharing_median_distances():
-            self._fit_tasks(X, y, groups)
+        # The search, the final fits and the fallback's ask for the same medians, and
+        # share their data (see _training_data); nothing of it stays on the model.
+        self._data_in_fit: dict[tuple[Any, ...], TrainingData] = {}
+        try:
+            with sharing_median_distances():
+                self._fit_tasks(X, y, groups)
+        finally:
+            del self._data_in_fit
         # Warned from here, so that the warning points at the caller's fit().
         warn_grid_edges(self)
         return self
@@ -396,16 +401,28 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
     ) -> TrainingData:
         """The tasks with the feature maps of this fit (or of ``point_kernel``); the
         linear part of ``k_X`` is standardised by these tasks' pooled mean and standard
-        deviation."""
+        deviation.
+
+        Within :meth:`fit` the same tasks, targets, loss and kernel give the same
+        object: the search's folds and the final fit then share what the strategy
+        computed of them (:attr:`TrainingData.statistics`)."""
+        kernel = point_kernel or self.point_kernel_
+        memo = self.__dict__.get("_data_in_fit")
+        key = (id(tasks), id(Y), loss, kernel)
+        if memo is not None and key in memo:
+            return memo[key]
         sd = tasks.points.std(axis=0)
         maps = FeatureMaps(
-            point_kernel or self.point_kernel_,
+            kernel,
             self.point_frequencies_,
             self.joint_frequencies_,
             tasks.points.mean(axis=0),
             np.where(sd > 0, sd, 1.0),
         )
-        return TrainingData(tasks, Y, maps, loss, self.epsilon)
+        data = TrainingData(tasks, Y, maps, loss, self.epsilon)
+        if memo is not None:
+            memo[key] = data
+        return data
 
     def _feature_maps(self) -> FeatureMaps:
         """``k_X`` and the random draws of the fit."""
