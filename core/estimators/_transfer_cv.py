@@ -564,18 +564,16 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     the record shows around the choice (its grid-edge warnings, the grids training
     widens) is the complete search's.
 
-    An option whose bound reaches the least error of the configurations evaluated
-    so far cannot be the search's answer either (the first among equals is the one
-    visited first), and its evaluation stops too. Where that leaves a step's choice
-    undecided (no option evaluated to the end has less error than a stopped one's
-    bound), the step continues from the option of least error or bound, the first
-    among equals, and the record counts it in ``steps_by_bound``. A whole step then
-    worse than an earlier configuration (the shares of pooling where the pooled
-    model fits clearly better, the synthetic batches of ``bench/bench_training.py``)
-    costs a round of folds instead of all of them. The choice is the complete
-    search's unless a later step, continued from another option of that step, would
-    have found a configuration better than all of them; with ``steps_by_bound`` 0,
-    every step chose what the complete search's did.
+    In the last step that evaluates new configurations, an option whose bound
+    reaches the least error of the configurations evaluated so far cannot be the
+    search's answer either (the first among equals is the one visited first), and
+    its evaluation stops too: nothing after that step depends on its choice. (In an
+    earlier step it would: the next steps start from its choice, so there the options
+    are compared with each other only.) A last step worse than an earlier
+    configuration (the task bandwidths where the pooled model fits clearly better,
+    the synthetic batches of ``bench/bench_training.py``) then costs a round of folds
+    instead of all of them. Every step's choice that a later step starts from, and the
+    search's answer, are the complete search's.
 
     Parameters
     ----------
@@ -589,7 +587,7 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
         The selection record: every configuration visited, with its CV error per
         ``λ`` or, if its evaluation stopped, the folds it was evaluated on
         (``pruned_after``) and the bound it stopped at (``bound``); the ``λ`` grid,
-        the folds, the best configuration with its ``alpha``, and ``steps_by_bound``.
+        the folds, and the best configuration with its ``alpha``.
     """
     alphas = evaluator.setup.alphas
     others = [t for t in grid["tau"] if t != 1.0]
@@ -612,17 +610,21 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
     unbeatable = False
     # The bound each stopped configuration last stopped at.
     bounds: dict[tuple[Any, ...], float] = {}
-    by_bound = 0
 
     def least_error() -> float:
         done = [evaluator.fold_errors[k] for k in visited if k in evaluator.fold_errors]
         return min((float(e.mean(axis=0).min()) for e in done), default=np.inf)
 
-    def best_of(current: dict[str, Any], options: list[dict[str, Any]]) -> dict[str, Any]:
+    def best_of(
+        current: dict[str, Any], options: list[dict[str, Any]], last: bool
+    ) -> dict[str, Any]:
         # The option of least error, the first among equals, as min() over complete
         # evaluations would pick it. Options evaluated in an earlier step are known
-        # and bound those before them in the list too.
-        nonlocal unbeatable, by_bound
+        # and bound those before them in the list too. In the last step that
+        # evaluates anything (``last``) the choice only matters if it is the search's
+        # answer: there an option that cannot beat the best configuration seen stops
+        # too, and if every option stops, what the step returns is never used.
+        nonlocal unbeatable
         if unbeatable:
             return current
         keys = [FoldEvaluator.key(o) for o in options]
@@ -631,21 +633,15 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
             for i, k in enumerate(keys)
             if k in evaluator.fold_errors
         }
-        best_seen = least_error()
+        best_seen = least_error() if last else np.inf
         chosen: tuple[int, float] | None = None
-        stopped: dict[int, float] = {}  # options stopped by the best seen: their bounds
         for i, option in enumerate(options):
             before = chosen[1] if chosen is not None else np.inf
             after = min((v for j, v in known.items() if j > i), default=np.inf)
 
             def cannot_win(lb: float, i: int = i, b: float = before, a: float = after) -> bool:
                 bounds[keys[i]] = lb
-                if lb >= b or lb > a:
-                    return True
-                if lb >= best_seen:
-                    stopped[i] = lb
-                    return True
-                return False
+                return lb >= b or lb > a or lb >= best_seen
 
             v = value(option, cannot_win)
             if v is not None and (chosen is None or v < chosen[1]):
@@ -657,20 +653,17 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
                     for later in options[i + 1 :]:
                         visit(later)
                     break
-        undecided = {i: lb for i, lb in stopped.items() if chosen is None or lb < chosen[1]}
-        if undecided:
-            by_bound += 1
-            ties = {**undecided, **({chosen[0]: chosen[1]} if chosen is not None else {})}
-            chosen = min(ties.items(), key=lambda item: (item[1], item[0]))
-        assert chosen is not None
-        return options[chosen[0]]
+        return options[chosen[0]] if chosen is not None else current
 
     def middle(values: list[Any]) -> Any:
         return values[len(values) // 2]
 
     current = {k: v[0] for k, v in grid.items()}
+    more_gammas, more_embs = len(grid["gamma"]) > 1, len(grid["emb"]) > 1
     if 1.0 in grid["tau"]:
-        current = best_of(current, [{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]])
+        current = best_of(
+            current, [{**current, "sigma": s, "tau": 1.0} for s in grid["sigma"]], not others
+        )
     if others:
         gamma, emb = middle(grid["gamma"]), middle(grid["emb"])
         if 1.0 not in grid["tau"]:
@@ -679,12 +672,15 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
                 current,
                 [{**current, "sigma": s, "tau": others[0], "gamma": gamma, "emb": emb}
                  for s in grid["sigma"]],
+                False,
             )  # fmt: skip
         current = best_of(
-            current, [{**current, "tau": t, "gamma": gamma, "emb": emb} for t in others]
+            current,
+            [{**current, "tau": t, "gamma": gamma, "emb": emb} for t in others],
+            not (more_gammas or more_embs),
         )
-        current = best_of(current, [{**current, "gamma": g} for g in grid["gamma"]])
-        current = best_of(current, [{**current, "emb": e} for e in grid["emb"]])
+        current = best_of(current, [{**current, "gamma": g} for g in grid["gamma"]], not more_embs)
+        current = best_of(current, [{**current, "emb": e} for e in grid["emb"]], True)
     bar.close()
     key, li = evaluator.best([k for k in visited if k in evaluator.fold_errors])
     best = {"sigma": key[0], "tau": key[1], "gamma": key[2], "emb": key[3]}
@@ -704,7 +700,6 @@ def coordinate_search(evaluator: FoldEvaluator, grid: dict[str, list[Any]]) -> d
         "alpha_grid": alphas,
         "folds": evaluator.setup.folds,
         "best": best,
-        "steps_by_bound": by_bound,
     }
 
 

@@ -174,13 +174,24 @@ def _kronecker_inverse(
     preconditioner: tuple[NDArray[np.float64], ...], lam: float
 ) -> Callable[[NDArray[np.float64]], NDArray[np.float64]]:
     """``R ↦ (SᵀS ⊗ Ā + λ I)⁻¹ R`` for ``R`` of shape (a, D, k), from
-    :func:`_kronecker_preconditioner`'s factors."""
+    :func:`_kronecker_preconditioner`'s factors.
+
+    ``E`` acts on all ``a k`` columns at once: one product of ``D × D`` by ``D × a k``
+    each way (``a`` products of ``D × k`` took 1.7 times as long).
+    """
     basis, c, E, e = preconditioner
-    shrink = (1.0 / (c[:, None] * e[None, :] + lam))[:, :, None]
+    a, D = basis.shape[0], E.shape[0]
+    Et = np.ascontiguousarray(E.T)
+    shrinks: dict[int, NDArray[np.float64]] = {}
 
     def inverse(R: NDArray[np.float64]) -> NDArray[np.float64]:
-        Rt = np.matmul(E.T, np.tensordot(basis.T, R, axes=(1, 0)))
-        return np.tensordot(basis, np.matmul(E, shrink * Rt), axes=(1, 0))
+        k = R.shape[2]
+        if k not in shrinks:
+            shrinks[k] = np.repeat((1.0 / (c[:, None] * e[None, :] + lam)).T, k, axis=1)
+        # (a, D, k) -> rotated by the basis over a -> (D, a k) for E.
+        M = (basis.T @ R.reshape(a, D * k)).reshape(a, D, k).transpose(1, 0, 2).reshape(D, -1)
+        M = E @ (shrinks[k] * (Et @ M))
+        return (basis @ M.reshape(D, a, k).transpose(1, 0, 2).reshape(a, D * k)).reshape(a, D, k)
 
     return inverse
 
@@ -205,10 +216,14 @@ def _structured_pcg(
     pre = preconditioner if preconditioner is not None else _kronecker_preconditioner(S, A)
     precondition = _kronecker_inverse(pre, lam)
 
-    # Batched matmul/tensordot: several times faster here than the equivalent einsum.
+    N, a = S.shape
+    D, k = A.shape[1], rhs.shape[2]
+    St = np.ascontiguousarray(S.T)
+
+    # Plain and batched products: several times faster here than the equivalent einsum.
     def apply(T: NDArray[np.float64]) -> NDArray[np.float64]:
-        W = np.matmul(A, np.tensordot(S, T, axes=(1, 0)))
-        return np.tensordot(S.T, W, axes=(1, 0)) + lam * T
+        W = np.matmul(A, (S @ T.reshape(a, D * k)).reshape(N, D, k))
+        return (St @ W.reshape(N, D * k)).reshape(a, D, k) + lam * T
 
     X = x0.copy()
     R = rhs - apply(X)
