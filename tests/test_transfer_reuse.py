@@ -200,6 +200,34 @@ def test_final_fits_complete_the_searchs_statistics(data, monkeypatch):
         assert np.array_equal(a.decision_function(tasks), s.decision_function(tasks))
 
 
+def test_final_fits_on_the_same_tasks_share_their_embedding(data, monkeypatch):
+    """A blend's members, and the fallback and its partner, are fitted on the same tasks:
+    they share one task embedding and its distances, and the model is the one whose
+    final fits each compute their own (the oracle)."""
+    tasks, y, batches = data
+    model = MarginalTransferClassifier(random_state=0, cv=3)
+    shared = [_fits(tasks, y, groups, [model])[0] for groups in (None, batches)]
+    pairs = [
+        (m, partner)
+        for fitted in shared
+        for m in (fitted, fitted.fallback_)
+        if m is not None
+        for partner in (m.blend_,)
+        if partner is not None
+    ]
+    assert pairs
+    for m, partner in pairs:
+        assert partner.train_embedding_ is m.train_embedding_
+        assert partner.task_sq_distances_ is m.task_sq_distances_
+    keys = iter(range(10**6))
+    monkeypatch.setattr(transfer, "content_digest", lambda *parts: next(keys))
+    alone = [_fits(tasks, y, groups, [model])[0] for groups in (None, batches)]
+    for a, s in zip(alone, shared, strict=True):
+        assert_same(a.selection_, s.selection_)
+        assert np.array_equal(a.decision_function(tasks), s.decision_function(tasks))
+        assert np.array_equal(a.task_sq_distances_, s.task_sq_distances_)
+
+
 def test_each_median_heuristic_is_computed_once_per_fit(data, monkeypatch):
     """The median heuristics (a distance matrix of up to 2,000 points each: the point
     bandwidth's, the task embedding's) are computed once for each set of points and

@@ -92,11 +92,11 @@ class FallbackMixin:
         fallback.selection_ = {"evaluated": [], "folds": [], "best": best}
         fallback.disagreement_threshold_ = None
         # The search's data of these tasks, and with it their statistics.
-        fallback._data_in_fit = self.__dict__.get("_data_in_fit")
+        fallback._fit_memo = self.__dict__.get("_fit_memo")
         try:
             fallback._fit_on(strategy, tasks, Y, normalise, best)
         finally:
-            del fallback._data_in_fit
+            del fallback._fit_memo
         fallback.fallback_ = None
         fallback.blend_ = None
         # A blend's members are averaged first; whatever refines, refines the average.

@@ -72,6 +72,7 @@ from ..representations.base import BagRepresentation, Embedding
 from ..representations.mean import sharing_median_distances
 from ._grid_choices import GridChoice, transfer_choices, warn_grid_edges
 from ._transfer_calibration import CalibrationMixin
+from ._transfer_cv import content_digest
 from ._transfer_exact import ExactKernelStrategy
 from ._transfer_fallback import FallbackMixin
 from ._transfer_nystroem import NystroemFeatureStrategy
@@ -287,13 +288,14 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             normalisation itself is chosen leave-tasks-out.
         """
         # The search, the final fits and the fallback's ask for the same medians, and
-        # share their data (see _training_data); nothing of it stays on the model.
-        self._data_in_fit: dict[tuple[Any, ...], TrainingData] = {}
+        # share their data (_training_data) and task embeddings (_fit_final); nothing
+        # of it stays on the model.
+        self._fit_memo: dict[tuple[Any, ...], Any] = {}
         try:
             with sharing_median_distances():
                 self._fit_tasks(X, y, groups)
         finally:
-            del self._data_in_fit
+            del self._fit_memo
         # Warned from here, so that the warning points at the caller's fit().
         warn_grid_edges(self)
         return self
@@ -407,7 +409,7 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
         object: the search's folds and the final fit then share what the strategy
         computed of them (:attr:`TrainingData.statistics`)."""
         kernel = point_kernel or self.point_kernel_
-        memo = self.__dict__.get("_data_in_fit")
+        memo = self.__dict__.get("_fit_memo")
         key = (id(tasks), id(Y), loss, kernel)
         if memo is not None and key in memo:
             return memo[key]
@@ -460,10 +462,20 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
         self.point_bandwidth_ = self._sigma_value(best["sigma"], tasks.points)
         self.tau_ = best["tau"]
         self.alpha_ = float(best["alpha"])
-        rep, emb = self._fit_embedding(emb_tasks, best["emb"])
+        # A blend's members, and the fallback and its own, are fitted on the same tasks:
+        # their embedding and its distances are computed once.
+        memo = self.__dict__.get("_fit_memo")
+        key = ("task embedding", content_digest(emb_tasks), best["emb"])
+        if memo is not None and key in memo:
+            rep, emb, sq = memo[key]
+        else:
+            rep, emb = self._fit_embedding(emb_tasks, best["emb"])
+            sq = emb.sq_distances()
+            if memo is not None:
+                sq.flags.writeable = False  # read by every model that shares it
+                memo[key] = (rep, emb, sq)
         self.embedding_ = rep
         self.train_embedding_ = emb
-        sq = emb.sq_distances()
         self.task_sq_distances_ = sq
         self.task_gamma_ = self._gamma_value(best["gamma"], sq)
         if N > 1:
