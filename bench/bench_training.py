@@ -48,20 +48,25 @@ CASES = ("yeast", "gvhd", "synthetic")
 #: The commit before the training-cost change, and the files it changed: "today" is
 #: HEAD with these files as they were then. The first step (fold evaluations shared
 #: across the candidates and the widening refit) was 04e337a with core/training/folds.py,
-#: core/training/fit_memory.py, _transfer_cv.py and _transfer_nystroem.py; this one
+#: core/training/fit_memory.py, _transfer_cv.py and _transfer_nystroem.py; the second
 #: (one median per search for both bandwidths, task statistics on all cores, with the
 #: fallback rules of issue 30 made meanwhile) was bb75d39 with every estimator file
 #: changed since; the third (the search stops evaluating candidates that cannot win,
-#: and every median heuristic once per fit) was 04bf58d with the files below; this one
-#: (a candidate's folds on all cores) is e4d0385, the files below as they were there.
-BEFORE = "e4d0385"
+#: and every median heuristic once per fit) 04bf58d; the fourth (a candidate's folds on
+#: all cores) e4d0385; this one (steps worse than the best configuration seen stop
+#: after a round, held-out features from the statistics pass, the median and the
+#: canonical order without sorting every column) is c99ae30, the files below as they
+#: were there.
+BEFORE = "c99ae30"
 CHANGED = (
+    "core/bags.py",
     "core/kernels.py",
     "core/representations/mean.py",
     "core/estimators/transfer.py",
     "core/estimators/_transfer_cv.py",
     "core/estimators/_transfer_fallback.py",
     "core/estimators/_transfer_nystroem.py",
+    "core/estimators/_transfer_refine.py",
     "core/estimators/_transfer_search.py",
     "core/estimators/_transfer_solvers.py",
     "core/estimators/_transfer_strategy.py",
