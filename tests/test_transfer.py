@@ -170,7 +170,7 @@ def test_kronecker_preconditioner_inverts_systems_of_one_covariance(rng, tau):
     theta = rng.normal(size=(a, D, k))
     for A, exact in ((same, True), (same + np.abs(rng.normal(size=(N, 1, 1))) * np.eye(D), False)):
         G = _assemble(S, A) + lam * np.eye(a * D)
-        inverse = _kronecker_inverse(_kronecker_preconditioner(S, A), lam)
+        inverse = _kronecker_inverse(_kronecker_preconditioner(S, A), lam, k)
         back = inverse((G @ theta.reshape(a * D, k)).reshape(a, D, k))
         assert np.allclose(back, theta, rtol=1e-9, atol=1e-9) == exact
         rhs = G @ theta.reshape(a * D, k)

@@ -202,8 +202,9 @@ def test_final_fits_complete_the_searchs_statistics(data, monkeypatch):
 
 def test_final_fits_on_the_same_tasks_share_their_embedding(data, monkeypatch):
     """A blend's members, and the fallback and its partner, are fitted on the same tasks:
-    they share one task embedding and its distances, and the model is the one whose
-    final fits each compute their own (the oracle)."""
+    they share one task embedding and its distances (and, answering, the new tasks'
+    similarities), and the model is the one whose final fits each compute their own
+    (the oracle)."""
     tasks, y, batches = data
     model = MarginalTransferClassifier(random_state=0, cv=3)
     shared = [_fits(tasks, y, groups, [model])[0] for groups in (None, batches)]
@@ -219,6 +220,16 @@ def test_final_fits_on_the_same_tasks_share_their_embedding(data, monkeypatch):
     for m, partner in pairs:
         assert partner.train_embedding_ is m.train_embedding_
         assert partner.task_sq_distances_ is m.task_sq_distances_
+        assert partner.shares_task_view_
+    # The partners answer from their model's view of the new tasks: the same answers
+    # as computing their own (the oracle; models saved before the flag do).
+    answers = [m.decision_function(tasks) for m in shared]
+    for _, partner in pairs:
+        partner.shares_task_view_ = False
+    for m, a in zip(shared, answers, strict=True):
+        assert np.array_equal(m.decision_function(tasks), a)
+    for _, partner in pairs:
+        partner.shares_task_view_ = True
     keys = iter(range(10**6))
     monkeypatch.setattr(transfer, "content_digest", lambda *parts: next(keys))
     alone = [_fits(tasks, y, groups, [model])[0] for groups in (None, batches)]

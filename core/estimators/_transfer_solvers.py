@@ -171,7 +171,7 @@ def _kronecker_preconditioner(
 
 
 def _kronecker_inverse(
-    preconditioner: tuple[NDArray[np.float64], ...], lam: float
+    preconditioner: tuple[NDArray[np.float64], ...], lam: float, k: int
 ) -> Callable[[NDArray[np.float64]], NDArray[np.float64]]:
     """``R ↦ (SᵀS ⊗ Ā + λ I)⁻¹ R`` for ``R`` of shape (a, D, k), from
     :func:`_kronecker_preconditioner`'s factors.
@@ -182,15 +182,12 @@ def _kronecker_inverse(
     basis, c, E, e = preconditioner
     a, D = basis.shape[0], E.shape[0]
     Et = np.ascontiguousarray(E.T)
-    shrinks: dict[int, NDArray[np.float64]] = {}
+    shrink = np.repeat((1.0 / (c[:, None] * e[None, :] + lam)).T, k, axis=1)
 
     def inverse(R: NDArray[np.float64]) -> NDArray[np.float64]:
-        k = R.shape[2]
-        if k not in shrinks:
-            shrinks[k] = np.repeat((1.0 / (c[:, None] * e[None, :] + lam)).T, k, axis=1)
         # (a, D, k) -> rotated by the basis over a -> (D, a k) for E.
         M = (basis.T @ R.reshape(a, D * k)).reshape(a, D, k).transpose(1, 0, 2).reshape(D, -1)
-        M = E @ (shrinks[k] * (Et @ M))
+        M = E @ (shrink * (Et @ M))
         return (basis @ M.reshape(D, a, k).transpose(1, 0, 2).reshape(a, D * k)).reshape(a, D, k)
 
     return inverse
@@ -214,7 +211,7 @@ def _structured_pcg(
     iterations.
     """
     pre = preconditioner if preconditioner is not None else _kronecker_preconditioner(S, A)
-    precondition = _kronecker_inverse(pre, lam)
+    precondition = _kronecker_inverse(pre, lam, rhs.shape[2])
 
     N, a = S.shape
     D, k = A.shape[1], rhs.shape[2]

@@ -123,6 +123,20 @@ def _single_point_problems(tasks: Bags) -> list[str]:
     ]
 
 
+def _as_partner(model: Any, partner: Any) -> Any:
+    """``partner`` as ``model``'s blend partner (``model.blend_``). Its
+    ``shares_task_view_`` records that it normalises and embeds new tasks as ``model``
+    does (the same normalisation, and the one embedding a fit makes of the same tasks,
+    see ``_fit_final``): its answers then start from ``model``'s normalised tasks and
+    task similarities instead of computing them again (a quarter of a blended model's
+    prediction time on 10^5-cell samples)."""
+    partner.shares_task_view_ = bool(
+        partner.normalise_ == model.normalise_
+        and partner.train_embedding_ is model.train_embedding_
+    )
+    return partner
+
+
 class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMixin, BaseEstimator):
     """Shared implementation; see :class:`MarginalTransferClassifier`."""
 
@@ -359,8 +373,11 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
         self._fit_on(strategy, variants[chosen], Y, chosen, best)
         self.blend_ = None
         if capacity.get("chosen") == "blend":
-            self.blend_ = self._fixed_model(
-                strategy, variants[chosen], Y, capacity["pooled_linear"], normalise=chosen
+            self.blend_ = _as_partner(
+                self,
+                self._fixed_model(
+                    strategy, variants[chosen], Y, capacity["pooled_linear"], normalise=chosen
+                ),
             )
         self.refine_ = (self.selection_.get("refine") or {}).get("chosen", refinements[0])
         self._fit_open_set(variants[chosen], Y)
@@ -378,8 +395,9 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             if record.get("fallback_model") == "boosted trees":
                 self.fallback_.trees_ = fit_task_trees(variants["standard"], Y, self.seed_)
             if "fallback_blend" in record:
-                self.fallback_.blend_ = self._fixed_model(
-                    strategy, variants["standard"], Y, record["fallback_blend"]
+                self.fallback_.blend_ = _as_partner(
+                    self.fallback_,
+                    self._fixed_model(strategy, variants["standard"], Y, record["fallback_blend"]),
                 )
             self.disagreement_threshold_ = self.range_factor * record["disagreement_bound"]
 
@@ -632,7 +650,10 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             )
         blend = getattr(self, "blend_", None)
         if blend is not None:
-            partner = blend._primary_scores(raw)
+            if getattr(blend, "shares_task_view_", False):
+                partner = blend._model_scores(raw, tasks, emb, sq_new)
+            else:  # models saved before the partner recorded it
+                partner = blend._primary_scores(raw)
             answered = [(a + b) / 2.0 for a, b in zip(answered, partner, strict=True)]
         return answered
 
@@ -899,7 +920,9 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         rule; asked only beside an invariant fallback, which answers the tasks out of
         range); ``None`` where the kernel answers alone (or the pooled linear model in
         its place), without a fallback (then chosen leave-one-batch-out where batches
-        are named), or with a fixed linear ``point_kernel``.
+        are named), or with a fixed linear ``point_kernel``. A partner's
+        ``shares_task_view_`` says it answers from its model's normalised new tasks and
+        task similarities.
     refine_ : str
         ``"mixture"`` or ``"none"``: whether this model refines its answers (the
         fallback's own ``refine_`` for the tasks it answers).
