@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from bagserve.core import MarginalTransferClassifier
+from bagserve.core import MarginalTransferClassifier, artifacts
 from bagserve.core.blas import one_thread
 from bagserve.core.datasets import make_batched_cytometry_tasks
 from bagserve.core.estimators import _transfer_cv, _transfer_nystroem, transfer
@@ -200,7 +200,7 @@ def test_final_fits_complete_the_searchs_statistics(data, monkeypatch):
         assert np.array_equal(a.decision_function(tasks), s.decision_function(tasks))
 
 
-def test_final_fits_on_the_same_tasks_share_their_embedding(data, monkeypatch):
+def test_final_fits_on_the_same_tasks_share_their_embedding(data, monkeypatch, tmp_path):
     """A blend's members, and the fallback and its partner, are fitted on the same tasks:
     they share one task embedding and its distances (and, answering, the new tasks'
     similarities), and the model is the one whose final fits each compute their own
@@ -230,6 +230,12 @@ def test_final_fits_on_the_same_tasks_share_their_embedding(data, monkeypatch):
         assert np.array_equal(m.decision_function(tasks), a)
     for _, partner in pairs:
         partner.shares_task_view_ = True
+    # Saved and loaded, the arrays are no longer shared; the partner still answers
+    # from its model's view, the same answers.
+    loaded = artifacts.load(artifacts.save(shared[0], tmp_path / "model"))
+    partners = [m.blend_ for m in (loaded, loaded.fallback_) if m is not None and m.blend_]
+    assert partners and all(p.shares_task_view_ for p in partners)
+    assert np.array_equal(loaded.decision_function(tasks), answers[0])
     keys = iter(range(10**6))
     monkeypatch.setattr(transfer, "content_digest", lambda *parts: next(keys))
     alone = [_fits(tasks, y, groups, [model])[0] for groups in (None, batches)]
