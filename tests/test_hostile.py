@@ -161,6 +161,28 @@ def test_gzip_bomb_is_refused_at_once_without_the_servers_memory(service, bomb):
     assert answers[0] == answers[1] == answers[2]
 
 
+def test_a_body_of_empty_gzip_members_is_refused_without_holding_a_worker(service):
+    """2 MB of empty gzip members inflate to nothing, each costing an inflater: the
+    stream is refused past the member limit, in moments, and two at once leave the
+    other requests answered (they held both workers for the whole timeout)."""
+    members = gzip.compress(b"", mtime=0) * 100_000
+    with client(service) as h:
+        t0 = time.perf_counter()
+        for headers in (
+            {"content-type": "text/csv", "content-encoding": "gzip"},
+            {"content-type": "text/csv"},  # gzip by its magic bytes
+        ):
+            r = h.post("/v1/models/demo-dose/predict", content=members, headers=headers)
+            assert r.status_code == 413, r.text
+            assert "more than 65536 members" in r.json()["detail"]
+        # Seconds of inflaters at most, where it took the whole 60 s timeout.
+        assert time.perf_counter() - t0 < 30
+        ok = h.post(
+            "/v1/models/demo-dose/predict", content=dose_csv(), headers={"content-type": "text/csv"}
+        )
+        assert ok.status_code == 200
+
+
 def test_npy_headers_are_checked_before_anything_is_allocated(service):
     huge = np.lib.format.header_data_from_array_1_0(np.zeros((2, 3)))
     huge["shape"] = (10**11, 3)

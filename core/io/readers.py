@@ -36,7 +36,16 @@ from numpy.typing import NDArray
 from ..errors import DataError, SizeLimitError
 from ..hashing import bytes_sha256
 
-__all__ = ["SUPPORTED_SUFFIXES", "ReadLimits", "Sample", "gunzip", "read_file", "read_sample"]
+__all__ = [
+    "MAX_GZIP_MEMBERS",
+    "SUPPORTED_SUFFIXES",
+    "ReadLimits",
+    "Sample",
+    "format_of",
+    "gunzip",
+    "read_file",
+    "read_sample",
+]
 
 SUPPORTED_SUFFIXES = (
     ".fcs",
@@ -62,6 +71,10 @@ GZIP_MAGIC = b"\x1f\x8b"
 #: and a bomb is stopped within one piece of its limit.
 _INFLATE_IN = 1 << 16
 _INFLATE_OUT = 1 << 20
+#: A gzip stream may hold at most this many members. Tools that write many (bgzip:
+#: one per 64 KiB of data) stay far below it within any decoded-size limit; each member
+#: costs a new inflater, whatever it inflates to.
+MAX_GZIP_MEMBERS = 65_536
 #: NPY element kinds that are cells: real floats and integers. Complex values would
 #: lose their imaginary part, booleans, strings, objects and records are no measurements.
 _NPY_KINDS = "fiu"
@@ -121,7 +134,9 @@ def gunzip(data: bytes | bytearray | memoryview, source: str, limit: int | None 
     The stream is inflated piece by piece: a small body that inflates to gigabytes
     (a "gzip bomb") costs at most ``limit`` bytes and the time to inflate them, never
     the whole. A stream whose trailer already declares more than ``limit`` (the size
-    of its last member, modulo 2^32) is refused at once.
+    of its last member, modulo 2^32) is refused at once, and so is a stream of more
+    than :data:`MAX_GZIP_MEMBERS` members (a body of empty members inflates to nothing
+    but costs a new inflater each).
 
     Parameters
     ----------
@@ -135,7 +150,7 @@ def gunzip(data: bytes | bytearray | memoryview, source: str, limit: int | None 
     Raises
     ------
     SizeLimitError
-        The stream inflates to more than ``limit`` bytes.
+        The stream inflates to more than ``limit`` bytes, or has too many members.
     DataError
         Not a gzip stream, or a broken or truncated one.
     """
@@ -146,13 +161,15 @@ def gunzip(data: bytes | bytearray | memoryview, source: str, limit: int | None 
     if limit is not None and len(view) >= 18 and int.from_bytes(view[-4:], "little") > limit:
         raise SizeLimitError(too_large)
     out = bytearray()
-    rest: memoryview | bytes = view
-    while True:
+    # Where the next member starts: members are read in place, the rest of the stream
+    # never copied (a copy per member made a stream of empty members quadratic).
+    start = 0
+    for _member in range(MAX_GZIP_MEMBERS):
         inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-        pos = 0
+        pos = start
         try:
-            while not inflater.eof and pos < len(rest):
-                piece: bytes | memoryview = rest[pos : pos + _INFLATE_IN]
+            while not inflater.eof and pos < len(view):
+                piece: bytes | memoryview = view[pos : pos + _INFLATE_IN]
                 pos += len(piece)
                 while piece and not inflater.eof:
                     out += inflater.decompress(piece, _INFLATE_OUT)
@@ -163,10 +180,14 @@ def gunzip(data: bytes | bytearray | memoryview, source: str, limit: int | None 
             raise DataError(f"{source}: broken gzip stream ({exc})") from exc
         if not inflater.eof:
             raise DataError(f"{source}: broken gzip stream (it ends before its last block)")
-        rest = inflater.unused_data + bytes(rest[pos:])
+        start = pos - len(inflater.unused_data)
         # gzip(1) ignores zero bytes after the last member (tape padding); so do we.
-        if not rest.strip(b"\0"):
+        # (Copied once at most: a member cannot start with a zero byte.)
+        if start >= len(view) or (view[start] == 0 and not bytes(view[start:]).strip(b"\0")):
             return bytes(out)
+    raise SizeLimitError(
+        f"{source}: the gzip stream has more than {MAX_GZIP_MEMBERS} members (the limit)"
+    )
 
 
 @dataclass(frozen=True)
@@ -230,6 +251,12 @@ def fcs_acquired(text: dict[str, Any]) -> str | None:
     if not t or int(t.group(1)) > 23 or int(t.group(2)) > 59 or int(t.group(3)) > 59:
         return date.isoformat()
     return f"{date.isoformat()}T{int(t.group(1)):02d}:{t.group(2)}:{t.group(3)}"
+
+
+def format_of(name: str) -> str | None:
+    """The ``format`` :func:`read_sample` reads a file of this name as (``csv.gz``
+    for ``x.csv.gz``), or None when the name does not say (the content's magic will)."""
+    return _suffix(name).lstrip(".") or None
 
 
 def _suffix(name: str) -> str:
@@ -644,5 +671,4 @@ def read_file(path: str | os.PathLike[str]) -> tuple[Sample, str]:
         data = path.read_bytes()
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    fmt = _suffix(path.name).lstrip(".") or None
-    return read_sample(data, format=fmt, name=str(path)), bytes_sha256(data)
+    return read_sample(data, format=format_of(path.name), name=str(path)), bytes_sha256(data)

@@ -12,7 +12,6 @@ number and nothing else.
 
 from __future__ import annotations
 
-import csv
 import re
 from collections.abc import Iterable
 from typing import Any, TextIO
@@ -20,7 +19,7 @@ from typing import Any, TextIO
 __all__ = ["SafeWriter", "safe_cell"]
 
 #: What OWASP lists as the start of a formula (or of its hiding place).
-_TRIGGERS = ("=", "+", "-", "@", "\t", "\r")
+_TRIGGERS = ("=", "+", "-", "@", "\t", "\r", "\n")
 _PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
@@ -42,20 +41,40 @@ def safe_cell(value: Any) -> Any:
 
 
 class SafeWriter:
-    """A :func:`csv.writer` whose every text cell passes :func:`safe_cell`.
+    """Writes CSV rows (RFC 4180 quoting) whose every text cell passes :func:`safe_cell`.
+
+    A cell is quoted when it holds the delimiter, a double quote, a carriage return or a
+    line feed, whatever the line terminator. :func:`csv.writer` quotes only the
+    characters of its own terminator: with ``"\n"`` a bare carriage return went out
+    unquoted, and a spreadsheet that ends rows there read the rest of the cell as a new
+    row's first cell, a formula (``"\r=HYPERLINK(...)"``).
 
     Parameters
     ----------
     stream : text stream
-    **options
-        As for :func:`csv.writer` (``lineterminator``, ``delimiter``).
+    delimiter : str, default=","
+    lineterminator : str, default="\r\n"
     """
 
-    def __init__(self, stream: TextIO, **options: Any) -> None:
-        self._writer = csv.writer(stream, **options)
+    def __init__(
+        self, stream: TextIO, *, delimiter: str = ",", lineterminator: str = "\r\n"
+    ) -> None:
+        self._stream = stream
+        self._delimiter = delimiter
+        self._end = lineterminator
+        self._special = re.compile("[" + re.escape(delimiter) + '"\r\n]')
+
+    def _field(self, value: Any) -> str:
+        text = "" if value is None else str(safe_cell(value))
+        if self._special.search(text):
+            return '"' + text.replace('"', '""') + '"'
+        return text
 
     def writerow(self, row: Iterable[Any]) -> None:
-        self._writer.writerow([safe_cell(v) for v in row])
+        fields = [self._field(v) for v in row]
+        # One empty cell is written quoted, so that the row is not read as no row.
+        line = '""' if fields == [""] else self._delimiter.join(fields)
+        self._stream.write(line + self._end)
 
     def writerows(self, rows: Iterable[Iterable[Any]]) -> None:
         for row in rows:
