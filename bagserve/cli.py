@@ -168,7 +168,12 @@ def _as_results(answer: dict[str, Any], files: Sequence[str]) -> dict[str, Any]:
 class RemoteModel:
     """A served model (``name`` or ``name/version`` at ``url``) that predicts files the
     way :func:`predict_files` does locally: asked for what the model gives (an interval
-    where it is calibrated, the population summary of a per-cell model)."""
+    where it gives one, the population summary of a per-cell model).
+
+    The version is pinned when it is opened (``name`` alone: the latest then), so that
+    every answer of one command or one table comes from the same model; ``layout`` is
+    the columns of its table answers (:class:`~bagserve.service.tables.TableLayout`).
+    """
 
     def __init__(
         self,
@@ -183,23 +188,38 @@ class RemoteModel:
         import os
 
         from .service.client import Client
+        from .service.options import PredictOptions
+        from .service.tables import TableLayout
 
         self.url, self.model = url, model
         self.name, _, version = model.partition("/")
-        self.version = version or None
         self.client = Client(url, api_key=api_key or os.environ.get("BAGSERVE_API_KEY"))
         try:
             described = self._call(self.client.model, self.name)
         except Exception:
             self.client.close()
             raise
-        wanted = self.version or described.get("latest")
-        about = next((v for v in described.get("versions", []) if v.get("version") == wanted), {})
+        self.version = version or str(described.get("latest"))
+        about = next(
+            (v for v in described.get("versions", []) if v.get("version") == self.version), None
+        )
+        if about is None:
+            self.client.close()
+            raise ValueError(f"unknown model {self.name}/{self.version} at {url}")
+        cell = about.get("kind") == "cell"
+        self.options = PredictOptions(
+            coverage=interval if about.get("intervals") and not cell else None,
+            cells=cells if cell else True,
+            compensated=compensated,
+        )
+        self.layout = TableLayout.of(about, self.options)
+        self.sha256 = str(about.get("sha256", ""))
+        self.markers: list[str] = list((about.get("panel") or {}).get("markers") or [])
         self.params: dict[str, str] = {}
-        if about.get("kind") == "cell":
+        if cell:
             self.params["cells"] = "true" if cells else "false"
-        elif about.get("calibrated") and interval is not None:
-            self.params["interval"] = str(interval)
+        elif self.options.coverage is not None:
+            self.params["interval"] = str(self.options.coverage)
         if compensated:
             self.params["compensated"] = "true"
 
@@ -233,6 +253,14 @@ class RemoteModel:
         )
         return message.decode("utf-8")
 
+    def table_csv(self, files: Sequence[str | Path | tuple[str, bytes]]) -> str:
+        """The service's ``text/csv`` answer for ``files`` (paths, or name and bytes),
+        one request; :class:`~bagserve.service.client.BagserveError` as it failed."""
+        answer = self.client.predict_files_as(
+            self.name, files, "text/csv", version=self.version, params=self.params
+        )
+        return answer.decode("utf-8")
+
     def predict(self, files: Sequence[str | Path]) -> dict[str, Any]:
         """The service's answer for ``files`` (one request), keyed by file."""
         answer = self._call(
@@ -263,81 +291,63 @@ def _remote_predict(args: argparse.Namespace) -> dict[str, Any]:
         return remote.predict(args.files)
 
 
-def results_table(result: dict[str, Any]) -> list[list[Any]]:
-    """The CSV of :func:`predict_files` (or of a service's answer): one row per file
-    (per file and population for per-cell models, per cell with ``cells``), each with
-    its trust fields: interval, out_of_range, domain score, status, the file's and the
-    model's sha256, and why a withheld value is absent."""
-    from .batch import answer_fields
+def table_for_files(
+    model_path: str | Path | Any,
+    files: Sequence[str | Path],
+    *,
+    compensated: bool = False,
+    coverage: float | None = 0.9,
+    cells: bool = False,
+) -> tuple[list[str], list[list[Any]], list[str]]:
+    """A saved model's answer for files as the one results table
+    (:mod:`bagserve.service.tables`, the service's ``text/csv``): its columns, its rows
+    (bags named by their file names, as an upload names them) and the warnings."""
+    from .core.policy import review_warnings
+    from .service.options import PredictOptions
+    from .service.tables import TableLayout
 
-    rows = result["results"]
-    model_sha = result["model"].get("sha256", "")
-    per_cell = any("report" in r for r in rows)
-    with_cells = per_cell and any("labels" in r for r in rows)
-    width = max(
-        (len(r["prediction"]) for r in rows if isinstance(r.get("prediction"), list)), default=0
+    names = [Path(f).name for f in files]
+    result, names, _, info, inputs, _, coverage = _predict_local(
+        model_path, files, compensated=compensated, coverage=coverage, names=names
     )
-    if with_cells:
-        values = ["cell", "label"]
-    elif per_cell:
-        values = ["class", "count", "percent"]
-    elif width:
-        values = [f"prediction_{j}" for j in range(width)]
-    else:
-        values = ["prediction"]
-    interval = any("interval" in r for r in rows)
-    sets = any("set" in r for r in rows)
-    trust = [
-        *(["interval_lo", "interval_hi"] if interval else []),
-        *(["set"] if sets else []),
-        "out_of_range",
-        "domain_score",
-        "status",
-        "file_sha256",
-        "model_sha256",
-        "withheld",
-    ]
-    table: list[list[Any]] = [["file", *values, *trust]]
-    for r in rows:
-        fields = {**answer_fields(r), "model_sha256": model_sha}
-        tail = [fields.get(column, "") for column in trust]
-        if with_cells:
-            body = [[j, label] for j, label in enumerate(r.get("labels") or [])] or [["", ""]]
-        elif per_cell:
-            body = [[p["class"], p["count"], p["percent"]] for p in r.get("population") or []] or [
-                ["", "", ""]
-            ]
-        elif width:
-            body = [list(r["prediction"]) if r.get("prediction") is not None else [""] * width]
-        else:
-            p = r.get("prediction")
-            body = [["" if p is None else p]]
-        table += [[r["file"], *b, *tail] for b in body]
-    return table
+    options = PredictOptions(coverage=coverage, cells=cells, compensated=compensated)
+    layout = TableLayout.of(info.answer_shape(), options)
+    rows = list(layout.rows(result, names, info, inputs=inputs))
+    return layout.columns, rows, review_warnings(result, names)
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    result = (
-        _remote_predict(args)
-        if args.url
-        else predict_files(
+    if args.format == "json":
+        result = (
+            _remote_predict(args)
+            if args.url
+            else predict_files(
+                args.model,
+                args.files,
+                compensated=args.compensated,
+                coverage=args.interval,
+                cells=args.cells,
+            )
+        )
+        text = json.dumps(result, default=str)
+        warnings = result.get("warnings") or []
+    elif args.url:
+        with _remote(args) as remote:
+            text = remote._call(remote.table_csv, args.files).rstrip("\n")
+        warnings = _table_warnings(text)
+    else:
+        from .service.tables import csv_bytes
+
+        columns, rows, warnings = table_for_files(
             args.model,
             args.files,
             compensated=args.compensated,
             coverage=args.interval,
             cells=args.cells,
         )
-    )
-    if args.format == "json":
-        text = json.dumps(result, default=str)
-    else:
-        from .core.io.spreadsheet import SafeWriter
-
-        buf = io.StringIO()
-        SafeWriter(buf, lineterminator="\n").writerows(results_table(result))
-        text = buf.getvalue().rstrip("\n")
+        text = csv_bytes(columns, rows).decode().rstrip("\n")
     # Flags reach whoever runs the command, not only the file it writes.
-    for warning in result.get("warnings") or []:
+    for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if args.hl7:
         _send_hl7(args)
@@ -346,6 +356,18 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
+
+
+def _table_warnings(text: str) -> list[str]:
+    """The distinct warnings of a results table's rows, in order."""
+    import csv
+
+    out: dict[str, None] = {}
+    for row in csv.DictReader(io.StringIO(text, newline="")):
+        for warning in (row.get("warnings") or "").split(" | "):
+            if warning:
+                out[warning] = None
+    return list(out)
 
 
 def _send_hl7(args: argparse.Namespace) -> None:
@@ -375,40 +397,42 @@ def _send_hl7(args: argparse.Namespace) -> None:
 def _cmd_batch(args: argparse.Namespace) -> int:
     import contextlib
 
-    from .batch import batch, report_counts
+    from .batch import LocalPredictor, RemotePredictor, batch, report_counts
+    from .service.options import PredictOptions
+    from .service.settings import Settings
 
+    # The service's limits, from the same BAGSERVE_* settings: a drop folder is as
+    # hostile as an HTTP body.
+    settings = Settings()
     with contextlib.ExitStack() as stack:
         if args.url:
-            remote = stack.enter_context(_remote(args))
-
-            def predict(path: Path) -> dict[str, Any]:
-                return remote.predict([path])
+            predictor: Any = RemotePredictor(stack.enter_context(_remote(args)))
         else:
-            from .core.runtime import ModelRuntime
+            predictor = LocalPredictor(
+                args.model,
+                PredictOptions(coverage=args.interval, cells=False, compensated=args.compensated),
+                settings.request_limits().reading(),
+                settings.request_timeout,
+            )
+            stack.callback(predictor.close)
 
-            runtime = ModelRuntime.open(args.model)
-
-            def predict(path: Path) -> dict[str, Any]:
-                return predict_files(
-                    runtime,
-                    [path],
-                    compensated=args.compensated,
-                    coverage=args.interval,
-                    names=[path.name],
-                )
+        def log(line: str) -> None:
+            if not args.quiet:
+                print(f"batch: {line}", file=sys.stderr, flush=True)
 
         counts = batch(
-            predict,
+            predictor,
             args.folder,
             args.output,
             watch=args.watch,
             poll=args.poll,
             settle=args.settle,
             idle_exit=args.idle_exit,
-            progress=not args.quiet,
+            max_bytes=settings.max_body_bytes,
+            log=log,
         )
     report_counts(counts, Path(args.output))
-    return 1 if counts["failed"] else 0
+    return 1 if counts.failed or counts.left else 0
 
 
 def list_models(directory: str | Path) -> list[dict[str, Any]]:
@@ -678,9 +702,10 @@ def _parser() -> argparse.ArgumentParser:
     ba = sub.add_parser(
         "batch",
         help="predict every sample file of a folder into one table (CSV or Parquet)",
-        description="One row per file with the trust fields; files already in the table "
-        "(by sha256) are skipped; a failing file becomes a row with its error and the run "
-        "goes on (exit 1 when any failed).",
+        description="One row per file with the trust fields, in the columns every CSV "
+        "door writes; files already in the table (by sha256) are skipped; a failing file "
+        "becomes a row with its error and the run goes on; symlinks and files still being "
+        "written are not read (exit 1 when any failed or was left for a later run).",
     )
     ba.add_argument("model", help="a saved model's directory, or name[/version] with --url")
     ba.add_argument("folder", help="the folder of sample files (not read recursively)")
@@ -696,8 +721,9 @@ def _parser() -> argparse.ArgumentParser:
     ba.add_argument(
         "--settle",
         type=float,
-        default=1.0,
-        help="a file is taken once unchanged for a poll and this many seconds old (1)",
+        default=5.0,
+        help="a file is read once unchanged for this many seconds (5): a copy in progress "
+        "is left for later",
     )
     ba.add_argument(
         "--idle-exit",
@@ -705,7 +731,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="with --watch: stop after this many seconds without a new file",
     )
-    ba.add_argument("--quiet", action="store_true", help="no progress bar")
+    ba.add_argument("--quiet", action="store_true", help="no line per file on stderr")
     ba.set_defaults(func=_cmd_batch)
 
     pr = sub.add_parser("predict", help="predict sample files (FCS, CSV, TSV, NPY)")

@@ -36,6 +36,7 @@ __all__ = [
     "PRELIMINARY",
     "STATUSES",
     "WITHHELD",
+    "bag_warnings",
     "review_warnings",
     "statuses",
     "withheld_reason",
@@ -84,34 +85,39 @@ def withheld_reason(score: float, threshold: float | None) -> str:
 
 def review_warnings(result: Prediction, ids: Sequence[str]) -> list[str]:
     """What should change a reviewer's reading of the answers, one line each: bags
-    outside the applicability domain and cells clipped into the training range.
+    outside the applicability domain, then cells clipped into the training range
+    (:func:`bag_warnings`, all bags' lines of each kind together).
 
     Routine facts about the input (channels the model does not use, compensation
     applied) are notes, not warnings: a warning shown on every sample teaches its
     readers to skip warnings.
     """
-    out: list[str] = []
-    if result.domain is not None:
-        for bag_id, score, flag, status in zip(
-            ids,
-            result.domain.score.tolist(),
-            result.domain.out_of_range.tolist(),
-            (result.status_of(i) for i in range(len(ids))),
-            strict=False,
-        ):
-            if flag:
-                out.append(
-                    f"bag {bag_id!r} lies outside the model's applicability domain (domain "
-                    f"score {score:.3g}; the training bags score about 1): the answer is "
-                    f"{status}; do not trust it without review"
-                )
+    per_bag = [_bag_warnings(result, ids, i) for i in range(len(ids))]
+    return [w for kind in (0, 1) for lines in per_bag for w in lines[kind]]
+
+
+def bag_warnings(result: Prediction, ids: Sequence[str]) -> list[list[str]]:
+    """:func:`review_warnings` bag by bag: the lines about each bag (a table's row)."""
+    return [[w for lines in _bag_warnings(result, ids, i) for w in lines] for i in range(len(ids))]
+
+
+def _bag_warnings(result: Prediction, ids: Sequence[str], i: int) -> tuple[list[str], list[str]]:
+    """Bag ``i``'s warning lines: (outside the domain, cells clipped)."""
+    domain: list[str] = []
+    clipped: list[str] = []
+    bag_id = ids[i]
+    if result.domain is not None and bool(result.domain.out_of_range[i]):
+        score = float(result.domain.score[i])
+        domain.append(
+            f"bag {bag_id!r} lies outside the model's applicability domain (domain "
+            f"score {score:.3g}; the training bags score about 1): the answer is "
+            f"{result.status_of(i)}; do not trust it without review"
+        )
     if result.clipped is not None:
-        for bag_id, n, size in zip(
-            ids, result.clipped.tolist(), result.sizes.tolist(), strict=True
-        ):
-            if n:
-                out.append(
-                    f"bag {bag_id!r}: {n} of {size} cell(s) lie outside the model's "
-                    "training range and were clipped into it"
-                )
-    return out
+        n, size = int(result.clipped[i]), int(result.sizes[i])
+        if n:
+            clipped.append(
+                f"bag {bag_id!r}: {n} of {size} cell(s) lie outside the model's "
+                "training range and were clipped into it"
+            )
+    return domain, clipped

@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -34,10 +35,11 @@ from numpy.typing import NDArray
 # The estimators (scikit-learn, scipy) are imported where a model is loaded or its
 # class asked about: reading a manifest (ArtifactInfo, ``bagserve models list``) does
 # without them.
-from .artifacts import ArtifactError, estimator_class, load, read_manifest
+from .artifacts import ARRAY_DIR, ArtifactError, estimator_class, load, read_manifest
 from .bags import Bags
 from .domain import DomainReport
 from .fhir_coding import OutputCoding
+from .hashing import bytes_sha256
 from .io import Panel, Preprocessing, Sample
 from .policy import DEFAULT_POLICY, FINAL, POLICIES, WITHHELD, statuses, withheld_reason
 
@@ -356,7 +358,11 @@ class ArtifactInfo:
     @classmethod
     def read(cls, path: str | Path, *, verify: bool = True) -> ArtifactInfo:
         """Read (and by default verify every hash of) the artifact at ``path``."""
-        return cls(Path(path), read_manifest(path, verify=verify))
+        info = cls(Path(path), read_manifest(path, verify=verify))
+        # The class labels name answers' columns for the artifact's life: read them
+        # now, with the files just verified, not at a first answer long after.
+        _ = info.classes
+        return info
 
     @property
     def estimator(self) -> str:
@@ -488,6 +494,32 @@ class ArtifactInfo:
         """Outputs per bag (regression and conditional models; 1 otherwise)."""
         return int(self._state.get("n_outputs_", 1))
 
+    @cached_property
+    def classes(self) -> list[str] | None:
+        """The class labels of a classifier (bag-level or per-cell), as text, in the
+        order of its score columns; None for other models.
+
+        Read from the artifact's ``classes_`` array alone, its bytes checked against the
+        manifest's sha256 first: answers' table columns are named by it before any bag
+        is predicted (:mod:`bagserve.service.tables`).
+        """
+        # Only classifiers store classes_ (read without importing the estimators).
+        ref = self._state.get("classes_")
+        if not isinstance(ref, Mapping) or "__array__" not in ref:
+            return None
+        rel = f"{ARRAY_DIR}/{ref['__array__']}.npy"
+        digest = (self.manifest.get("files") or {}).get(rel)
+        try:
+            data = (self.path / rel).read_bytes()
+        except OSError as exc:
+            raise ArtifactError(f"{self.path}: file {rel} is unreadable ({exc})") from exc
+        if digest is None or bytes_sha256(data) != digest:
+            raise ArtifactError(
+                f"{self.path}: file {rel} does not match its sha256 (tampered or truncated)"
+            )
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+        return [str(c) for c in array.tolist()]
+
     def check_servable(self) -> None:
         """Refuse what a service predicting on bags cannot serve.
 
@@ -604,8 +636,24 @@ class ArtifactInfo:
             "created": self.manifest.get("created"),
             "training_data_sha256": meta.get("training_data_sha256"),
             "sha256": self.sha256,
-            "calibrated": self.calibrated,
             "out_of_domain": self.out_of_domain_policy,
+            **self.answer_shape(),
+        }
+
+    def answer_shape(self) -> dict[str, Any]:
+        """What shapes the model's answers, as JSON: ``kind``, ``classes``,
+        ``n_outputs``, ``calibrated`` (class probabilities, intervals and sets),
+        ``intervals`` (an interval or set can be asked), ``cell_probabilities``. A
+        table's columns follow from it and the request alone
+        (:class:`bagserve.service.tables.TableLayout`), locally or from a service's
+        ``GET /v1/models/{name}``."""
+        return {
+            "kind": str(self.kind),
+            "classes": self.classes,
+            "n_outputs": self.n_outputs,
+            "calibrated": self.calibrated,
+            "intervals": self.interval_problem(0.9) is None,
+            "cell_probabilities": self.probability_problem() is None,
         }
 
 

@@ -70,10 +70,16 @@ def _json_body(
     return orjson.dumps({"bags": items}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def _files(paths: Sequence[str | Path]) -> list[tuple[str, tuple[str, bytes, str]]]:
-    return [
-        ("files", (Path(p).name, Path(p).read_bytes(), "application/octet-stream")) for p in paths
-    ]
+def _files(
+    files: Sequence[str | Path | tuple[str, bytes]],
+) -> list[tuple[str, tuple[str, bytes, str]]]:
+    """Multipart parts of files: paths (read here, named by their file names), or a
+    name and the bytes already read (sent as they were hashed)."""
+    parts = []
+    for f in files:
+        name, data = f if isinstance(f, tuple) else (Path(f).name, Path(f).read_bytes())
+        parts.append(("files", (name, data, "application/octet-stream")))
+    return parts
 
 
 def _path(model: str, version: str | None) -> str:
@@ -220,14 +226,15 @@ class Client:
     def predict_files_as(
         self,
         model: str,
-        paths: Sequence[str | Path],
+        paths: Sequence[str | Path | tuple[str, bytes]],
         accept: str,
         *,
         version: str | None = None,
         params: Mapping[str, str] | None = None,
     ) -> bytes:
-        """The answer for ``paths`` in another format than JSON (``accept``: text/csv,
-        application/hl7-v2, application/fhir+json, ...), as bytes."""
+        """The answer for ``paths`` (or name and bytes pairs) in another format than
+        JSON (``accept``: text/csv, application/hl7-v2, application/fhir+json, ...), as
+        bytes."""
         response = self._send(
             "POST",
             _path(model, version),

@@ -8,13 +8,11 @@ each answer follows the kind of the result, never the estimator's class.
 from __future__ import annotations
 
 import asyncio
-import io
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
 import orjson
-from bagserve.core.io.spreadsheet import SafeWriter
 from bagserve.core.runtime import (
     ArtifactInfo,
     CellPrediction,
@@ -27,6 +25,8 @@ from .codecs import JSON, NPY, media_type, npy_bytes
 from .errors import Problem
 from .fhir import FHIR_JSON, bundle
 from .hl7 import HL7_V2, oru_r01
+from .options import PredictOptions
+from .tables import TableLayout, csv_bytes, level_names
 
 __all__ = [
     "CSV_OUT",
@@ -93,11 +93,10 @@ def encode(
     fmt: str,
     meta: dict[str, Any],
     info: ArtifactInfo,
+    options: PredictOptions,
     *,
     inputs: list[str] | None = None,
-    cells: bool = True,
     plots: list[dict[str, Any]] | None = None,
-    coverage: float | None = None,
     refs: dict[str, str] | None = None,
     acquired: list[str | None] | None = None,
     performer: str | None = None,
@@ -107,16 +106,19 @@ def encode(
 
     ``info`` is the model's: it names the training bags of the domain report and holds
     the out-of-domain policy whose status each bag carries (a withheld bag's value,
-    interval and set are left out of every format: NaN in NPY tables). ``inputs``: the
-    sha256 of each bag's input (its file, or its cells). ``cells=False`` leaves out a
-    per-cell model's label of every cell (its population summary stays). Per-cell
+    interval and set are left out of every format: NaN in NPY tables). ``options``:
+    what the request asked (CSV columns follow from it and the model alone,
+    :mod:`.tables`; ``cells=False`` leaves out a per-cell model's label of every cell,
+    its population summary stays; ``coverage``: the interval's). ``inputs``: the
+    sha256 of each bag's input (its file, or its cells). Per-cell
     classifiers in NPY: every cell's class probabilities when they were asked for, else
     the population counts per bag with ``cells=False``, else the labels; columns follow
-    the model's classes. FHIR (:mod:`.fhir`): ``meta`` is the provenance, ``coverage``
-    that of the interval asked for, ``refs`` the subject, specimen and effective time,
+    the model's classes. FHIR (:mod:`.fhir`): ``meta`` is the provenance, ``refs`` the
+    subject, specimen and effective time,
     ``acquired`` each bag's acquisition time, ``performer`` and ``timezone`` the
     service's settings (:func:`.fhir.bundle`).
     """
+    cells, coverage = options.cells, options.coverage
     if fmt == FHIR_JSON:
         return orjson.dumps(
             bundle(
@@ -140,7 +142,8 @@ def encode(
     if fmt == NPY:
         return npy_bytes(np.asarray(_table(result, cells)))
     if fmt == CSV_OUT:
-        return _csv(result, ids, cells, inputs, str(meta["model"]["sha256"]))
+        layout = TableLayout.of(info.answer_shape(), options)
+        return csv_bytes(layout.columns, layout.rows(result, ids, info, inputs=inputs))
     return orjson.dumps(
         encode_document(result, ids, meta, info, inputs=inputs, cells=cells, plots=plots)
     )
@@ -251,17 +254,17 @@ def _bag(result: Prediction, i: int, cells: bool = True) -> dict[str, Any]:
     if isinstance(result, ConditionalPrediction):
         if result.levels.size:
             out["quantiles"] = dict(
-                zip(_names(result.levels), result.quantiles[i].tolist(), strict=True)
+                zip(level_names(result.levels.tolist()), result.quantiles[i].tolist(), strict=True)
             )
         if result.thresholds.size:
             out["exceedance"] = dict(
-                zip(_names(result.thresholds), result.exceedance[i].tolist(), strict=True)
+                zip(
+                    level_names(result.thresholds.tolist()),
+                    result.exceedance[i].tolist(),
+                    strict=True,
+                )
             )
     return out
-
-
-def _names(values: np.ndarray) -> list[str]:
-    return [f"{v:g}" for v in values.tolist()]
 
 
 def _table(result: Prediction, cells: bool = True) -> np.ndarray:
@@ -288,125 +291,3 @@ def _table(result: Prediction, cells: bool = True) -> np.ndarray:
     table = np.array(table, copy=True)
     table[rows] = "" if table.dtype.kind in "US" else np.nan
     return table
-
-
-def _trust_columns(
-    result: Prediction, inputs: list[str] | None, model_sha256: str
-) -> tuple[list[str], list[list[Any]]]:
-    """CSV columns of the domain report, interval, status and provenance, per bag."""
-    header: list[str] = []
-    rows: list[list[Any]] = [[] for _ in range(result.n_bags)]
-    released = [result.released(i) for i in range(result.n_bags)]
-    if result.domain is not None:
-        header += ["domain_score", "out_of_range"]
-        for row, score, flag in zip(
-            rows, result.domain.score.tolist(), result.domain.out_of_range.tolist(), strict=True
-        ):
-            row += [score, int(flag)]
-    if result.interval is not None:
-        header += ["interval_lo", "interval_hi"]
-        for row, bounds, shown in zip(rows, result.interval.tolist(), released, strict=True):
-            row += bounds if shown else ["", ""]
-    if isinstance(result, ClassificationPrediction) and result.sets is not None:
-        header.append("set")
-        for i, row in enumerate(rows):
-            row.append("|".join(str(c) for c in result.set_of(i)) if released[i] else "")
-    header += ["status", "input_sha256", "model_sha256"]
-    for i, row in enumerate(rows):
-        row += [result.status_of(i), "" if inputs is None else inputs[i], model_sha256]
-    return header, rows
-
-
-def _csv(
-    result: Prediction,
-    ids: list[str],
-    cells: bool = True,
-    inputs: list[str] | None = None,
-    model_sha256: str = "",
-) -> bytes:
-    buf = io.StringIO()
-    trust_header, trust = _trust_columns(result, inputs, model_sha256)
-    w = _TrustWriter(SafeWriter(buf, lineterminator="\n"), trust_header, trust)
-    if isinstance(result, CellPrediction) and not cells and result.population(0) is not None:
-        # The population summary: one row per bag and class.
-        w.header(["id", "class", "count", "percent", "mean_probability"])
-        for i, bag_id in enumerate(ids):
-            if not result.released(i):
-                w.row(i, [bag_id, "", "", "", ""])
-                continue
-            for row in result.population(i) or []:
-                w.row(
-                    i,
-                    [
-                        bag_id,
-                        row["class"],
-                        row["count"],
-                        row["percent"],
-                        row.get("mean_probability", ""),
-                    ],
-                )
-    elif isinstance(result, CellPrediction):
-        probs = result.probabilities
-        classes = [] if probs is None or result.classes is None else result.classes.tolist()
-        w.header(["id", "cell", "label", *[f"p_{c}" for c in classes]])
-        for i, bag_id in enumerate(ids):
-            if not result.released(i):
-                w.row(i, [bag_id, "", "", *[""] * len(classes)])
-                continue
-            p = result.probabilities_of(i)
-            for j, label in enumerate(result.labels_of(i).tolist()):
-                w.row(i, [bag_id, j, label, *([] if p is None else p[j].tolist())])
-    elif isinstance(result, ClassificationPrediction):
-        classes = result.classes.tolist()
-        w.header(["id", "prediction", *[f"score_{c}" for c in classes]])
-        for i, bag_id in enumerate(ids):
-            if not result.released(i):
-                w.row(i, [bag_id, "", *[""] * len(classes)])
-                continue
-            w.row(i, [bag_id, result.labels[i], *result.scores[i].tolist()])
-    elif isinstance(result, ConditionalPrediction):
-        columns = [
-            *[f"q_{v}" for v in _names(result.levels)],
-            *[f"p_gt_{t}" for t in _names(result.thresholds)],
-        ]
-        w.header(["id", "prediction", *columns])
-        for i, bag_id in enumerate(ids):
-            if not result.released(i):
-                w.row(i, [bag_id, "", *[""] * len(columns)])
-                continue
-            w.row(
-                i,
-                [
-                    bag_id,
-                    result.mean[i].item(),
-                    *result.quantiles[i].tolist(),
-                    *result.exceedance[i].tolist(),
-                ],
-            )
-    else:
-        values = result.estimate
-        multi = values.ndim == 2
-        columns = [f"prediction_{j}" for j in range(values.shape[1])] if multi else ["prediction"]
-        w.header(["id", *columns])
-        for i, bag_id in enumerate(ids):
-            if not result.released(i):
-                w.row(i, [bag_id, *[""] * len(columns)])
-                continue
-            w.row(i, [bag_id, *(values[i].tolist() if multi else [values[i].item()])])
-    return buf.getvalue().encode()
-
-
-class _TrustWriter:
-    """A CSV writer that ends every row with its bag's domain, interval, status and
-    provenance columns."""
-
-    def __init__(self, writer: Any, header: list[str], rows: list[list[Any]]) -> None:
-        self.writer = writer
-        self.trust_header = header
-        self.trust = rows
-
-    def header(self, columns: list[Any]) -> None:
-        self.writer.writerow([*columns, *self.trust_header])
-
-    def row(self, bag: int, values: list[Any]) -> None:
-        self.writer.writerow([*values, *self.trust[bag]])

@@ -149,25 +149,29 @@ def test_train_yeast_example_on_real_fcs(tmp_path, capsys):
     code, out, err = run(capsys, "predict", str(path), *files, "--format", "csv")
     rows = list(csv.DictReader(io.StringIO(out)))
     assert list(rows[0]) == [
-        "file",
+        "id",
         "prediction",
         "interval_lo",
         "interval_hi",
+        "status",
         "out_of_range",
         "domain_score",
-        "status",
-        "file_sha256",
+        "withheld_reason",
+        "input_sha256",
         "model_sha256",
-        "withheld",
+        "warnings",
+        "error",
     ]
     assert code == 0 and err == "" and len(rows) == 2
     for row, r in zip(rows, result["results"], strict=True):
-        assert row["file"] == r["file"] and float(row["prediction"]) == r["prediction"]
+        # Named by the file's name, as an upload of the file is named.
+        assert row["id"] == Path(r["file"]).name and float(row["prediction"]) == r["prediction"]
         assert [float(row["interval_lo"]), float(row["interval_hi"])] == r["interval"]
         assert float(row["interval_lo"]) <= r["prediction"] <= float(row["interval_hi"])
         assert (row["out_of_range"], row["status"]) == ("0", "final")
         assert float(row["domain_score"]) == r["domain"]["score"]
-        assert row["file_sha256"] == r["input_sha256"]
+        assert row["input_sha256"] == r["input_sha256"]
+        assert row["withheld_reason"] == row["warnings"] == row["error"] == ""
         assert row["model_sha256"] == read_manifest(path)["manifest_sha256"]
         assert row["model_sha256"] == result["model"]["sha256"]
 
@@ -250,18 +254,25 @@ def test_train_gvhd_example_cell_level(tmp_path, capsys):
     code, out, _ = run(
         capsys, "predict", str(path), str(GVHD / "sample5.csv.gz"), "--format", "csv"
     )
-    rows = list(csv.DictReader(io.StringIO(out)))
-    # The population summary per file, with the trust fields; every cell with --cells.
-    assert list(rows[0])[:4] == ["file", "class", "count", "percent"]
-    assert {r["class"] for r in rows} == {"gate 1", "gate 3", "gate 4", "unassigned"}
-    n_cells = sum(int(r["count"]) for r in rows)
-    assert sum(float(r["percent"]) for r in rows) == pytest.approx(100)
-    assert {r["status"] for r in rows} <= {"final", "preliminary"} and rows[0]["file_sha256"]
+    (row,) = list(csv.DictReader(io.StringIO(out)))
+    # The population summary per file, a column per class, with the trust fields; every
+    # cell with --cells.
+    classes = ["gate 1", "gate 3", "gate 4", "unassigned"]
+    assert list(row)[:10] == [
+        "id",
+        "n_cells",
+        *(f"count_{c}" for c in classes),
+        *(f"percent_{c}" for c in classes),
+    ]
+    n_cells = int(row["n_cells"])
+    assert sum(int(row[f"count_{c}"]) for c in classes) == n_cells
+    assert sum(float(row[f"percent_{c}"]) for c in classes) == pytest.approx(100)
+    assert row["status"] in {"final", "preliminary"} and row["input_sha256"]
     code, out, _ = run(
         capsys, "predict", str(path), str(GVHD / "sample5.csv.gz"), "--format", "csv", "--cells"
     )
     rows = list(csv.reader(io.StringIO(out)))
-    assert rows[0][:3] == ["file", "cell", "label"] and len(rows) == 1 + n_cells > 10_000
+    assert rows[0][:3] == ["id", "cell", "label"] and len(rows) == 1 + n_cells > 10_000
 
 
 def test_demo_models_and_list(tmp_path, capsys):

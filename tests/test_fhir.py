@@ -480,7 +480,8 @@ def test_withhold_policy_gives_no_value_on_any_door(http, validator, url, models
     rows = list(csv.DictReader(io.StringIO(table.text)))
     assert [r["status"] for r in rows] == ["final", "withheld"]
     assert rows[1]["prediction"] == rows[1]["interval_lo"] == "" and rows[0]["prediction"]
-    assert rows[1]["out_of_range"] == "1"
+    assert rows[1]["out_of_range"] == "1" and rows[1]["withheld_reason"] == reason["text"]
+    assert rows[0]["withheld_reason"] == "" and rows[0]["interval_lo"]
 
     npy = http.post(path, files=files, headers={"accept": "application/x-npy"})
     values = np.load(io.BytesIO(npy.content))
@@ -550,8 +551,8 @@ def test_withhold_policy_gives_no_value_on_any_door(http, validator, url, models
         == ["final", "withheld"]
         == [r["status"] for r in local["results"]]
     )
-    assert rows[1]["prediction"] == "" and "withheld" in rows[1]["withheld"]
-    assert rows[1]["file_sha256"] == hashlib.sha256(MOUSE.read_bytes()).hexdigest()
+    assert rows[1]["prediction"] == "" and "withheld" in rows[1]["withheld_reason"]
+    assert rows[1]["input_sha256"] == hashlib.sha256(MOUSE.read_bytes()).hexdigest()
     assert "outside the model's applicability domain" in remote.stderr
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import struct
 import subprocess
@@ -574,9 +575,12 @@ def test_intervals_sets_and_probabilities_on_request(url, models):
         headers={"accept": "text/csv"},
         timeout=60,
     ).text.splitlines()
-    assert csv_answer[0].endswith(
-        "domain_score,out_of_range,interval_lo,interval_hi,status,input_sha256,model_sha256"
+    assert csv_answer[0] == (
+        "id,prediction,interval_lo,interval_hi,status,out_of_range,domain_score,"
+        "withheld_reason,input_sha256,model_sha256,warnings,error"
     )
+    for line, p in zip(csv_answer[1:], preds, strict=True):
+        assert [float(v) for v in line.split(",")[1:4]] == [p["prediction"], *p["interval"]]
     # A classifier: calibrated probabilities always, the prediction set on request.
     r = httpx.post(
         f"{url}/v1/models/yeast-level/predict",
@@ -700,11 +704,27 @@ def test_per_cell_models_answer_a_population_summary(url, models):
     summary = httpx.post(predict, json=body, params={"cells": "false"}, timeout=60).json()
     assert all("labels" not in p for p in summary["predictions"])
     assert [p["population"] for p in summary["predictions"]] == [p["population"] for p in full]
-    csv_rows = httpx.post(
-        predict, json=body, params={"cells": "false"}, headers={"accept": "text/csv"}, timeout=60
-    ).text.splitlines()
-    assert csv_rows[0].startswith("id,class,count,percent,mean_probability")
-    assert len(csv_rows) == 1 + 2 * local.classes.size
+    csv_rows = list(
+        csv.DictReader(
+            _io.StringIO(
+                httpx.post(
+                    predict,
+                    json=body,
+                    params={"cells": "false"},
+                    headers={"accept": "text/csv"},
+                    timeout=60,
+                ).text
+            )
+        )
+    )
+    # One row per bag, a column per class and quantity (tests/test_tables.py: the layout).
+    assert len(csv_rows) == 2
+    for row, p in zip(csv_rows, summary["predictions"], strict=True):
+        assert int(row["n_cells"]) == p["n_points"]
+        for r in p["population"]:
+            assert int(row[f"count_{r['class']}"]) == r["count"]
+            assert float(row[f"percent_{r['class']}"]) == r["percent"]
+            assert float(row[f"mean_probability_{r['class']}"]) == r["mean_probability"]
     # Every cell's probabilities: JSON, CSV columns and NPY agree with the runtime.
     probs = httpx.post(predict, json=body, params={"probabilities": "true"}, timeout=60).json()
     first = probs["predictions"][0]["probabilities"]

@@ -319,18 +319,21 @@ def test_accept_csv_and_npy_answers(http):
     r = http.post("/v1/models/demo-dose/predict", json=body, headers={"accept": "text/csv"})
     assert r.headers["content-type"].startswith("text/csv")
     lines = r.text.splitlines()
-    assert (
-        lines[0] == ("id,prediction,domain_score,out_of_range,status,input_sha256,model_sha256")
-        and len(lines) == 3
+    assert lines[0] == (
+        "id,prediction,status,out_of_range,domain_score,withheld_reason,input_sha256,"
+        "model_sha256,warnings,error"
     )
-    # The trust and provenance columns are the JSON answer's, bag by bag.
+    assert len(lines) == 3
+    # The values, trust and provenance columns are the JSON answer's, bag by bag.
     answer = http.post("/v1/models/demo-dose/predict", json=body).json()
     for line, p in zip(lines[1:], answer["predictions"], strict=True):
-        bag_id, _, score, flag, status, digest, model_sha = line.split(",")
-        assert bag_id == p["id"] and float(score) == p["domain"]["score"]
+        bag_id, value, status, flag, score, reason, digest, model_sha, warn, err = line.split(",")
+        assert bag_id == p["id"] and float(value) == p["prediction"]
+        assert float(score) == p["domain"]["score"]
         assert flag == str(int(p["domain"]["out_of_range"]))
         assert (status, digest) == (p["status"], p["input_sha256"])
         assert model_sha == answer["model"]["sha256"]
+        assert reason == warn == err == ""
     r = http.post(
         "/v1/models/demo-dose/predict", json=body, headers={"accept": "application/x-npy"}
     )
@@ -359,7 +362,8 @@ def test_marginal_transfer_model_labels_every_cell(http, models):
     r = http.post("/v1/models/demo-gating/predict", json=body, headers={"accept": "text/csv"})
     assert (
         r.text.splitlines()[0]
-        == "id,cell,label,domain_score,out_of_range,status,input_sha256,model_sha256"
+        == "id,cell,label,status,out_of_range,domain_score,withheld_reason,input_sha256,"
+        "model_sha256,warnings,error"
         and len(r.text.splitlines()) == 1 + tasks.n_points
     )
 
@@ -453,9 +457,14 @@ def test_conditional_model_answers_quantiles_and_exceedance(http, models):
         files=files_body,
         headers={"accept": "text/csv"},
     )
-    assert r.text.splitlines()[0] == (
-        "id,prediction,q_0.5,domain_score,out_of_range,status,input_sha256,model_sha256"
+    lines = r.text.splitlines()
+    assert lines[0] == (
+        "id,prediction,q_0.5,status,out_of_range,domain_score,withheld_reason,input_sha256,"
+        "model_sha256,warnings,error"
     )
+    for line, p in zip(lines[1:], preds, strict=True):
+        cells = line.split(",")
+        assert [float(cells[1]), float(cells[2])] == [p["prediction"], p["quantiles"]["0.5"]]
     for params, needle in [
         ({"quantiles": "1.5"}, "levels must lie in [0, 1]"),
         ({"exceed": "abc"}, "comma-separated numbers"),

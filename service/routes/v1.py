@@ -286,7 +286,24 @@ _PREDICT_RESPONSES: dict[int | str, dict[str, Any]] = {
                     ],
                 }
             },
-            "text/csv": {},
+            "text/csv": {
+                "schema": {
+                    "type": "string",
+                    "description": (
+                        "The results table every CSV door writes (bagserve predict "
+                        "--format csv, bagserve batch): id, the values by the model's kind, "
+                        "then status, out_of_range, domain_score, withheld_reason, "
+                        "input_sha256, model_sha256, warnings, error. The columns follow "
+                        "from the model and the query alone; a withheld bag's value cells "
+                        "are empty (docs: lab-integration, the results table)."
+                    ),
+                },
+                "example": (
+                    "id,prediction,interval_lo,interval_hi,status,out_of_range,domain_score,"
+                    "withheld_reason,input_sha256,model_sha256,warnings,error\n"
+                    "patient-1,0.322,0.23,0.40,final,0,0.865,,9f86d0…,a489f9…,,\n"
+                ),
+            },
             "application/x-npy": {},
             "application/fhir+json": {},
             "application/hl7-v2": {
@@ -413,10 +430,9 @@ async def _predict(
                 fmt,
                 outcome.provenance(caller.request_id),
                 entry.info,
+                options,
                 inputs=outcome.inputs,
-                cells=options.cells,
                 plots=outcome.plots,
-                coverage=options.coverage,
                 refs=refs,
                 acquired=outcome.acquired,
                 performer=svc.settings.fhir_performer,
