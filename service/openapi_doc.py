@@ -236,9 +236,10 @@ _FHIR_BUNDLE: dict[str, Any] = {
         "An HL7 FHIR R4 Bundle of type transaction: the model as a Device, one "
         "Observation per bag (value, interval component, interpretation EX outside the "
         "applicability domain, the input's sha256 as a contained DocumentReference), "
-        "a DiagnosticReport of them with a conclusion, and a Provenance; Observations, "
-        "report and Device are created conditionally on their identifiers, so a "
-        "retried submission files nothing twice. Valid against the FHIR R4 JSON schema."
+        "a DiagnosticReport of them with a conclusion (conclusionCode EX when a bag lies "
+        "outside the domain), and a Provenance; Observations, report and Device are "
+        "created conditionally on their identifiers, so a retried submission files "
+        "nothing twice. Valid against the FHIR R4 JSON schema."
     ),
     "required": ["resourceType", "type", "entry"],
     "properties": {

@@ -216,8 +216,9 @@ _PREDICT_DOC: dict[str, Any] = {
                 "example": example,
                 "description": (
                     f"FHIR answers (`Accept: application/fhir+json`): the {what} of every "
-                    "Observation, as a FHIR reference (`Type/id`, an absolute URL or "
-                    "`urn:uuid:`)."
+                    f"Observation, as a reference relative to the FHIR server the bundle is "
+                    f"filed on: `{example.split('/')[0]}/<id>` (another type, an absolute URL "
+                    "or a `urn:uuid:` is refused)."
                 ),
             }
             for name, example, what in (
