@@ -17,8 +17,9 @@ from typing import Any
 from .codecs import BodySpec
 from .encoders import encode_document, encode_off_loop
 from .errors import Problem
-from .hl7 import MllpError, oru_r01, send
+from .hl7 import Parties, oru_r01
 from .jobs import JobStore
+from .mllp import MllpError, send
 from .options import PredictOptions
 from .prediction import Caller, Predictor
 from .registry import Registry
@@ -101,7 +102,12 @@ class JobRunner:
         )
         peer = self.predictor.settings.hl7_forward
         if peer:
-            document["hl7"] = await self._forward(job_id, meta, entry, outcome, options, peer)
+            try:
+                document["hl7"] = await self._forward(job_id, meta, entry, outcome, options, peer)
+            except Problem as exc:  # placer order numbers that are not one per bag
+                problem = {"status": exc.status, "detail": exc.detail, "errors": exc.errors}
+                await asyncio.to_thread(store.finish, job_id, "failed", problem)
+                return
         await asyncio.to_thread(store.finish, job_id, "succeeded", {"status": 200, **document})
 
     async def _forward(
@@ -116,6 +122,7 @@ class JobRunner:
         """Send the job's answer as an HL7 v2 ORU^R01 message to the MLLP ``peer``
         (``BAGSERVE_HL7_FORWARD``), retried as :func:`.hl7.send` does; the outcome is
         logged, audited and kept in the job's result (``hl7``)."""
+        settings = self.predictor.settings
         message = oru_r01(
             outcome.result,
             outcome.ids,
@@ -123,14 +130,15 @@ class JobRunner:
             entry.info,
             inputs=outcome.inputs,
             coverage=options.coverage,
+            refs=meta.get("hl7"),
             acquired=outcome.acquired,
+            parties=Parties.from_settings(settings),
         )
-        settings = self.predictor.settings
         record: dict[str, Any] = {"peer": peer}
         try:
             ack = await asyncio.to_thread(
-                send, message, peer, retries=settings.hl7_retries, backoff=settings.hl7_backoff,
-                log=log,
+                send, message, peer, timeout=settings.hl7_timeout, retries=settings.hl7_retries,
+                backoff=settings.hl7_backoff, log=log,
             )  # fmt: skip
         except MllpError as exc:
             log.error("job %s: HL7 forwarding failed: %s", job_id, exc)

@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from ..deps import FORBIDDEN, PrincipalDep, ServicesDep, authenticate, lookup, require
 from ..errors import Problem
+from ..hl7 import hl7_references
 from ..idempotency import fingerprint
 from ..options import PredictOptions
 from ..security import Role
@@ -75,6 +76,8 @@ async def submit(request: Request, svc: ServicesDep, principal: PrincipalDep) ->
         raise Problem(422, "the 'model' query parameter is required", slug="invalid-request")
     entry = lookup(svc.registry, name, qp.get("version"))
     options = PredictOptions.parse(entry, qp)
+    # The patient and placer order numbers of a forwarded HL7 message, checked now.
+    refs = hl7_references(qp)
     accepted_content_type(request)
     spec = body_spec(request)
     async with svc.intake.body(request, compute=False) as received:
@@ -91,6 +94,7 @@ async def submit(request: Request, svc: ServicesDep, principal: PrincipalDep) ->
                 markers=qp.get("markers"),
                 bag_id=spec.default_id,
                 options=options.to_json(),
+                hl7=refs or None,
                 request_id=request.state.request_id,
                 api_key_id=principal.key_id,
                 input_sha256=await asyncio.to_thread(bytes_sha256, body),
