@@ -149,14 +149,22 @@ class Settings(BaseSettings):
         None,
         pattern=r"^mllp://[^/:]+:\d{1,5}$",
         description=(
-            "mllp://HOST:PORT: every finished job's answer is sent there as an HL7 v2.5.1 "
-            "ORU^R01 message; AA accepts it, AE and dropped connections are retried, AR "
-            "is not; the outcome is logged, audited and kept in the job's result"
+            "mllp://HOST:PORT: every finished job's answer is queued for delivery there as "
+            "an HL7 v2.5.1 ORU^R01 message, apart from the jobs (the job is succeeded once "
+            "its answer is stored); AA delivers it, AR refuses it, anything else is retried; "
+            "each try is audited and the job says pending, delivered or undelivered"
         ),
     )
-    hl7_retries: int = Field(3, ge=0, le=20, description="HL7 forwarding retries")
+    hl7_retries: int = Field(
+        10, ge=0, le=100, description="HL7 forwarding: tries after the first before giving up"
+    )
     hl7_backoff: float = Field(
-        1.0, ge=0, description="seconds before the first HL7 retry (doubled after each)"
+        1.0,
+        ge=0,
+        description=(
+            "HL7 forwarding: seconds before the first retry, doubled after each (at most "
+            "300 s between tries)"
+        ),
     )
     hl7_timeout: float = Field(
         10.0,
@@ -164,6 +172,14 @@ class Settings(BaseSettings):
         description=(
             "HL7 forwarding: seconds one try may take in all (connect, send, wait for and "
             "read the ACK)"
+        ),
+    )
+    hl7_give_up: float = Field(
+        3600.0,
+        gt=0,
+        description=(
+            "HL7 forwarding: seconds after a job's answer is stored when a message not yet "
+            "accepted is no longer retried (undelivered; a restart retries it again)"
         ),
     )
     hl7_sending_application: str = Field(

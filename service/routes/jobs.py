@@ -2,7 +2,9 @@
 
 A job belongs to the API key that submitted it: another key polling or cancelling it
 gets 404, as for a job that does not exist (an admin key sees every job). The
-computation itself is :class:`~bagserve.service.job_runner.JobRunner`'s.
+computation itself is :class:`~bagserve.service.job_runner.JobRunner`'s. With HL7
+forwarding, a finished job's poll also says where its message is (``hl7``: pending,
+delivered or undelivered, :mod:`~bagserve.service.hl7_delivery`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ from .v1 import _PREDICT_DOC, _PREDICT_RESPONSES
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
 
 
-def _view(meta: dict[str, Any], result: dict[str, Any] | None = None) -> dict[str, Any]:
+def _view(
+    meta: dict[str, Any],
+    result: dict[str, Any] | None = None,
+    delivery: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     view = {
         k: meta[k]
         for k in ("id", "status", "created", "updated", "model", "version", "attempts")
@@ -36,6 +42,8 @@ def _view(meta: dict[str, Any], result: dict[str, Any] | None = None) -> dict[st
     view["links"] = {"self": f"/v1/jobs/{meta['id']}"}
     if meta["status"] in ("succeeded", "failed"):
         view["result"] = result
+    if delivery is not None:
+        view["hl7"] = delivery
     return view
 
 
@@ -126,6 +134,13 @@ async def _owned(
     return meta, result
 
 
+async def _delivery(svc: ServicesDep, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The job's HL7 delivery, if its answer was forwarded."""
+    if meta["status"] != "succeeded":
+        return None
+    return await asyncio.to_thread(svc.deliveries.state, meta["id"])
+
+
 async def _audit(svc: ServicesDep, request: Request, meta: dict[str, Any], action: str) -> None:
     """Record who read or cancelled a job's result (its prediction is audited apart)."""
     if svc.audit is None:
@@ -144,6 +159,7 @@ async def _audit(svc: ServicesDep, request: Request, meta: dict[str, Any], actio
 
 @router.get(
     "/{job_id}",
+    response_model=None,  # the Job schema of the document (openapi_doc)
     summary="Status and, when finished, the result",
     responses={404: {"description": "unknown job (or another API key's)"}},
 )
@@ -155,11 +171,12 @@ async def status(
     meta, result = await _owned(svc, principal, job_id)
     if meta["status"] in ("succeeded", "failed"):
         await _audit(svc, request, meta, "job-result")
-    return _view(meta, result)
+    return _view(meta, result, await _delivery(svc, meta))
 
 
 @router.delete(
     "/{job_id}",
+    response_model=None,
     dependencies=[Depends(require(Role.PREDICT))],
     summary="Cancel a queued or running job",
     responses={**FORBIDDEN, 404: {"description": "unknown job (or another API key's)"}},
@@ -174,4 +191,4 @@ async def cancel(
     svc.jobs.abandon(job_id)
     meta, result = await asyncio.to_thread(svc.jobs.view, meta["id"])
     await _audit(svc, request, meta, "job-cancel")
-    return _view(meta, result)
+    return _view(meta, result, await _delivery(svc, meta))
