@@ -27,9 +27,9 @@ from .mllp_peer import Peer, mllp_peer
 from .postgres import postgres_server
 from .service_harness import running_service
 from .test_fhir import DOSE_BAG
+from .test_hl7 import HL7, segments
 from .test_shared_state import fresh_database
 
-HL7 = "application/hl7-v2"
 #: A quick laboratory system: one-second tries, short waits between them.
 FAST = {
     "BAGSERVE_HL7_TIMEOUT": "1",
@@ -110,10 +110,6 @@ def tries_of(url: str, job_id: str, n: int) -> list[dict[str, Any]]:
         if len(mine) >= n or time.monotonic() > deadline:
             return [e["hl7"] for e in reversed(mine)]
         time.sleep(0.05)
-
-
-def segments(message: hl7.Message, name: str) -> list[Any]:
-    return [s for s in message if str(s[0]) == name]
 
 
 def test_a_forwarded_job_carries_patient_and_order_as_the_synchronous_door(lab):
