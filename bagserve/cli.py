@@ -135,14 +135,18 @@ def oru_for_files(
     *,
     compensated: bool = False,
     coverage: float | None = 0.9,
-    refs: dict[str, str] | None = None,
+    refs: dict[str, Any] | None = None,
+    parties: Any = None,
 ) -> str:
     """The HL7 v2.5.1 ORU^R01 message of a saved model's answer for files (the same
     message ``Accept: application/hl7-v2`` gets from the service), bags named by
-    their file names."""
+    their file names. ``refs``: ``patient`` and ``orders`` (one per file);
+    ``parties``: MSH-3..6 (:class:`~bagserve.service.hl7.Parties`)."""
     import uuid
 
-    from .service.hl7 import oru_r01
+    from .service.hl7 import check_orders, oru_r01
+
+    check_orders((refs or {}).get("orders") or [], len(files))
 
     result, names, meta, info, inputs, acquired, coverage = _predict_local(
         model_path,
@@ -153,7 +157,15 @@ def oru_for_files(
     )
     meta = {**meta, "request_id": uuid.uuid4().hex}
     return oru_r01(
-        result, names, meta, info, inputs=inputs, coverage=coverage, refs=refs, acquired=acquired
+        result,
+        names,
+        meta,
+        info,
+        inputs=inputs,
+        coverage=coverage,
+        refs=refs,
+        acquired=acquired,
+        parties=parties,
     )
 
 
@@ -241,15 +253,22 @@ class RemoteModel:
                 raise ValueError(f"unknown model {self.model!r} at {self.url}: {detail}") from exc
             raise ValueError(str(exc)) from exc
 
-    def oru(self, files: Sequence[str | Path], refs: dict[str, str] | None = None) -> str:
-        """The service's HL7 v2 ORU^R01 message for ``files`` (one request)."""
+    def oru(self, files: Sequence[str | Path], refs: dict[str, Any] | None = None) -> str:
+        """The service's HL7 v2 ORU^R01 message for ``files`` (one request); ``refs``:
+        ``patient`` and ``orders`` (one per file)."""
+        refs = dict(refs or {})
+        params: dict[str, Any] = dict(self.params)
+        if "patient" in refs:
+            params["patient"] = refs["patient"]
+        if refs.get("orders"):
+            params["order"] = list(refs["orders"])
         message = self._call(
             self.client.predict_files_as,
             self.name,
             files,
             "application/hl7-v2",
             version=self.version,
-            params={**self.params, **(refs or {})},
+            params=params,
         )
         return message.decode("utf-8")
 
@@ -317,6 +336,7 @@ def table_for_files(
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
+    plan = _hl7_plan(args) if args.hl7 else None
     if args.format == "json":
         result = (
             _remote_predict(args)
@@ -349,8 +369,8 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     # Flags reach whoever runs the command, not only the file it writes.
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    if args.hl7:
-        _send_hl7(args)
+    if plan is not None:
+        _send_hl7(args, plan)
     if args.output:
         Path(args.output).write_text(text + "\n")
     else:
@@ -370,13 +390,32 @@ def _table_warnings(text: str) -> list[str]:
     return list(out)
 
 
-def _send_hl7(args: argparse.Namespace) -> None:
-    """The answer as an HL7 v2 ORU^R01 message to the MLLP peer of ``--hl7``."""
-    from .service.hl7 import MllpError, parse_mllp_url, send
+def _hl7_plan(args: argparse.Namespace) -> tuple[dict[str, Any], Any, float]:
+    """What ``--hl7`` needs, checked before any work: the patient and placer order
+    numbers (one per file), MSH-3..6 and the try timeout from the ``BAGSERVE_HL7_*``
+    settings."""
+    from .service.errors import Problem
+    from .service.hl7 import Parties, check_orders, hl7_references
+    from .service.mllp import parse_mllp_url
+    from .service.settings import Settings
 
     parse_mllp_url(args.hl7)  # a wrong address fails before any work
-    refs = {k: v for k, v in (("patient", args.patient), ("order", args.order)) if v}
+    try:
+        refs = hl7_references({"patient": args.patient, "order": args.order or []})
+        check_orders(refs.get("orders") or [], len(args.files))
+    except Problem as exc:
+        raise ValueError(f"HL7: {exc.detail}") from exc
+    settings = Settings()
+    return refs, Parties.from_settings(settings), settings.hl7_timeout
+
+
+def _send_hl7(args: argparse.Namespace, plan: tuple[dict[str, Any], Any, float]) -> None:
+    """The answer as an HL7 v2 ORU^R01 message to the MLLP peer of ``--hl7``."""
+    from .service.mllp import MllpError, send
+
+    refs, parties, timeout = plan
     if args.url:
+        # The service builds the message, with its own MSH settings.
         with _remote(args) as remote:
             message = remote.oru(args.files, refs)
     else:
@@ -386,9 +425,10 @@ def _send_hl7(args: argparse.Namespace) -> None:
             compensated=args.compensated,
             coverage=args.interval,
             refs=refs,
+            parties=parties,
         )
     try:
-        ack = send(message, args.hl7)
+        ack = send(message, args.hl7, timeout=timeout)
     except MllpError as exc:
         raise ValueError(f"HL7: {exc}") from exc
     print(f"hl7: {args.hl7} accepted the ORU^R01 message ({ack.code})", file=sys.stderr)
@@ -754,10 +794,16 @@ def _parser() -> argparse.ArgumentParser:
         "--hl7",
         metavar="mllp://HOST:PORT",
         help="also send the answer as an HL7 v2.5.1 ORU^R01 message to this MLLP peer "
-        "(exit 1 unless it is accepted)",
+        "(exit 1 unless it is accepted; MSH-3..6 and the try timeout from the "
+        "BAGSERVE_HL7_* variables, with --url the service's)",
     )
     pr.add_argument("--patient", help="with --hl7: the patient identifier (PID-3)")
-    pr.add_argument("--order", help="with --hl7: the placer order number (OBR-2)")
+    pr.add_argument(
+        "--order",
+        action="append",
+        help="with --hl7: the placer order number (ORC-2, OBR-2) of each file, repeated "
+        "in the files' order (one order per file, or none)",
+    )
     pr.add_argument("--url", help="use a running service (MODEL is then name or name/version)")
     pr.add_argument("--api-key", help="service API key (default: BAGSERVE_API_KEY)")
     pr.add_argument(

@@ -29,6 +29,7 @@ from .deps import Services, ServicesDep
 from .errors import install_handlers
 from .exposure import anonymous_exposure
 from .file_import import import_files
+from .hl7_delivery import DeliveryQueue
 from .idempotency import IdempotencyStore
 from .job_runner import JobRunner
 from .jobs import JobStore, replica_id
@@ -178,6 +179,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         store = JobStore(
             db, settings.jobs_ttl, lease=settings.lease, poll=settings.job_poll, owner=owner
         )
+        deliveries = DeliveryQueue(
+            db,
+            owner=owner,
+            timeout=settings.hl7_timeout,
+            retries=settings.hl7_retries,
+            backoff=settings.hl7_backoff,
+            give_up=settings.hl7_give_up,
+            lease=settings.lease,
+            poll=settings.job_poll,
+            ttl=settings.jobs_ttl,
+            audit=audit,
+        )
+        # Messages given up before this start get a new round of tries; the sender runs
+        # whether or not forwarding is still configured: what was queued is sent.
+        requeued = await asyncio.to_thread(deliveries.requeue)
+        deliveries.start()
         svc = Services(
             settings=settings,
             auth=auth,
@@ -188,6 +205,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             audit=audit,
             idempotency=idempotency,
             jobs=store,
+            deliveries=deliveries,
             repository=repository,
             stats=stats,
             intake=Intake(settings, pool),
@@ -196,7 +214,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         async def start_jobs() -> None:
             # A job computed before its model is loaded would fail (503): jobs wait.
             await repository.started.wait()
-            store.start(JobRunner(store, registry, predictor), concurrency=settings.workers)
+            runner = JobRunner(store, registry, predictor, deliveries)
+            store.start(runner, concurrency=settings.workers)
 
         jobs_starting = asyncio.get_running_loop().create_task(start_jobs())
         app.state.services = svc
@@ -226,6 +245,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "replica": owner,
                 "jobs": await asyncio.to_thread(store.counts),
                 "imported": imported,
+                "hl7_requeued": requeued,
             },
         )
         try:
@@ -238,6 +258,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             jobs_starting.cancel()
             await repository.stop()
             await store.stop()
+            await deliveries.stop()
             await pool.stop()
             # Records still queued are committed before the database closes.
             await asyncio.to_thread(audit.close)

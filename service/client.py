@@ -230,11 +230,11 @@ class Client:
         accept: str,
         *,
         version: str | None = None,
-        params: Mapping[str, str] | None = None,
+        params: Mapping[str, str | Sequence[str]] | None = None,
     ) -> bytes:
         """The answer for ``paths`` (or name and bytes pairs) in another format than
         JSON (``accept``: text/csv, application/hl7-v2, application/fhir+json, ...), as
-        bytes."""
+        bytes; a list in ``params`` is a repeated parameter (``order=A&order=B``)."""
         response = self._send(
             "POST",
             _path(model, version),

@@ -89,6 +89,28 @@ MIGRATIONS: list[list[str]] = [
             summary TEXT NOT NULL
         )""",
     ],
+    # HL7 forwarding as a delivery queue (service/hl7_delivery.py): one message per job.
+    [
+        """CREATE TABLE hl7_deliveries (
+            job_id TEXT PRIMARY KEY,
+            request_id TEXT NOT NULL,
+            api_key_id TEXT,
+            peer TEXT NOT NULL,
+            control_id TEXT NOT NULL,
+            message TEXT NOT NULL,
+            status TEXT NOT NULL,
+            tries INTEGER NOT NULL DEFAULT 0,
+            created {real} NOT NULL,
+            updated {real} NOT NULL,
+            next_try {real} NOT NULL,
+            give_up {real} NOT NULL,
+            owner TEXT,
+            lease_until {real},
+            ack TEXT,
+            error TEXT
+        )""",
+        "CREATE INDEX hl7_deliveries_due ON hl7_deliveries (status, next_try)",
+    ],
 ]
 
 _TYPES = {

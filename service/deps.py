@@ -18,6 +18,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 
 from .audit import AuditLog
 from .errors import Problem
+from .hl7_delivery import DeliveryQueue
 from .idempotency import IdempotencyStore
 from .jobs import JobStore
 from .metrics import Metrics
@@ -64,6 +65,8 @@ class Services:
     audit : AuditLog
     idempotency : IdempotencyStore
     jobs : JobStore
+    deliveries : DeliveryQueue
+        HL7 messages of finished jobs on their way to a laboratory system.
     repository : Repository
         Loads, reloads and unloads models while serving.
     stats : ModelStats
@@ -81,6 +84,7 @@ class Services:
     audit: AuditLog
     idempotency: IdempotencyStore
     jobs: JobStore
+    deliveries: DeliveryQueue
     repository: Repository
     stats: ModelStats
     intake: Intake

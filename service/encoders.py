@@ -24,7 +24,7 @@ from bagserve.core.runtime import (
 from .codecs import JSON, NPY, media_type, npy_bytes
 from .errors import Problem
 from .fhir import FHIR_JSON, bundle
-from .hl7 import HL7_V2, oru_r01
+from .hl7 import HL7_V2, Parties, oru_r01
 from .options import PredictOptions
 from .tables import TableLayout, csv_bytes, level_names
 
@@ -97,10 +97,11 @@ def encode(
     *,
     inputs: list[str] | None = None,
     plots: list[dict[str, Any]] | None = None,
-    refs: dict[str, str] | None = None,
+    refs: dict[str, Any] | None = None,
     acquired: list[str | None] | None = None,
     performer: str | None = None,
     timezone: str | None = None,
+    parties: Parties | None = None,
 ) -> bytes:
     """The answer in ``fmt`` (one of :data:`FORMATS`); ``meta`` heads a JSON answer.
 
@@ -116,7 +117,8 @@ def encode(
     the model's classes. FHIR (:mod:`.fhir`): ``meta`` is the provenance, ``refs`` the
     subject, specimen and effective time,
     ``acquired`` each bag's acquisition time, ``performer`` and ``timezone`` the
-    service's settings (:func:`.fhir.bundle`).
+    service's settings (:func:`.fhir.bundle`). HL7 (:func:`.hl7.oru_r01`): ``refs``
+    the patient and placer order numbers, ``parties`` MSH-3..6.
     """
     cells, coverage = options.cells, options.coverage
     if fmt == FHIR_JSON:
@@ -136,7 +138,15 @@ def encode(
         )
     if fmt == HL7_V2:
         message = oru_r01(
-            result, ids, meta, info, inputs=inputs, coverage=coverage, refs=refs, acquired=acquired
+            result,
+            ids,
+            meta,
+            info,
+            inputs=inputs,
+            coverage=coverage,
+            refs=refs,
+            acquired=acquired,
+            parties=parties,
         )
         return message.encode("utf-8")
     if fmt == NPY:

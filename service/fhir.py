@@ -4,9 +4,11 @@
 
 * one ``Observation`` per bag, and a ``DiagnosticReport`` for the request whose
   ``result`` lists them, whose ``status`` follows the bags' statuses under the model's
-  out-of-domain policy and whose ``conclusion`` says so in words; both are created
-  conditionally on bagserve's request identifier (``ifNoneExist``), so a retried
-  submission files nothing twice;
+  out-of-domain policy, whose ``conclusion`` says so in words and whose
+  ``conclusionCode`` is ``EX`` (v3 ObservationInterpretation "outside threshold")
+  when a bag lies outside the applicability domain, under every policy; both are
+  created conditionally on bagserve's request identifier (``ifNoneExist``, escaped
+  for FHIR search), so a retried submission files nothing twice;
 * the model as a ``Device`` (name, version, manifest sha256, the signer of a signed
   release), created conditionally on its sha256 and referenced by the Observations'
   ``device``;
@@ -36,8 +38,9 @@ Each Observation carries:
   the sample (FCS ``$BEGINDATETIME``, or ``$DATE``/``$BTIM`` in the instruments' zone,
   ``BAGSERVE_FHIR_TIMEZONE``; the date alone without one);
 * ``performer`` from ``BAGSERVE_FHIR_PERFORMER``; ``subject`` and ``specimen`` when the
-  caller gives them (``?subject=Patient/123``, ``?specimen=Specimen/9``), ``issued``,
-  and an identifier ``request id/bag id``.
+  caller gives them, as references relative to the FHIR server (``?subject=Patient/123``,
+  ``?specimen=Specimen/9``; other types, absolute URLs and ``urn:uuid`` are refused),
+  ``issued``, and an identifier ``request id/bag id``.
 """
 
 from __future__ import annotations
@@ -83,12 +86,15 @@ _INTERPRETATION = "http://terminology.hl7.org/CodeSystem/v3-ObservationInterpret
 _REFERENCE_MEANING = "http://terminology.hl7.org/CodeSystem/referencerange-meaning"
 _V2_SECTION = "http://terminology.hl7.org/CodeSystem/v2-0074"
 _PARTICIPANT = "http://terminology.hl7.org/CodeSystem/provenance-participant-type"
-#: A relative reference (``Patient/123``), an absolute URL, or a ``urn:uuid``.
-_REFERENCE = re.compile(
-    r"^([A-Z][A-Za-z]+/[A-Za-z0-9\-.]{1,64}(/_history/[A-Za-z0-9\-.]{1,64})?"
-    r"|urn:uuid:[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
-    r"|https?://\S+)$"
-)
+#: ``?subject=`` and ``?specimen=``: a reference to a resource of that type on the
+#: server the bundle is filed on, relative (``Patient/123``, optionally a version). An
+#: absolute URL could name another server, a ``urn:uuid`` nothing in the bundle.
+_REFERENCES = {
+    name: re.compile(rf"^{kind}/[A-Za-z0-9\-.]{{1,64}}(/_history/[A-Za-z0-9\-.]{{1,64}})?$")
+    for name, kind in (("subject", "Patient"), ("specimen", "Specimen"))
+}
+#: What FHIR search escapes in a token's system and value (``\``, ``|``, ``,``, ``$``).
+_SEARCH_SPECIAL = re.compile(r"([\\|,$])")
 _FLAGS = {
     "EX": "outside threshold",
     "H": "High",
@@ -114,15 +120,16 @@ def references(params: Mapping[str, Any]) -> dict[str, str]:
                 f"with its zone (2026-11-25T09:30:00+01:00), got {effective!r}",
             )
         out["effective"] = str(effective)
-    for name, example in (("subject", "Patient/123"), ("specimen", "Specimen/9")):
+    for name, kind in (("subject", "Patient"), ("specimen", "Specimen")):
         value = params.get(name)
         if value is None:
             continue
-        if not _REFERENCE.match(str(value)):
+        if not _REFERENCES[name].match(str(value)):
             raise Problem(
                 422,
-                f"{name} must be a FHIR reference such as {example!r}, an absolute URL "
-                f"or urn:uuid:..., got {value!r}",
+                f"{name} must be a FHIR reference to a {kind}, relative to the FHIR server "
+                f"the bundle is filed on ({kind}/<id>, such as {kind}/123): not another "
+                f"resource type, an absolute URL or a urn:uuid; got {value!r}",
             )
         out[name] = str(value)
     return out
@@ -246,7 +253,15 @@ def _entry(url: str, resource: dict[str, Any], if_none_exist: str) -> dict[str, 
 
 
 def _if_none_exist(system: str, value: str) -> str:
-    return "identifier=" + quote(f"{system}|{value}", safe="")
+    """The conditional-create search for an identifier: system and value escaped for
+    FHIR search (a ``,`` would split the value into two OR-ed ones, a ``|`` move the
+    system), then for the URL."""
+    token = f"{_search_escape(system)}|{_search_escape(value)}"
+    return "identifier=" + quote(token, safe="")
+
+
+def _search_escape(text: str) -> str:
+    return _SEARCH_SPECIAL.sub(r"\\\1", text)
 
 
 def _effective(acquired: str | None, timezone: str | None) -> str | None:
@@ -318,6 +333,12 @@ def _report(
     report["conclusion"] = (
         f"bagserve model {model['name']} version {model['version']}: " + "; ".join(words) + "."
     )
+    outside = [bag for i, bag in enumerate(ids) if domain is not None and domain.out_of_range[i]]
+    if outside:
+        # Coded, not only in words: a receiving system that files the report as it is
+        # still sees that it holds results it must not read as normal.
+        text = "outside the model's applicability domain: " + ", ".join(outside)
+        report["conclusionCode"] = [_flag("EX", text=text)]
     return report
 
 

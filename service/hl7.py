@@ -1,19 +1,23 @@
-"""Predictions as HL7 v2.5.1 ``ORU^R01`` messages, and their delivery over MLLP.
+"""Predictions as HL7 v2.5.1 ``ORU^R01`` messages: the one builder of every door.
 
 Most laboratory information systems and interface engines take results as HL7 v2
-over MLLP. ``Accept: application/hl7-v2`` on a predict route answers one ``ORU^R01``
-message (ER7, segments ended by carriage returns), built and validated with hl7apy
-against the 2.5.1 message structure:
+over MLLP. ``Accept: application/hl7-v2`` on a predict route, a forwarded job
+(:mod:`.hl7_delivery`) and ``bagserve predict --hl7`` all send the message
+:func:`oru_r01` builds (ER7, segments ended by carriage returns), built and
+validated with hl7apy against the 2.5.1 message structure:
 
-* ``MSH``: bagserve as the sending application; the message control id is the
-  request id's first 20 characters (MSH-10 holds 20);
-* ``PID`` when the caller names the patient (``?patient=``, PID-3);
-* per bag an ``OBR`` (OBR-2 the caller's placer order number ``?order=``, OBR-3
+* ``MSH``: MSH-3/4 (sending application and facility) and MSH-5/6 (receiving
+  application and facility) from the settings (:class:`Parties`; interface engines
+  route on them); MSH-10, the message control id, 20 random base32 characters
+  (100 bits, :func:`new_control_id`), which the receiver's ACK must echo;
+* ``PID`` when the caller names the patient (``patient``, PID-3);
+* per bag an ``ORC`` (``RE``: observations follow; ORC-2/3 the placer and filler
+  order numbers) and an ``OBR`` (OBR-2 the bag's placer order number, OBR-3
   ``request id/bag id``, OBR-4 the model's output code, OBR-7 when the sample was
-  acquired, OBR-25 the result status) and its ``OBX`` segments:
+  acquired, OBR-25 the result status) with its ``OBX`` segments:
 
   * regressors: one ``NM`` OBX with the UCUM unit, OBX-7 the clinical reference range
-    and OBX-8 ``H``/``L``/``N`` against it, only inside the applicability domain;
+    (``low - high``, ``>low`` or ``<high``) and OBX-8 ``H``/``L``/``N`` against it;
   * classifiers: one ``CWE`` OBX with the class coding;
   * per-cell classifiers: two ``NM`` OBX per population, cells and percent;
 
@@ -24,21 +28,34 @@ against the 2.5.1 message structure:
   prediction set), the applicability domain (score, nearest training samples), why a
   value was withheld.
 
-:func:`send` delivers a message over MLLP (``\\x0b message \\x1c\\x0d``) and checks the
-``ACK``: ``AA`` accepted; ``AE`` (application error) is retried, ``AR`` (rejected)
-is not; a dropped connection or a timeout is retried with backoff.
+Placer order numbers (``order``) are one per bag: a placer order number names one
+order, so a request with several bags gives as many, in the bags' order, or none.
+
+A bag outside the model's applicability domain is never a plain normal result: every
+OBX of it carries OBX-8 ``A`` (HL7 table 0078 "abnormal", its one flag not tied to a
+numeric range) alone, under every policy, and no ``H``/``L``/``N`` verdict on the
+normal range (the value is not judged against it); its OBX-11 is the policy's.
+
+Free text (bag ids, class labels, codes, model names, notes) is escaped for ER7:
+the delimiters ``| ^ & ~ \\`` become ``\\F\\ \\S\\ \\T\\ \\R\\ \\E\\``, carriage
+returns, line feeds and tabs become spaces and every other control character (the
+MLLP frame bytes ``0x0b`` and ``0x1c`` among them) is dropped, so no text can end a
+field, a segment or the frame.
+
+OBX-7 is an ``ST`` that HL7 writes ``lower limit-upper limit`` (its own example,
+potassium, reads ``3.5 - 4.5``): with a negative bound ``-1-0.4`` reads two ways.
+bagserve always writes the two limits separated by a hyphen between spaces, ``-1 -
+0.4``, ``-2 - -1``: a number's own minus sign is never followed by a space.
 """
 
 from __future__ import annotations
 
 import re
-import socket
-import time
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
-from urllib.parse import urlsplit
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from bagserve.core.runtime import (
@@ -50,39 +67,130 @@ from bagserve.core.runtime import (
 
 from .errors import Problem
 
-__all__ = ["HL7_V2", "Ack", "MllpError", "hl7_references", "oru_r01", "parse_mllp_url", "send"]
+if TYPE_CHECKING:
+    from .settings import Settings
+
+__all__ = [
+    "HL7_V2",
+    "ID_PATTERN",
+    "OUTSIDE_DOMAIN",
+    "Parties",
+    "check_orders",
+    "hl7_references",
+    "new_control_id",
+    "oru_r01",
+]
 
 #: The media type of HL7 v2 messages in ER7 (pipe) encoding.
 HL7_V2 = "application/hl7-v2"
-_START, _END = b"\x0b", b"\x1c\x0d"
 #: OBX-11 / OBR-25 result status by the answer's status (HL7 table 0085).
 _RESULT_STATUS = {"final": "F", "preliminary": "P", "withheld": "X"}
-#: Characters HL7 reserves as delimiters, in the message's default encoding.
-_RESERVED = re.compile(r"[|^~\\&\r\n]")
-_ID = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")
+#: OBX-8 of every observation of a bag outside the applicability domain (table 0078).
+OUTSIDE_DOMAIN = "A"
+#: Patient identifiers and placer order numbers: safe in any HL7 field as they are.
+ID_PATTERN = r"^[A-Za-z0-9._\-]{1,64}$"
+_ID = re.compile(ID_PATTERN)
+#: ER7 escapes of the delimiters; C0 and C1 control characters and DEL dropped, line
+#: breaks and tabs made spaces.
+_ESCAPE = {
+    **dict.fromkeys([*range(0x20), *range(0x7F, 0xA0)]),
+    **{ord(c): " " for c in "\t\r\n"},
+    **{ord(c): f"\\{e}\\" for c, e in zip("\\|^&~", "EFSTR", strict=True)},
+}
+#: The alphabet of control ids (RFC 4648 base32).
+_BASE32 = "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"
 
 
-def hl7_references(params: Mapping[str, Any]) -> dict[str, str]:
-    """``patient`` (PID-3) and ``order`` (OBR-2) query parameters, checked (422)."""
-    out: dict[str, str] = {}
-    for name in ("patient", "order"):
-        value = params.get(name)
-        if value is None:
-            continue
-        if not _ID.match(str(value)):
-            raise Problem(
-                422,
-                f"{name} must be 1 to 64 letters, digits, '.', '_' or '-' (an HL7 "
-                f"identifier), got {value!r}",
-            )
-        out[name] = str(value)
+def new_control_id() -> str:
+    """A fresh message control id (MSH-10): 20 base32 characters of 100 random bits,
+    the field's whole length, never cut from anything longer."""
+    bits = secrets.randbits(100)
+    return "".join(_BASE32[(bits >> (5 * k)) & 31] for k in range(20))
+
+
+@dataclass(frozen=True)
+class Parties:
+    """Who sends and who receives: MSH-3/4/5/6 (each an HL7 ``HD``, written as
+    ``namespace`` or ``namespace^universal id^id type``; checked by the settings).
+
+    Attributes
+    ----------
+    sending_application, sending_facility, receiving_application, receiving_facility : str
+        ``""`` leaves the field empty.
+    """
+
+    sending_application: str = "bagserve"
+    sending_facility: str = ""
+    receiving_application: str = ""
+    receiving_facility: str = ""
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Parties:
+        """The parties the service's settings (``BAGSERVE_HL7_SENDING_APPLICATION``,
+        ...) name."""
+        return cls(
+            settings.hl7_sending_application,
+            settings.hl7_sending_facility or "",
+            settings.hl7_receiving_application or "",
+            settings.hl7_receiving_facility or "",
+        )
+
+
+def hl7_references(params: Any) -> dict[str, Any]:
+    """``patient`` (PID-3) and the placer order numbers ``order`` (OBR-2, one per bag,
+    repeated in the bags' order) of a query, checked (422).
+
+    ``params`` is a query (``getlist`` gives every ``order``) or a mapping whose
+    ``order`` is a string or a list. The answer has ``patient`` and ``orders`` when
+    given, as stored with a job.
+    """
+    out: dict[str, Any] = {}
+    patient = params.get("patient")
+    if patient is not None:
+        out["patient"] = _identifier("patient", patient)
+    if hasattr(params, "getlist"):
+        given = list(params.getlist("order"))
+    else:
+        raw = params.get("order")
+        given = [] if raw is None else [raw] if isinstance(raw, str) else list(raw)
+    orders = [_identifier("order", o) for o in given]
+    repeated = sorted({o for o in orders if orders.count(o) > 1})
+    if repeated:
+        raise Problem(
+            422,
+            f"order {repeated[0]!r} is given twice: a placer order number names one order, "
+            "so each bag needs its own",
+        )
+    if orders:
+        out["orders"] = orders
     return out
 
 
+def _identifier(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not _ID.match(value):
+        raise Problem(
+            422,
+            f"{name} must be 1 to 64 letters, digits, '.', '_' or '-' (an HL7 "
+            f"identifier), got {value!r}",
+        )
+    return value
+
+
+def check_orders(orders: Sequence[str], n_bags: int) -> None:
+    """Raise 422 unless there is one placer order number per bag (or none)."""
+    if orders and len(orders) != n_bags:
+        raise Problem(
+            422,
+            f"{len(orders)} placer order number(s) for {n_bags} bag(s): a placer order "
+            "number names one order, so give one per bag, in the bags' order "
+            "(order=A&order=B, or --order A --order B), or none",
+        )
+
+
 def _text(value: Any, limit: int = 500) -> str:
-    """Free text for a field: HL7's delimiters replaced (escaping them would be read
-    back as text by many receivers), at most ``limit`` characters."""
-    return _RESERVED.sub(" ", str(value))[:limit]
+    """Free text for a field: at most ``limit`` characters of it, then ER7-escaped
+    and without control characters (see the module docstring)."""
+    return str(value)[:limit].translate(_ESCAPE)
 
 
 def _ts(when: datetime) -> str:
@@ -105,6 +213,13 @@ def _cwe(code: str, text: str, system: str) -> str:
     return f"{_text(code, 20)}^{_text(text, 199)}^{_text(system, 20)}"
 
 
+def _range(low: float | None, high: float | None) -> str:
+    """OBX-7 for a reference range (see the module docstring for the form)."""
+    if low is not None and high is not None:
+        return f"{low:g} - {high:g}"
+    return f">{low:g}" if low is not None else f"<{high:g}"
+
+
 def oru_r01(
     result: Prediction,
     ids: list[str],
@@ -113,25 +228,51 @@ def oru_r01(
     *,
     inputs: Sequence[str] | None = None,
     coverage: float | None = None,
-    refs: Mapping[str, str] | None = None,
+    refs: Mapping[str, Any] | None = None,
     acquired: Sequence[str | None] | None = None,
     when: datetime | None = None,
+    parties: Parties | None = None,
+    control_id: str | None = None,
 ) -> str:
     """The answer as one HL7 v2.5.1 ``ORU^R01`` message (see the module docstring),
-    segments ended by carriage returns, validated by hl7apy."""
+    segments ended by carriage returns, validated by hl7apy.
+
+    Parameters
+    ----------
+    refs : mapping, optional
+        ``patient`` and ``orders`` (:func:`hl7_references`).
+    parties : Parties, optional
+        MSH-3..6 (bagserve as the sending application by default).
+    control_id : str, optional
+        MSH-10 (:func:`new_control_id` by default).
+
+    Raises
+    ------
+    Problem
+        422 when the placer order numbers are not one per bag.
+    """
     from hl7apy.core import Message
 
     refs = dict(refs or {})
+    orders = list(refs.get("orders") or [])
+    check_orders(orders, len(ids))
+    parties = parties or Parties()
     model = provenance["model"]
     request_id = str(provenance["request_id"])
     when = when or datetime.now(UTC)
     msg = Message("ORU_R01", version="2.5.1", validation_level=2)
     msh = msg.msh
-    msh.msh_3 = "bagserve"
-    msh.msh_4 = "bagserve"
+    for field, value in (
+        ("msh_3", parties.sending_application),
+        ("msh_4", parties.sending_facility),
+        ("msh_5", parties.receiving_application),
+        ("msh_6", parties.receiving_facility),
+    ):
+        if value:
+            setattr(msh, field, value)
     msh.msh_7 = _ts(when)
     msh.msh_9 = "ORU^R01^ORU_R01"
-    msh.msh_10 = request_id.replace("-", "")[:20]
+    msh.msh_10 = control_id or new_control_id()
     msh.msh_11 = "P"
     msh.msh_12 = "2.5.1"
     group = msg.add_group("ORU_R01_PATIENT_RESULT")
@@ -144,16 +285,25 @@ def oru_r01(
     code = _cwe(coding.code.code, coding.code.display or coding.code.code, "L")
     method = _cwe(str(model["name"]), f"bagserve model {model['name']} {model['version']}", "L")
     equipment = (
-        f"{_text(model['name'], 100)}/{_text(model['version'], 20)}^bagserve^{model['sha256']}^L"
+        f"{_text(model['name'], 100)}/{_text(model['version'], 20)}^bagserve^"
+        f"{_text(model['sha256'], 64)}^L"
     )
+    domain = result.domain
     for i, bag in enumerate(ids):
         status = result.status_of(i)
+        outside = domain is not None and bool(domain.out_of_range[i])
         order = group.add_group("ORU_R01_ORDER_OBSERVATION")
+        filler = f"{_text(request_id, 60)}/{_text(bag, 130)}^bagserve"
+        orc = order.orc
+        orc.orc_1 = "RE"  # observations to follow
+        if orders:
+            orc.orc_2 = orders[i]
+        orc.orc_3 = filler
         obr = order.obr
         obr.obr_1 = str(i + 1)
-        if "order" in refs:
-            obr.obr_2 = refs["order"]
-        obr.obr_3 = f"{_text(request_id, 60)}/{_text(bag, 130)}^bagserve"
+        if orders:
+            obr.obr_2 = orders[i]
+        obr.obr_3 = filler
         obr.obr_4 = code
         observed = _acquired_ts(acquired[i] if acquired else None)
         if observed:
@@ -176,8 +326,11 @@ def oru_r01(
                 obx.obx_6 = unit
             if status != "withheld" and extra.get("range"):
                 obx.obx_7 = extra["range"]
-            if status != "withheld" and extra.get("flag"):
-                obx.obx_8 = extra["flag"]
+            # Outside the domain the value is not judged against the normal range: it
+            # is flagged abnormal, whatever the policy made of its status.
+            flag = OUTSIDE_DOMAIN if outside else extra.get("flag")
+            if flag:
+                obx.obx_8 = flag
             obx.obx_11 = _RESULT_STATUS[status]
             if observed:
                 obx.obx_14 = observed
@@ -218,7 +371,11 @@ def _observations(
         label = result.labels[i].item()
         c = coding.class_coding(name, label)
         return [("CWE", code, _cwe(c.code, c.display or c.code, "L"), "", {})]
-    unit = f"{coding.unit}^{coding.unit_display or coding.unit}^UCUM" if coding.unit else ""
+    unit = (
+        f"{_text(coding.unit, 20)}^{_text(coding.unit_display or coding.unit, 199)}^UCUM"
+        if coding.unit
+        else ""
+    )
     values = np.atleast_1d(np.asarray(result.estimate[i], dtype=np.float64))
     if values.size > 1:
         # Several outputs: one OBX each, told apart by their sub-ID (no range applies).
@@ -229,20 +386,14 @@ def _observations(
     value = float(values[0])
     extra: dict[str, str] = {}
     rng = coding.reference_range
-    outside = result.domain is not None and bool(result.domain.out_of_range[i])
     if rng is not None:
         low, high = rng
-        extra["range"] = (
-            f"{low:g}-{high:g}" if low is not None and high is not None
-            else f">{low:g}" if low is not None else f"<{high:g}"  # type: ignore[str-format]
+        extra["range"] = _range(low, high)
+        extra["flag"] = (
+            "L" if low is not None and value < low
+            else "H" if high is not None and value > high
+            else "N"
         )  # fmt: skip
-        if not outside:
-            # Outside the domain the value is not judged against the normal range.
-            extra["flag"] = (
-                "L" if low is not None and value < low
-                else "H" if high is not None and value > high
-                else "N"
-            )  # fmt: skip
     return [("NM", code, f"{value:.15g}", unit, extra)]
 
 
@@ -263,107 +414,3 @@ def _notes(result: Prediction, i: int, info: ArtifactInfo, coverage: float | Non
         if not released:
             out.append(info.withheld_reason(domain, i))
     return out
-
-
-# ------------------------------------------------------------------ MLLP
-class MllpError(RuntimeError):
-    """A message that was not accepted: no ACK after the retries, or ``AE``/``AR``."""
-
-    def __init__(self, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(frozen=True)
-class Ack:
-    """The receiver's answer: ``code`` (MSA-1: ``AA``, ``AE``, ``AR``, or ``CA``/``CE``/
-    ``CR`` in enhanced mode), ``text`` (MSA-3), ``attempts`` it took."""
-
-    code: str
-    text: str
-    control_id: str
-    attempts: int
-
-    @property
-    def accepted(self) -> bool:
-        return self.code in ("AA", "CA")
-
-
-def parse_mllp_url(url: str) -> tuple[str, int]:
-    """``mllp://host:port`` to ``(host, port)``; ValueError naming the problem."""
-    parts = urlsplit(url)
-    if parts.scheme != "mllp" or not parts.hostname or parts.port is None:
-        raise ValueError(f"an MLLP peer is written mllp://HOST:PORT, got {url!r}")
-    return parts.hostname, parts.port
-
-
-def _exchange(message: bytes, host: str, port: int, timeout: float) -> bytes:
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        sock.settimeout(timeout)
-        sock.sendall(_START + message + _END)
-        buf = b""
-        while _END not in buf:
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("the peer closed the connection before its ACK")
-            buf += chunk
-            if len(buf) > 1 << 20:
-                raise ConnectionError("no end of the ACK in 1 MiB")
-    start = buf.find(_START)
-    return buf[start + 1 : buf.index(_END)]
-
-
-def _read_ack(raw: bytes) -> tuple[str, str, str]:
-    from hl7apy.parser import parse_message
-
-    text = raw.decode("utf-8", "replace").replace("\n", "\r")
-    ack = parse_message(text, find_groups=False, validation_level=2)
-    msa = ack.msa
-    return msa.msa_1.to_er7(), msa.msa_2.to_er7(), msa.msa_3.to_er7() if msa.msa_3 else ""
-
-
-def send(
-    message: str,
-    url: str,
-    *,
-    timeout: float = 10.0,
-    retries: int = 3,
-    backoff: float = 1.0,
-    log: Any = None,
-) -> Ack:
-    """Deliver ``message`` to the MLLP peer at ``url`` and return its accepting ACK.
-
-    A dropped connection, a timeout or an ``AE`` is retried ``retries`` times with
-    exponential backoff; an ``AR`` is not (the receiver refuses the message itself).
-
-    Raises
-    ------
-    MllpError
-        Not accepted: the last ACK's code and text, or the last connection error.
-    """
-    host, port = parse_mllp_url(url)
-    control = message.split("\r", 1)[0].split("|")[9] if message.startswith("MSH") else ""
-    last = "no attempt"
-    code: str | None = None
-    for attempt in range(1, retries + 2):
-        try:
-            raw = _exchange(message.encode("utf-8"), host, port, timeout)
-            code, acked, text = _read_ack(raw)
-        except (OSError, ConnectionError) as exc:
-            last, code = f"{type(exc).__name__}: {exc}", None
-        except Exception as exc:  # an answer that is no readable ACK
-            last, code = f"unreadable ACK ({type(exc).__name__}: {exc})", None
-        else:
-            if acked and control and acked != control:
-                last = f"ACK for another message ({acked!r}, sent {control!r})"
-            elif code in ("AA", "CA"):
-                return Ack(code, text, acked, attempt)
-            else:
-                last = f"{code}: {text or 'no reason given'}"
-                if code in ("AR", "CR"):
-                    break  # rejected: sending the same message again changes nothing
-        if log is not None:
-            log.warning("MLLP %s attempt %d of %d: %s", url, attempt, retries + 1, last)
-        if attempt <= retries:
-            time.sleep(backoff * 2 ** (attempt - 1))
-    raise MllpError(f"{url}: the message {control!r} was not accepted ({last})", code)

@@ -3,21 +3,22 @@
 A job is the same prediction as ``POST /v1/models/{name}/predict``, decoded from the
 body and query stored at submission, audited under the job's own request id and API
 key id, its JSON answer (or problem) stored with the job. With
-``BAGSERVE_HL7_FORWARD`` the answer also goes to a laboratory system as an HL7 v2
-``ORU^R01`` message over MLLP before the job is finished.
+``BAGSERVE_HL7_FORWARD`` the answer is also built into an HL7 v2 ``ORU^R01`` message
+(with the patient and placer order numbers given at submission) and queued for
+delivery in the same transaction that stores it (:mod:`.hl7_delivery`): the job is
+finished then, the delivery runs apart.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from typing import Any
 
 from .codecs import BodySpec
 from .encoders import encode_document, encode_off_loop
 from .errors import Problem
-from .hl7 import MllpError, oru_r01, send
+from .hl7 import Parties, new_control_id, oru_r01
+from .hl7_delivery import DeliveryQueue
 from .jobs import JobStore
 from .options import PredictOptions
 from .prediction import Caller, Predictor
@@ -26,7 +27,6 @@ from .uploads import markers_param
 
 __all__ = ["JobRunner"]
 
-log = logging.getLogger("bagserve.jobs")
 
 #: How long a job waits out refusals that pass (503: every worker busy and the queue
 #: full, the model still being loaded into the workers, a worker being replaced) before
@@ -42,12 +42,21 @@ class JobRunner:
     store : JobStore
     registry : Registry
     predictor : Predictor
+    deliveries : DeliveryQueue, optional
+        Where answers are queued for HL7 forwarding (with ``BAGSERVE_HL7_FORWARD``).
     """
 
-    def __init__(self, store: JobStore, registry: Registry, predictor: Predictor) -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        registry: Registry,
+        predictor: Predictor,
+        deliveries: DeliveryQueue | None = None,
+    ) -> None:
         self.store = store
         self.registry = registry
         self.predictor = predictor
+        self.deliveries = deliveries
 
     async def __call__(self, job_id: str) -> None:
         store = self.store
@@ -99,52 +108,38 @@ class JobRunner:
             cells=options.cells,
             plots=outcome.plots,
         )
-        peer = self.predictor.settings.hl7_forward
-        if peer:
-            document["hl7"] = await self._forward(job_id, meta, entry, outcome, options, peer)
-        await asyncio.to_thread(store.finish, job_id, "succeeded", {"status": 200, **document})
-
-    async def _forward(
-        self,
-        job_id: str,
-        meta: dict[str, Any],
-        entry: Any,
-        outcome: Any,
-        options: PredictOptions,
-        peer: str,
-    ) -> dict[str, Any]:
-        """Send the job's answer as an HL7 v2 ORU^R01 message to the MLLP ``peer``
-        (``BAGSERVE_HL7_FORWARD``), retried as :func:`.hl7.send` does; the outcome is
-        logged, audited and kept in the job's result (``hl7``)."""
-        message = oru_r01(
-            outcome.result,
-            outcome.ids,
-            outcome.provenance(meta["request_id"]),
-            entry.info,
-            inputs=outcome.inputs,
-            coverage=options.coverage,
-            acquired=outcome.acquired,
-        )
-        settings = self.predictor.settings
-        record: dict[str, Any] = {"peer": peer}
-        try:
-            ack = await asyncio.to_thread(
-                send, message, peer, retries=settings.hl7_retries, backoff=settings.hl7_backoff,
-                log=log,
-            )  # fmt: skip
-        except MllpError as exc:
-            log.error("job %s: HL7 forwarding failed: %s", job_id, exc)
-            record.update(delivered=False, ack=exc.code, error=str(exc))
-        else:
-            record.update(delivered=True, ack=ack.code, attempts=ack.attempts)
-        audit = self.predictor.audit_log
-        if audit is not None:
-            await asyncio.to_thread(
-                audit.append,
+        settings, deliveries = self.predictor.settings, self.deliveries
+        also = None
+        if settings.hl7_forward and deliveries is not None:
+            control_id = new_control_id()
+            try:
+                message = await encode_off_loop(
+                    outcome.result,
+                    oru_r01,
+                    outcome.result,
+                    outcome.ids,
+                    outcome.provenance(meta["request_id"]),
+                    entry.info,
+                    inputs=outcome.inputs,
+                    coverage=options.coverage,
+                    refs=meta.get("hl7"),
+                    acquired=outcome.acquired,
+                    parties=Parties.from_settings(settings),
+                    control_id=control_id,
+                )
+            except Problem as exc:  # placer order numbers that are not one per bag
+                problem = {"status": exc.status, "detail": exc.detail, "errors": exc.errors}
+                await asyncio.to_thread(store.finish, job_id, "failed", problem)
+                return
+            also = deliveries.enqueue(
+                job_id,
                 request_id=meta["request_id"],
                 api_key_id=meta.get("api_key_id"),
-                route="hl7-forward",
-                job=job_id,
-                hl7=record,
+                peer=settings.hl7_forward,
+                control_id=control_id,
+                message=message,
             )
-        return record
+        result = {"status": 200, **document}
+        stored = await asyncio.to_thread(store.finish, job_id, "succeeded", result, also)
+        if stored and also is not None and deliveries is not None:
+            deliveries.wake()

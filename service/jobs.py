@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .database import Database
+from .database import Cursor, Database
 from .errors import Problem
 
 __all__ = ["FINAL", "JobStore", "replica_id"]
@@ -211,15 +211,25 @@ class JobStore:
             ).rowcount
         return n == 1
 
-    def finish(self, job_id: str, status: str, result: dict[str, Any]) -> bool:
+    def finish(
+        self,
+        job_id: str,
+        status: str,
+        result: dict[str, Any],
+        also: Callable[[Cursor], None] | None = None,
+    ) -> bool:
         """Store a finished job's answer if the job is still this replica's (not
-        cancelled, not taken over); whether it was stored."""
+        cancelled, not taken over); whether it was stored. ``also(cursor)`` writes
+        what goes with the answer (its HL7 delivery) in the same transaction, only
+        when the answer is stored."""
         with self.db.transaction() as cur:
             n = cur.execute(
                 "UPDATE jobs SET status = %s, result = %s, updated = %s, owner = NULL, "
                 "lease_until = NULL WHERE id = %s AND owner = %s AND status = 'running'",
                 (status, json.dumps(result), time.time(), job_id, self.owner),
             ).rowcount
+            if n == 1 and also is not None:
+                also(cur)
         return n == 1
 
     def cancel(self, job_id: str) -> dict[str, Any]:

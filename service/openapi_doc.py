@@ -204,6 +204,49 @@ _JOB_ACCEPTED: dict[str, Any] = {
     },
     "additionalProperties": True,
 }
+_HL7_DELIVERY: dict[str, Any] = {
+    "type": "object",
+    "description": (
+        "Where the job's HL7 v2 ORU^R01 message is (BAGSERVE_HL7_FORWARD): pending (not "
+        "accepted yet; tried again at next_try), delivered (AA for its control id) or "
+        "undelivered (refused with AR, or out of tries or time); ack and error are the "
+        "last try's"
+    ),
+    "required": ["peer", "control_id", "status", "tries"],
+    "properties": {
+        "peer": {"type": "string", "description": "mllp://HOST:PORT"},
+        "control_id": {"type": "string", "description": "MSH-10, which the ACK echoes"},
+        "status": {"type": "string", "enum": ["pending", "delivered", "undelivered"]},
+        "tries": {"type": "integer", "minimum": 0},
+        "ack": {"type": ["string", "null"], "description": "the last ACK's code (MSA-1)"},
+        "error": {"type": ["string", "null"]},
+        "updated": {"type": "number"},
+        "next_try": {"type": "number", "description": "when a pending message is tried again"},
+    },
+}
+_JOB: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "status", "links"],
+    "properties": {
+        "id": {"type": "string"},
+        "status": {
+            "type": "string",
+            "enum": ["queued", "running", "succeeded", "failed", "cancelled"],
+        },
+        "created": {"type": "number"},
+        "updated": {"type": "number"},
+        "model": {"type": "string"},
+        "version": {"type": "string"},
+        "attempts": {"type": "integer"},
+        "links": {"type": "object"},
+        "result": {
+            "type": "object",
+            "description": "once finished: the predict answer (succeeded) or a problem (failed)",
+        },
+        "hl7": {"$ref": "#/components/schemas/Hl7Delivery"},
+    },
+    "additionalProperties": True,
+}
 _TENSOR: dict[str, Any] = {
     "type": "object",
     "required": ["name", "datatype", "shape"],
@@ -236,9 +279,10 @@ _FHIR_BUNDLE: dict[str, Any] = {
         "An HL7 FHIR R4 Bundle of type transaction: the model as a Device, one "
         "Observation per bag (value, interval component, interpretation EX outside the "
         "applicability domain, the input's sha256 as a contained DocumentReference), "
-        "a DiagnosticReport of them with a conclusion, and a Provenance; Observations, "
-        "report and Device are created conditionally on their identifiers, so a "
-        "retried submission files nothing twice. Valid against the FHIR R4 JSON schema."
+        "a DiagnosticReport of them with a conclusion (conclusionCode EX when a bag lies "
+        "outside the domain), and a Provenance; Observations, report and Device are "
+        "created conditionally on their identifiers, so a retried submission files "
+        "nothing twice. Valid against the FHIR R4 JSON schema."
     ),
     "required": ["resourceType", "type", "entry"],
     "properties": {
@@ -265,6 +309,8 @@ _SCHEMAS = {
     "PredictAnswer": _PREDICT_ANSWER,
     "Readiness": _READINESS,
     "JobAccepted": _JOB_ACCEPTED,
+    "Job": _JOB,
+    "Hl7Delivery": _HL7_DELIVERY,
     "Tensor": _TENSOR,
     "InferAnswer": _INFER_ANSWER,
     "ModelReady": _MODEL_READY,
@@ -277,6 +323,7 @@ _SUCCESS = {
     ("/ready", "200"): "ModelReady",
     ("/infer", "200"): "InferAnswer",
     ("/v1/jobs", "202"): "JobAccepted",
+    ("/v1/jobs/{job_id}", "200"): "Job",
 }
 _BY_MEDIA = {
     "text/csv": {"type": "string"},

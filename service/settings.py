@@ -13,6 +13,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Settings"]
 
+#: An HL7 ``HD`` (MSH-3..6): a namespace id, or namespace^universal id^universal id type;
+#: characters that need no escaping in any HL7 field.
+_HD = (
+    r"^([A-Za-z0-9._\-]{1,20}"
+    r"|[A-Za-z0-9._\-]{0,20}\^[A-Za-z0-9._:/\-]{1,199}\^[A-Za-z0-9\-]{1,6})$"
+)
+
 
 class Settings(BaseSettings):
     """Everything the service can be told, each with a ``BAGSERVE_`` variable.
@@ -142,14 +149,52 @@ class Settings(BaseSettings):
         None,
         pattern=r"^mllp://[^/:]+:\d{1,5}$",
         description=(
-            "mllp://HOST:PORT: every finished job's answer is sent there as an HL7 v2.5.1 "
-            "ORU^R01 message; AA accepts it, AE and dropped connections are retried, AR "
-            "is not; the outcome is logged, audited and kept in the job's result"
+            "mllp://HOST:PORT: every finished job's answer is queued for delivery there as "
+            "an HL7 v2.5.1 ORU^R01 message, apart from the jobs (the job is succeeded once "
+            "its answer is stored); AA delivers it, AR refuses it, anything else is retried; "
+            "each try is audited and the job says pending, delivered or undelivered"
         ),
     )
-    hl7_retries: int = Field(3, ge=0, le=20, description="HL7 forwarding retries")
+    hl7_retries: int = Field(
+        10, ge=0, le=100, description="HL7 forwarding: tries after the first before giving up"
+    )
     hl7_backoff: float = Field(
-        1.0, ge=0, description="seconds before the first HL7 retry (doubled after each)"
+        1.0,
+        ge=0,
+        description=(
+            "HL7 forwarding: seconds before the first retry, doubled after each (at most "
+            "300 s between tries)"
+        ),
+    )
+    hl7_timeout: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "HL7 forwarding: seconds one try may take in all (connect, send, wait for and "
+            "read the ACK)"
+        ),
+    )
+    hl7_give_up: float = Field(
+        3600.0,
+        gt=0,
+        description=(
+            "HL7 forwarding: seconds after a job's answer is stored when a message not yet "
+            "accepted is no longer retried (undelivered; a restart retries it again)"
+        ),
+    )
+    hl7_sending_application: str = Field(
+        "bagserve",
+        pattern=_HD,
+        description="MSH-3 of every HL7 message: NAMESPACE or NAMESPACE^UNIVERSAL_ID^TYPE",
+    )
+    hl7_sending_facility: str | None = Field(
+        None, pattern=_HD, description="MSH-4 of every HL7 message (the laboratory); empty if unset"
+    )
+    hl7_receiving_application: str | None = Field(
+        None, pattern=_HD, description="MSH-5 of every HL7 message (e.g. the LIS); empty if unset"
+    )
+    hl7_receiving_facility: str | None = Field(
+        None, pattern=_HD, description="MSH-6 of every HL7 message; empty if unset"
     )
     jobs_ttl: float = Field(86400.0, gt=0, description="seconds a finished job's result is kept")
     idempotency_ttl: float = Field(86400.0, gt=0, description="seconds a stored answer is replayed")

@@ -1,7 +1,13 @@
 """A laboratory system's MLLP listener for tests, written with python-hl7 (the ``hl7``
 package), not with hl7apy that builds bagserve's messages: it parses every message it
-receives and answers an ACK as its script says (``AA``, ``AE``, ``AR``, or ``DROP``:
-close the connection without an answer); after the script, ``AA``.
+receives and answers as its script says, one action per message; after the script,
+``AA``:
+
+* ``AA``, ``AE``, ``AR``: an ACK with that code for the message's control id;
+* ``OTHER``: an ``AA`` that acknowledges another control id;
+* ``GARBAGE``: a framed answer that is no HL7 message;
+* ``DROP``: close the connection without an answer;
+* ``SILENT``: keep the connection open and never answer (a hung system).
 """
 
 from __future__ import annotations
@@ -21,10 +27,15 @@ class Peer:
         self.received: list[hl7.Message] = []
         self.answers: list[str] = []
         self.port = 0
+        self.closing: asyncio.Event | None = None
 
     @property
     def url(self) -> str:
         return f"mllp://127.0.0.1:{self.port}"
+
+    def control_ids(self) -> list[str]:
+        """MSH-10 of every message received, in order."""
+        return [str(m.segment("MSH")[10]) for m in self.received]
 
     async def _handle(
         self, reader: hl7.mllp.HL7StreamReader, writer: hl7.mllp.HL7StreamWriter
@@ -38,12 +49,25 @@ class Peer:
                 if action == "DROP":
                     writer.close()
                     return
-                ack = str(message.create_ack(action, message_id=f"ack{len(self.received)}"))
-                if action != "AA":
-                    ack = ack.rstrip("\r") + "|the peer says " + action
-                writer.writemessage(hl7.parse(ack))
+                if action == "SILENT":
+                    assert self.closing is not None
+                    await self.closing.wait()
+                    writer.close()
+                    return
+                if action == "GARBAGE":
+                    writer.write(b"\x0bthis is no HL7 message\x1c\r")
+                    await writer.drain()
+                    continue
+                code = "AA" if action == "OTHER" else action
+                ack = message.create_ack(code, message_id=f"ack{len(self.received)}")
+                if action == "OTHER":
+                    ack.segment("MSA")[2] = "SOMEOTHERMESSAGE"
+                text = str(ack)
+                if code != "AA":
+                    text = text.rstrip("\r") + "|the peer says " + code
+                writer.writemessage(hl7.parse(text))
                 await writer.drain()
-        except asyncio.IncompleteReadError:
+        except (asyncio.IncompleteReadError, ConnectionError):
             return
 
 
@@ -58,10 +82,12 @@ def mllp_peer(script: list[str] | None = None) -> Iterator[Peer]:
     async def main() -> None:
         nonlocal stop
         stop = loop.create_future()
+        peer.closing = asyncio.Event()
         async with await hl7.mllp.start_hl7_server(peer._handle, "127.0.0.1", 0) as server:
             peer.port = server.sockets[0].getsockname()[1]
             ready.set()
             await stop
+            peer.closing.set()  # silent connections end before the server closes
 
     thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
     thread.start()
@@ -70,6 +96,11 @@ def mllp_peer(script: list[str] | None = None) -> Iterator[Peer]:
         yield peer
     finally:
         assert stop is not None
-        loop.call_soon_threadsafe(stop.set_result, None)
+
+        def finish() -> None:
+            assert stop is not None
+            stop.set_result(None)
+
+        loop.call_soon_threadsafe(finish)
         thread.join(10)
         loop.close()

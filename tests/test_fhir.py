@@ -184,17 +184,47 @@ def observations(bundle: dict[str, Any]) -> list[dict[str, Any]]:
             assert request == {"method": "PUT", "url": f"Provenance/{e['resource']['id']}"}
         else:
             assert request["method"] == "POST" and request["url"] == kind
-            system, _, value = unquote(request["ifNoneExist"]).partition("|")
-            assert system.startswith("identifier=")
-            assert {"system": system[len("identifier=") :], "value": value} in e["resource"][
-                "identifier"
-            ]
+            # The search finds the resource by its identifier, and only it.
+            (token,) = identifier_search(request["ifNoneExist"])
+            assert matches(e["resource"]["identifier"], token)
     inside = json.dumps([e["resource"] for e in bundle["entry"]])
     for ref in re.findall(r'"reference": "(urn:uuid:[^"]+)"', inside):
         assert ref in urls
     return [
         e["resource"] for e in bundle["entry"] if e["resource"]["resourceType"] == "Observation"
     ]
+
+
+def _split_unescaped(text: str, sep: str) -> list[str]:
+    parts, current, i = [], "", 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text):
+            current += text[i : i + 2]
+            i += 2
+        elif text[i] == sep:
+            parts.append(current)
+            current, i = "", i + 1
+        else:
+            current, i = current + text[i], i + 1
+    return [*parts, current]
+
+
+def identifier_search(query: str) -> list[tuple[str | None, str]]:
+    """``identifier=...`` read as a FHIR server reads a token search: URL-decoded, OR-ed
+    values at unescaped commas, ``system|value`` at the first unescaped bar, then the
+    escapes (``\\,`` ``\\|`` ``\\$`` ``\\\\``) removed. The oracle of conditional creates."""
+    name, _, text = query.partition("=")
+    assert name == "identifier"
+    tokens: list[tuple[str | None, str]] = []
+    for value in _split_unescaped(unquote(text), ","):
+        parts = [re.sub(r"\\(.)", r"\1", p) for p in _split_unescaped(value, "|")]
+        tokens.append((None, parts[0]) if len(parts) == 1 else (parts[0], "|".join(parts[1:])))
+    return tokens
+
+
+def matches(identifiers: list[dict[str, str]], token: tuple[str | None, str]) -> bool:
+    system, value = token
+    return any(i["value"] == value and system in (None, i["system"]) for i in identifiers)
 
 
 def resource(bundle: dict[str, Any], kind: str) -> list[dict[str, Any]]:
@@ -420,6 +450,11 @@ def test_a_foreign_sample_is_never_normal_nor_final(http, validator):
     assert (yeast["status"], flags(yeast)) == ("final", {"N"})
     assert e_mouse["domain"]["out_of_range"] and e_mouse["domain"]["score"] > 5
     assert (mouse["status"], flags(mouse)) == ("preliminary", {"EX"})
+    # The report says so in a code, not only in words.
+    (report,) = resource(bundle, "DiagnosticReport")
+    (code,) = report["conclusionCode"]
+    assert code["coding"][0]["system"] == INTERPRETATION and code["coding"][0]["code"] == "EX"
+    assert "mouse.fcs" in code["text"] and "Yeast_B8_B08.fcs" not in code["text"]
     assert e_mouse["status"] == "preliminary" and e_yeast["status"] == "final"
     assert mouse["valueQuantity"]["value"] == pytest.approx(e_mouse["prediction"], rel=1e-12)
 
@@ -565,8 +600,8 @@ def file_once(store: dict[str, list[dict[str, Any]]], bundle: dict[str, Any]) ->
         if request["method"] == "PUT":
             kept[:] = [k for k in kept if k["id"] != r["id"]] + [r]
             continue
-        system, _, value = unquote(request["ifNoneExist"])[len("identifier=") :].partition("|")
-        if not any({"system": system, "value": value} in k["identifier"] for k in kept):
+        tokens = identifier_search(request["ifNoneExist"])
+        if not any(matches(k["identifier"], t) for k in kept for t in tokens):
             kept.append(r)
 
 
@@ -660,13 +695,44 @@ def test_classifier_codes_its_classes(http, validator):
 
 
 def test_references_checked_before_the_body_and_legacy_media_type(http):
-    for params in ({"subject": "patient 17"}, {"specimen": "Specimen/"}):
+    for params in (
+        {"subject": "patient 17"},
+        {"specimen": "Specimen/"},
+        # Another resource type, another server, or nothing the bundle holds.
+        {"subject": "Observation/1"},
+        {"subject": "Group/1"},
+        {"subject": "https://fhir.elsewhere.example/Patient/1"},
+        {"subject": "http://127.0.0.1:1/Patient/1"},
+        {"subject": "urn:uuid:0b8e6a7c-3f0e-4c1e-9a8b-2d7f1c5e4a90"},
+        {"specimen": "Patient/1"},
+        {"specimen": "https://fhir.elsewhere.example/Specimen/9"},
+    ):
         r = http.post(
             "/v1/models/demo-dose/predict", json=DOSE_BAG, params=params, headers={"accept": FHIR}
         )
-        assert r.status_code == 422, r.text
+        assert r.status_code == 422, (params, r.text)
         name = next(iter(params))
+        kind = {"subject": "Patient", "specimen": "Specimen"}[name]
         assert f"{name} must be a FHIR reference" in r.json()["detail"]
+        assert kind in r.json()["detail"]
+    # The problem says what is accepted.
+    r = http.post(
+        "/v1/models/demo-dose/predict",
+        json=DOSE_BAG,
+        params={"subject": "https://fhir.elsewhere.example/Patient/1"},
+        headers={"accept": FHIR},
+    )
+    detail = r.json()["detail"]
+    assert "Patient/<id>" in detail and "not another resource type, an absolute URL" in detail
+    for params in ({"subject": "Patient/p-1"}, {"subject": "Patient/p-1/_history/2"},
+                   {"specimen": "Specimen/9"}):  # fmt: skip
+        r = http.post(
+            "/v1/models/demo-dose/predict", json=DOSE_BAG, params=params, headers={"accept": FHIR}
+        )
+        assert r.status_code == 200, (params, r.text)
+        (report,) = resource(r.json(), "DiagnosticReport")
+        name, value = next(iter(params.items()))
+        assert report[name] in ({"reference": value}, [{"reference": value}])
     # application/json+fhir (before FHIR R3) is answered as R4 JSON too.
     r = http.post(
         "/v1/models/demo-dose/predict", json=DOSE_BAG, headers={"accept": "application/json+fhir"}
@@ -675,6 +741,27 @@ def test_references_checked_before_the_body_and_legacy_media_type(http):
     # Without Accept FHIR, the FHIR parameters change nothing.
     r = http.post("/v1/models/demo-dose/predict", json=DOSE_BAG, params={"subject": "Patient/1"})
     assert r.status_code == 200 and "predictions" in r.json()
+
+
+def test_conditional_creates_are_escaped_for_fhir_search(http, validator):
+    """Bag ids with FHIR search's special characters: each Observation's conditional
+    create finds its own identifier only. Unescaped, ``a,b`` would search ``.../a``
+    OR ``b`` and, once ``.../a`` is filed, never be filed itself."""
+    (bag,) = DOSE_BAG["bags"]
+    ids = ["a", "a,b", "b", "x|y", "cost$1", "back\\slash", "p,q|r$s\\t"]
+    body = {"bags": [{**bag, "id": i} for i in ids]}
+    r = http.post("/v1/models/demo-dose/predict", json=body, headers={"accept": FHIR})
+    assert r.status_code == 200, r.text
+    bundle = r.json()
+    assert_valid(validator, bundle)
+    filed = observations(bundle)  # each entry's search finds its own identifier
+    request_id = r.headers["x-request-id"]
+    assert [o["identifier"][0]["value"] for o in filed] == [f"{request_id}/{i}" for i in ids]
+    store: dict[str, list[dict[str, Any]]] = {}
+    file_once(store, bundle)
+    assert len(store["Observation"]) == len(ids)
+    file_once(store, bundle)  # a retry files nothing twice
+    assert len(store["Observation"]) == len(ids)
 
 
 def test_idempotent_replay_is_the_same_bundle(http):

@@ -3,14 +3,16 @@
 The messages are built with hl7apy; every check here reads them with the other library,
 python-hl7 (``hl7``), as a laboratory system's interface engine would, and compares
 their values with the JSON answer of the same request. The MLLP peer
-(:mod:`tests.mllp_peer`) is python-hl7's asyncio server answering real ACKs.
+(:mod:`tests.mllp_peer`) is python-hl7's asyncio server answering real ACKs. The
+delivery queue of forwarded jobs is tested in :mod:`tests.test_hl7_delivery`.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,17 +30,31 @@ from bagserve.core import (
 )
 from bagserve.core.datasets import make_gmm_modes
 from bagserve.core.demo import build_demo_models, demo_samples
+from bagserve.core.fhir_coding import OutputCoding
+from bagserve.core.policy import POLICIES
 from bagserve.core.runtime import ModelRuntime
-from bagserve.service.hl7 import MllpError, oru_r01, send
+from bagserve.service.fhir import bundle
+from bagserve.service.hl7 import new_control_id, oru_r01
+from bagserve.service.mllp import MllpError, send
+from bagserve.service.settings import Settings
+from pydantic import ValidationError
 
 from .conftest import SHARED_DATA
 from .mllp_peer import mllp_peer
 from .service_harness import running_service
-from .test_fhir import train_coded_dose
+from .test_fhir import DOSE_BAG, train_coded_dose
 
 YEAST = SHARED_DATA / "cytoflow_yeast" / "dose_response"
 MOUSE = SHARED_DATA / "flowsom_example" / "not_preprocessed.fcs"
 HL7 = "application/hl7-v2"
+#: The parties of the module's service (MSH-3..6), as a lab would configure them.
+PARTIES = {
+    "BAGSERVE_HL7_SENDING_APPLICATION": "FLOWAI",
+    "BAGSERVE_HL7_SENDING_FACILITY": "CYTOLAB^2.16.840.1.113883.3.72^ISO",
+    "BAGSERVE_HL7_RECEIVING_APPLICATION": "LIS",
+    "BAGSERVE_HL7_RECEIVING_FACILITY": "GENERAL-HOSPITAL",
+}
+INTERPRETATION = "http://terminology.hl7.org/CodeSystem/v3-ObservationInterpretation"
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +71,9 @@ def peer_and_url(models) -> Iterator[tuple[Any, str]]:
     # One peer for the whole module; each test sets its script.
     with (
         mllp_peer() as peer,
-        running_service(models, BAGSERVE_HL7_FORWARD=peer.url, BAGSERVE_HL7_BACKOFF="0.05") as url,
+        running_service(
+            models, BAGSERVE_HL7_FORWARD=peer.url, BAGSERVE_HL7_BACKOFF="0.05", **PARTIES
+        ) as url,
     ):
         yield peer, url
 
@@ -73,7 +91,8 @@ def segments(message: hl7.Message, name: str) -> list[Any]:
 
 def test_the_oru_message_says_what_the_json_says(peer_and_url):
     _, url = peer_and_url
-    params = {"interval": "0.9", "patient": "p-9", "order": "ord-4711"}
+    orders = ["ord-4711", "ord-4712"]
+    params = {"interval": "0.9", "patient": "p-9", "order": orders}
     path = f"{url}/v1/models/coded-dose/predict"
     r = httpx.post(path, files=files(), params=params, headers={"accept": HL7}, timeout=60)
     assert r.status_code == 200, r.text
@@ -82,19 +101,27 @@ def test_the_oru_message_says_what_the_json_says(peer_and_url):
     message = hl7.parse(r.text)
     msh = message.segment("MSH")
     assert str(msh[9]) == "ORU^R01^ORU_R01" and str(msh[12]) == "2.5.1"
-    assert str(msh[10]) == r.headers["x-request-id"][:20]
+    # MSH-3..6 are the lab's settings; MSH-10 a fresh id, not the request id cut short.
+    assert [str(msh[k]) for k in (3, 4, 5, 6)] == list(PARTIES.values())
+    assert re.fullmatch(r"[A-Z2-7]{20}", str(msh[10]))
+    assert str(msh[10]) != r.headers["x-request-id"][:20]
     assert str(message.segment("PID")[3]) == "p-9"
-    obrs, obxs = segments(message, "OBR"), segments(message, "OBX")
-    assert len(obrs) == len(obxs) == 2
-    for obr, obx, e in zip(obrs, obxs, answer["predictions"], strict=True):
-        assert str(obr[2]) == "ord-4711" and str(obr[3]).endswith(f"/{e['id']}^bagserve")
+    orcs, obrs, obxs = segments(message, "ORC"), segments(message, "OBR"), segments(message, "OBX")
+    assert len(orcs) == len(obrs) == len(obxs) == 2
+    for orc, obr, obx, e, order in zip(
+        orcs, obrs, obxs, answer["predictions"], orders, strict=True
+    ):
+        # One placer order per bag, the same in ORC-2 and OBR-2; the filler number too.
+        assert str(orc[1]) == "RE" and str(orc[2]) == str(obr[2]) == order
+        assert str(orc[3]) == str(obr[3]) and str(obr[3]).endswith(f"/{e['id']}^bagserve")
         assert str(obx[2]) == "NM"
         assert float(str(obx[5])) == pytest.approx(e["prediction"], rel=1e-14)
-        assert str(obx[6]) == "[lg]^log10^UCUM" and str(obx[7]) == "-1-0.4"
+        # The configured range [-1, 0.4]: the limits apart, whatever their signs.
+        assert str(obx[6]) == "[lg]^log10^UCUM" and str(obx[7]) == "-1 - 0.4"
         status = {"final": "F", "preliminary": "P"}[e["status"]]
         assert str(obx[11]) == str(obr[25]) == status
-        # Outside the domain, no verdict against the normal range.
-        assert str(obx[8]) == ("" if e["domain"]["out_of_range"] else "N")
+        # Outside the domain: abnormal (A), and no verdict against the normal range.
+        assert str(obx[8]) == ("A" if e["domain"]["out_of_range"] else "N")
         assert answer["model"]["sha256"] in str(obx[18]) and "coded-dose/1" in str(obx[18])
         assert str(obx[17]).startswith("coded-dose^")
     assert [str(obx[11]) for obx in obxs] == ["F", "P"]
@@ -108,6 +135,103 @@ def test_the_oru_message_says_what_the_json_says(peer_and_url):
     assert ", ".join(mouse["domain"]["nearest"]) in notes[3]
     # The acquisition time from the FCS keywords (02-DEC-2012 09:51:35).
     assert str(obrs[0][7]) == "20121202095135"
+
+
+def test_placer_orders_are_one_per_bag(peer_and_url):
+    """A placer order number names one order: two bags with one order, or one order
+    twice, are refused (422, saying why); one per bag goes to each bag's ORC and OBR."""
+    _, url = peer_and_url
+    path = f"{url}/v1/models/coded-dose/predict"
+    for orders, why in (
+        (["ORD-77"], "1 placer order number(s) for 2 bag(s)"),
+        (["ORD-77", "ORD-77"], "order 'ORD-77' is given twice"),
+        (["ORD-77", "ORD-78", "ORD-79"], "3 placer order number(s) for 2 bag(s)"),
+        (["ORD 77", "ORD-78"], "order must be 1 to 64 letters"),
+    ):
+        r = httpx.post(
+            path, files=files(), params={"order": orders}, headers={"accept": HL7}, timeout=60
+        )
+        assert r.status_code == 422, (orders, r.text)
+        assert why in r.json()["detail"]
+    r = httpx.post(
+        path, files=files(), params={"order": ["B-2", "A-1"]}, headers={"accept": HL7}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    message = hl7.parse(r.text)
+    assert [str(o[2]) for o in segments(message, "OBR")] == ["B-2", "A-1"]
+    assert [str(o[2]) for o in segments(message, "ORC")] == ["B-2", "A-1"]
+    # Without orders the OBRs name none (and the message is still built).
+    r = httpx.post(path, files=files(), headers={"accept": HL7}, timeout=60)
+    assert [str(o[2]) for o in segments(hl7.parse(r.text), "OBR")] == ["", ""]
+
+
+def test_control_ids_are_unique_and_never_cut_from_the_request_id(peer_and_url):
+    """Two requests whose ids share their first 20 characters get distinct MSH-10s;
+    every id is 20 base32 characters."""
+    _, url = peer_and_url
+    path = f"{url}/v1/models/demo-dose/predict"
+    seen = []
+    for tail in ("1", "2"):
+        headers = {"accept": HL7, "x-request-id": "lab-run-2026-11-27-sample-" + tail}
+        r = httpx.post(path, json=DOSE_BAG, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        seen.append(str(hl7.parse(r.text).segment("MSH")[10]))
+    assert seen[0] != seen[1]
+    ids = {new_control_id() for _ in range(20_000)} | set(seen)
+    assert len(ids) == 20_002
+    assert all(re.fullmatch(r"[A-Z2-7]{20}", i) for i in ids)
+
+
+def test_msh_parties_are_settings_checked_for_delimiters():
+    for name in ("hl7_sending_application", "hl7_receiving_facility"):
+        for bad in ("LA|B", "LAB^1.2^ISO^X", "a" * 21, "LAB\rMSH", "LA&B"):
+            with pytest.raises(ValidationError, match=name):
+                Settings(**{name: bad})
+    ok = Settings(hl7_sending_facility="CYTOLAB^2.16.840.1.113883.3.72^ISO")
+    assert ok.hl7_sending_application == "bagserve" and ok.hl7_receiving_application is None
+
+
+def test_free_text_is_escaped_and_cannot_break_the_frame(peer_and_url):
+    """Bag ids with HL7 delimiters, MLLP frame bytes and line breaks: escaped for ER7
+    (python-hl7 reads them back), control characters gone, nothing split, and two ids
+    that differ only in a delimiter stay apart."""
+    _, url = peer_and_url
+    points = DOSE_BAG["bags"][0]
+    hostile = ["a|b", "a^b", "x&y~z\\w", "frame\x0b\x1cend", "two\rlines\nMSH|^~\\&|evil"]
+    body = {"bags": [{**points, "id": bag} for bag in hostile]}
+    r = httpx.post(
+        f"{url}/v1/models/demo-dose/predict", json=body, headers={"accept": HL7}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    raw = r.content
+    assert b"\x0b" not in raw and b"\x1c" not in raw and b"\n" not in raw
+    message = hl7.parse(r.text)
+    # The segments bagserve wrote, no more: no text started a segment of its own.
+    assert [str(seg[0]) for seg in message] == ["MSH"] + ["ORC", "OBR", "OBX", "NTE"] * 5
+    fillers = [str(obr[3][0][0]) for obr in segments(message, "OBR")]
+    read = [message.unescape(f).split("/", 1)[1] for f in fillers]
+    assert read == ["a|b", "a^b", "x&y~z\\w", "frameend", "two lines MSH|^~\\&|evil"]
+    assert len(set(read)) == len(hostile)
+
+
+def test_class_labels_and_model_names_are_escaped(tmp_path):
+    """A classifier whose class labels and model name hold delimiters and control
+    characters: the CWE value (OBX-5) and the method (OBX-17) read back as written."""
+    bags, y = make_gmm_modes(30, 40, max_components=2, dim=2, random_state=1)
+    labels = np.where(y == 1, "one|1^\x1c", "two&2~\\")
+    model = DistributionRidgeClassifier(
+        SlicedWasserstein(n_directions=10, n_levels=10, random_state=0), random_state=0
+    ).fit(bags, labels)
+    runtime = ModelRuntime.open(save(model, tmp_path / "m", name="m|x", version="1"))
+    result = runtime.predict(Bags.from_arrays([np.asarray(bags[i]) for i in range(4)]))
+    meta = {"model": {"name": "m|x", "version": "1^2", "sha256": runtime.info.sha256},
+            "request_id": "r" * 32}  # fmt: skip
+    message = hl7.parse(oru_r01(result, ["a", "b", "c", "d"], meta, runtime.info))
+    for obx, label in zip(segments(message, "OBX"), result.labels.tolist(), strict=True):
+        value = obx[5][0]
+        assert message.unescape(str(value[0])) == str(label).replace("\x1c", "")
+        assert message.unescape(str(obx[17][0][0])) == "m|x"
+        assert message.unescape(str(obx[17][0][1])) == "bagserve model m|x 1^2"
 
 
 def test_per_cell_models_give_one_obx_per_population_count_and_percent(peer_and_url):
@@ -161,63 +285,46 @@ def test_send_retries_dropped_connections_and_ae_but_not_ar(peer_and_url):
         send(message, "http://127.0.0.1:1")
 
 
-def test_jobs_are_forwarded_and_the_outcome_audited(peer_and_url, models):
-    peer, url = peer_and_url
-
-    def job(script: list[str]) -> dict[str, Any]:
-        peer.script[:] = script
-        peer.received.clear()
-        peer.answers.clear()
-        r = httpx.post(f"{url}/v1/jobs", params={"model": "coded-dose"}, files=files())
-        assert r.status_code == 202, r.text
-        for _ in range(600):
-            state = httpx.get(f"{url}{r.headers['location']}").json()
-            if state["status"] in ("succeeded", "failed"):
-                return state
-            time.sleep(0.1)
-        raise AssertionError("the job did not finish")
-
-    state = job(["AE"])
-    assert state["status"] == "succeeded"
-    assert state["result"]["hl7"] == {
-        "peer": peer.url,
-        "delivered": True,
-        "ack": "AA",
-        "attempts": 2,
-    }
-    assert peer.answers == ["AE", "AA"]
-    obx = segments(peer.received[-1], "OBX")
-    values = [p["prediction"] for p in state["result"]["predictions"]]
-    assert [float(str(o[5])) for o in obx] == pytest.approx(values, rel=1e-14)
-    state = job(["AR"])
-    record = state["result"]["hl7"]
-    assert record["delivered"] is False and record["ack"] == "AR"
-    assert "the peer says AR" in record["error"]
-    audit = httpx.get(f"{url}/v1/audit", params={"limit": 50}).json()["entries"]
-    forwarded = [e for e in audit if e.get("route") == "hl7-forward"]
-    assert [e["hl7"]["ack"] for e in forwarded[:2]] == ["AR", "AA"]
-
-
 def test_cli_predict_sends_the_answer_to_a_laboratory_system(peer_and_url, models):
     _, url = peer_and_url
     exe = [sys.executable, "-m", "bagserve", "predict"]
     paths = [str(YEAST / "Yeast_B8_B08.fcs"), str(MOUSE)]
+    # The command line's MSH-3..6 come from the same settings as the service's.
+    env = {**os.environ, **PARTIES}
     for where in (
         [str(models / "coded-dose" / "1")],  # a saved model
         ["coded-dose", "--url", url],  # a served one
     ):
         with mllp_peer() as peer:
             done = subprocess.run(
-                [*exe, where[0], *paths, *where[1:], "--hl7", peer.url, "--patient", "p-1"],
+                [*exe, where[0], *paths, *where[1:], "--hl7", peer.url, "--patient", "p-1",
+                 "--order", "o-1", "--order", "o-2"],
                 capture_output=True,
                 text=True,
-            )
+                env=env,
+            )  # fmt: skip
             assert done.returncode == 0, done.stderr
             assert f"{peer.url} accepted the ORU^R01 message (AA)" in done.stderr
             (message,) = peer.received
             assert str(message.segment("PID")[3]) == "p-1"
+            assert [str(o[2]) for o in segments(message, "OBR")] == ["o-1", "o-2"]
+            assert [str(o[2]) for o in segments(message, "ORC")] == ["o-1", "o-2"]
+            msh = message.segment("MSH")
+            assert [str(msh[k]) for k in (3, 4, 5, 6)] == list(PARTIES.values())
             obx = segments(message, "OBX")
             assert [str(o[11]) for o in obx] == ["F", "P"]
+            assert [str(o[8]) for o in obx] == ["N", "A"]
+    # One placer order for two files: refused before any work, nothing sent.
+    with mllp_peer() as peer:
+        done = subprocess.run(
+            [*exe, str(models / "coded-dose" / "1"), *paths, "--hl7", peer.url,
+             "--order", "ORD-77"],
+            capture_output=True,
+            text=True,
+        )  # fmt: skip
+        assert done.returncode != 0
+        assert "1 placer order number(s) for 2 bag(s)" in done.stderr
+        assert peer.received == []
     with mllp_peer(["AR"]) as peer:
         done = subprocess.run(
             [*exe, str(models / "coded-dose" / "1"), *paths, "--hl7", peer.url],
@@ -250,6 +357,8 @@ def test_classifiers_answer_a_coded_cwe_value_and_withheld_values_are_absent(tmp
     assert str(near[2]) == "CWE" and str(near[5]).split("^")[:2] == [label, label]
     assert str(near[11]) == "F"
     assert str(far_obx[11]) == "X" and str(far_obx[5]) == ""
+    # Withheld, and still flagged abnormal: outside the domain is never a plain result.
+    assert str(near[8]) == "" and str(far_obx[8]) == "A"
     notes = [str(s[3]) for s in segments(message, "NTE")]
     members = ", ".join(str(c) for c in result.set_of(0)) or "empty"
     assert notes[0] == f"90% prediction set: {members}"
@@ -276,3 +385,65 @@ def test_several_outputs_give_one_obx_each(tmp_path):
     assert len(obx) == 4 and [str(o[4]) for o in obx] == ["1", "2", "1", "2"]
     got = np.array([float(str(o[5])) for o in obx]).reshape(2, 2)
     np.testing.assert_allclose(got, result.estimate, rtol=1e-14)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_out_of_domain_is_flagged_on_every_standard_under_every_policy(tmp_path, policy):
+    """A bag far from the training bags, under each out-of-domain policy: HL7 OBX-8 is
+    ``A`` (never N/H/L) with the policy's OBX-11, FHIR interprets its Observation
+    ``EX`` and codes the report's conclusion ``EX``; a bag inside the domain is judged
+    against the normal range and final. Regressor and classifier alike."""
+    rng = np.random.default_rng(3)
+    arrays = [rng.normal(loc=m, size=(60, 2)) for m in rng.normal(size=24)]
+    y = np.array([a.mean() for a in arrays])
+    low, high = float(np.quantile(y, 0.1)), float(np.quantile(y, 0.9))
+    coding = {"system": "http://lab.example.org/codes", "code": "mean", "unit": "1",
+              "reference_range": [low, high]}  # fmt: skip
+    sw = SlicedWasserstein(n_directions=10, n_levels=10, random_state=0)
+    models = {
+        "regressor": DistributionRidge(sw, gamma=1.0, alpha=1e-3).fit(arrays, y),
+        "classifier": DistributionRidgeClassifier(sw, alpha=1e-3, random_state=0).fit(
+            arrays, np.where(y > np.median(y), "high", "low")
+        ),
+    }
+    status = {"flag": "F", "preliminary": "P", "withhold": "X"}[policy]
+    fhir_status = {"flag": "final", "preliminary": "preliminary", "withhold": "cancelled"}
+    for kind, model in models.items():
+        path = save(model, tmp_path / kind, name=kind, version="1", fhir=coding,
+                    serving={"out_of_domain": policy})  # fmt: skip
+        runtime = ModelRuntime.open(path)
+        assert OutputCoding.from_json(coding, kind).reference_range == (low, high)
+        far = 40 + 25 * arrays[1]
+        result = runtime.predict(Bags.from_arrays([arrays[0], far]))
+        assert result.domain is not None
+        assert result.domain.out_of_range.tolist() == [False, True]
+        meta = {"model": {"name": kind, "version": "1", "sha256": runtime.info.sha256},
+                "request_id": "q" * 32}  # fmt: skip
+        message = hl7.parse(oru_r01(result, ["near", "far"], meta, runtime.info))
+        near, outside = segments(message, "OBX")
+        assert (str(outside[8]), str(outside[11])) == ("A", status), kind
+        assert str(near[11]) == "F"
+        if kind == "regressor":  # judged against the normal range, by its own value
+            v = float(result.estimate[0])
+            assert str(near[8]) == ("L" if v < low else "H" if v > high else "N")
+        else:
+            assert str(near[8]) == ""
+        doc = bundle(result, ["near", "far"], meta, runtime.info)
+        obs = [e["resource"] for e in doc["entry"]
+               if e["resource"]["resourceType"] == "Observation"]  # fmt: skip
+        codes = [{c["code"] for f in o.get("interpretation", []) for c in f["coding"]} for o in obs]
+        assert codes[1] == {"EX"} and "EX" not in codes[0]
+        assert obs[1]["status"] == fhir_status[policy] and obs[0]["status"] == "final"
+        (report,) = [e["resource"] for e in doc["entry"]
+                     if e["resource"]["resourceType"] == "DiagnosticReport"]  # fmt: skip
+        (concluded,) = report["conclusionCode"]
+        assert concluded["coding"] == [
+            {"system": INTERPRETATION, "code": "EX", "display": "outside threshold"}
+        ]
+        assert concluded["text"].endswith("applicability domain: far")
+        # Inside the domain alone, the report has no such code.
+        inside = bundle(runtime.predict(Bags.from_arrays([arrays[0]])), ["near"], meta,
+                        runtime.info)  # fmt: skip
+        (plain,) = [e["resource"] for e in inside["entry"]
+                    if e["resource"]["resourceType"] == "DiagnosticReport"]  # fmt: skip
+        assert "conclusionCode" not in plain

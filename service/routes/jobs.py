@@ -2,7 +2,9 @@
 
 A job belongs to the API key that submitted it: another key polling or cancelling it
 gets 404, as for a job that does not exist (an admin key sees every job). The
-computation itself is :class:`~bagserve.service.job_runner.JobRunner`'s.
+computation itself is :class:`~bagserve.service.job_runner.JobRunner`'s. With HL7
+forwarding, a finished job's poll also says where its message is (``hl7``: pending,
+delivered or undelivered, :mod:`~bagserve.service.hl7_delivery`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from starlette.responses import Response
 
 from ..deps import FORBIDDEN, PrincipalDep, ServicesDep, authenticate, lookup, require
 from ..errors import Problem
+from ..hl7 import hl7_references
 from ..idempotency import fingerprint
 from ..options import PredictOptions
 from ..security import Role
@@ -26,7 +29,11 @@ from .v1 import _PREDICT_DOC, _PREDICT_RESPONSES
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
 
 
-def _view(meta: dict[str, Any], result: dict[str, Any] | None = None) -> dict[str, Any]:
+def _view(
+    meta: dict[str, Any],
+    result: dict[str, Any] | None = None,
+    delivery: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     view = {
         k: meta[k]
         for k in ("id", "status", "created", "updated", "model", "version", "attempts")
@@ -35,6 +42,8 @@ def _view(meta: dict[str, Any], result: dict[str, Any] | None = None) -> dict[st
     view["links"] = {"self": f"/v1/jobs/{meta['id']}"}
     if meta["status"] in ("succeeded", "failed"):
         view["result"] = result
+    if delivery is not None:
+        view["hl7"] = delivery
     return view
 
 
@@ -75,6 +84,8 @@ async def submit(request: Request, svc: ServicesDep, principal: PrincipalDep) ->
         raise Problem(422, "the 'model' query parameter is required", slug="invalid-request")
     entry = lookup(svc.registry, name, qp.get("version"))
     options = PredictOptions.parse(entry, qp)
+    # The patient and placer order numbers of a forwarded HL7 message, checked now.
+    refs = hl7_references(qp)
     accepted_content_type(request)
     spec = body_spec(request)
     async with svc.intake.body(request, compute=False) as received:
@@ -91,6 +102,7 @@ async def submit(request: Request, svc: ServicesDep, principal: PrincipalDep) ->
                 markers=qp.get("markers"),
                 bag_id=spec.default_id,
                 options=options.to_json(),
+                hl7=refs or None,
                 request_id=request.state.request_id,
                 api_key_id=principal.key_id,
                 input_sha256=await asyncio.to_thread(bytes_sha256, body),
@@ -122,6 +134,13 @@ async def _owned(
     return meta, result
 
 
+async def _delivery(svc: ServicesDep, meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The job's HL7 delivery, if its answer was forwarded."""
+    if meta["status"] != "succeeded":
+        return None
+    return await asyncio.to_thread(svc.deliveries.state, meta["id"])
+
+
 async def _audit(svc: ServicesDep, request: Request, meta: dict[str, Any], action: str) -> None:
     """Record who read or cancelled a job's result (its prediction is audited apart)."""
     if svc.audit is None:
@@ -140,6 +159,7 @@ async def _audit(svc: ServicesDep, request: Request, meta: dict[str, Any], actio
 
 @router.get(
     "/{job_id}",
+    response_model=None,  # the Job schema of the document (openapi_doc)
     summary="Status and, when finished, the result",
     responses={404: {"description": "unknown job (or another API key's)"}},
 )
@@ -151,11 +171,12 @@ async def status(
     meta, result = await _owned(svc, principal, job_id)
     if meta["status"] in ("succeeded", "failed"):
         await _audit(svc, request, meta, "job-result")
-    return _view(meta, result)
+    return _view(meta, result, await _delivery(svc, meta))
 
 
 @router.delete(
     "/{job_id}",
+    response_model=None,
     dependencies=[Depends(require(Role.PREDICT))],
     summary="Cancel a queued or running job",
     responses={**FORBIDDEN, 404: {"description": "unknown job (or another API key's)"}},
@@ -170,4 +191,4 @@ async def cancel(
     svc.jobs.abandon(job_id)
     meta, result = await asyncio.to_thread(svc.jobs.view, meta["id"])
     await _audit(svc, request, meta, "job-cancel")
-    return _view(meta, result)
+    return _view(meta, result, await _delivery(svc, meta))

@@ -30,7 +30,7 @@ from ..deps import (
     require,
 )
 from ..encoders import CSV_OUT, encode, encode_off_loop, negotiate, server_timing
-from ..hl7 import HL7_V2, hl7_references
+from ..hl7 import HL7_V2, ID_PATTERN, Parties, hl7_references
 from ..idempotency import fingerprint
 from ..options import PredictOptions
 from ..prediction import Caller, provenance_headers
@@ -216,8 +216,9 @@ _PREDICT_DOC: dict[str, Any] = {
                 "example": example,
                 "description": (
                     f"FHIR answers (`Accept: application/fhir+json`): the {what} of every "
-                    "Observation, as a FHIR reference (`Type/id`, an absolute URL or "
-                    "`urn:uuid:`)."
+                    f"Observation, as a reference relative to the FHIR server the bundle is "
+                    f"filed on: `{example.split('/')[0]}/<id>` (another type, an absolute URL "
+                    "or a `urn:uuid:` is refused)."
                 ),
             }
             for name, example, what in (
@@ -225,20 +226,36 @@ _PREDICT_DOC: dict[str, Any] = {
                 ("specimen", "Specimen/9", "specimen (the sample)"),
             )
         ),
-        *(
-            {
-                "name": name,
-                "in": "query",
-                "required": False,
-                "schema": {"type": "string", "pattern": "^[A-Za-z0-9._\\-]{1,64}$"},
-                "example": example,
-                "description": f"HL7 v2 answers (`Accept: application/hl7-v2`): {what}.",
-            }
-            for name, example, what in (
-                ("patient", "p-17", "the patient identifier (PID-3)"),
-                ("order", "ord-4711", "the placer order number of every OBR (OBR-2)"),
-            )
-        ),
+        {
+            "name": "patient",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string", "pattern": ID_PATTERN},
+            "example": "p-17",
+            "description": (
+                "HL7 v2 answers (`Accept: application/hl7-v2`) and forwarded jobs: the "
+                "patient identifier (PID-3)."
+            ),
+        },
+        {
+            "name": "order",
+            "in": "query",
+            "required": False,
+            "schema": {
+                "type": "array",
+                "items": {"type": "string", "pattern": ID_PATTERN},
+                "uniqueItems": True,
+            },
+            "style": "form",
+            "explode": True,
+            "example": ["ord-4711"],
+            "description": (
+                "HL7 v2 answers and forwarded jobs: the placer order number of each bag "
+                "(ORC-2, OBR-2), repeated in the bags' order (`order=A&order=B`): a placer "
+                "order number names one order, so there are as many as bags, or none "
+                "(422 otherwise)."
+            ),
+        },
         {
             "name": "effective",
             "in": "query",
@@ -437,6 +454,7 @@ async def _predict(
                 acquired=outcome.acquired,
                 performer=svc.settings.fhir_performer,
                 timezone=svc.settings.fhir_timezone,
+                parties=Parties.from_settings(svc.settings),
             )
             timings = {**outcome.timings, "encode": time.perf_counter() - t1}
             svc.metrics.observe_stages({"encode": timings["encode"]})
