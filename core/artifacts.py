@@ -113,9 +113,9 @@ def estimator_class(name: str) -> type:
 # ----------------------------------------------------------------------- alignment
 #: Every array a model computes with sits at a multiple of this many bytes: BLAS and
 #: numpy's vector loops round differently at different alignments (the last bit of a
-#: sum moves), so a model only predicts bit for bit alike in memory, loaded, and
-#: memory-mapped (where the NPY format puts data at multiples of 64) if all three
-#: agree on it.
+#: sum moves), so a model only predicts bit for bit alike as fitted, loaded into
+#: private memory, and loaded into shared memory (where each NPY file starts at a
+#: multiple of 64, and the format puts its data at one) if all three agree on it.
 ALIGNMENT = 64
 
 

@@ -7,18 +7,18 @@ read-only (shared by every worker; :mod:`bagserve.core.sealing`): the worker nev
 opens the model's files, so a file changed or truncated on disk changes no answer and
 cannot kill it. Models are loaded and dropped on a second pipe, the control pipe, by
 a thread of their own (:class:`_Models`): a load never waits for the request being
-computed, and never takes a worker away from requests. A model version is known by its *model id*,
-``name/version@sha256`` (:func:`model_id`): a retrained artifact under the same
-version is another id, so the old one keeps answering the requests routed to it until
-the pool drops it. A request is a header (model key, how to
-decode the body, the options) and the request body as bytes (``body``), in shared
-memory when large. The worker decodes the body (:mod:`.codecs`, :mod:`.tensors`),
-checks the bags against the model (:mod:`.validation`) and predicts: the server's event
-loop never parses a body, and a body that takes time or memory to decode takes this
-process's. The answer is the typed prediction as named arrays with the bag ids,
-warnings and timings, or an error whose ``type`` tells the pool whether the request
-was refused with a problem (``"problem"``: status and details), the model refused the
-input (``"input"``, answered 422) or the computation failed (``"internal"``).
+computed, and never takes a worker away from requests. A model version is known by
+its *model id*, ``name/version@sha256`` (:func:`model_id`): a retrained artifact under
+the same version is another id, so the old one keeps answering the requests routed to
+it until the pool drops it. A request is a header (model key, how to decode the body,
+the options) and the request body as bytes (``body``), in shared memory when large.
+The worker decodes the body (:mod:`.codecs`, :mod:`.tensors`), checks the bags against
+the model (:mod:`.validation`) and predicts: the server's event loop never parses a
+body, and a body that takes time or memory to decode takes this process's. The answer
+is the typed prediction as named arrays with the bag ids, warnings and timings, or an
+error whose ``type`` tells the pool whether the request was refused with a problem
+(``"problem"``: status and details), the model refused the input (``"input"``,
+answered 422) or the computation failed (``"internal"``).
 """
 
 from __future__ import annotations
