@@ -39,6 +39,7 @@ import math
 import os
 import platform
 import re
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -486,12 +487,26 @@ def _parse_manifest(path: Path, text: bytes) -> dict[str, Any]:
     return manifest
 
 
+def _open_regular(path: Path) -> io.FileIO:
+    """``path`` opened for reading if it is a regular file: a pipe or a device put in
+    an artifact's place would block or never end a read (opened without waiting for
+    a writer, then checked, so that no swap in between goes unnoticed)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ArtifactError(f"{path}: not a regular file")
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return io.FileIO(fd, "rb", closefd=True)
+
+
 def _read_manifest_bytes(path: Path) -> bytes:
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise ArtifactError(f"{path}: no {MANIFEST} (not a bagserve model artifact)")
     try:
-        return mpath.read_bytes()
+        with _open_regular(mpath) as f:
+            return f.readall()
     except OSError as exc:
         raise ArtifactError(f"{mpath}: unreadable manifest ({exc})") from exc
 
@@ -679,7 +694,7 @@ def read_verified(
             offset, size = places[rel]
             digest, got = hashlib.sha256(), 0
             try:
-                with open(path / rel, "rb", buffering=0) as f:
+                with _open_regular(path / rel) as f:
                     while got < size:
                         n = f.readinto(chunk[: min(_READ_CHUNK, size - got)])
                         if not n:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -163,6 +164,25 @@ def test_a_signature_is_bound_to_the_bytes_read(models, tmp_path):
     other = {**verified.digests, "arrays/model.intercept.npy": "0" * 64}
     with pytest.raises(SignatureError, match=r"model\.intercept\.npy changed while it was being"):
         verify_model(path, keys, digests=other)
+
+
+def test_a_pipe_in_place_of_an_array_file_is_refused_at_once(models):
+    """A named pipe put where an array was would hold a reader forever: refused
+    without waiting for a writer (in a process of its own, bounded)."""
+    path = models / "demo-dose" / "1"
+    victim = array_file(models, "demo-dose", "intercept")
+    victim.unlink()
+    os.mkfifo(victim)
+    code = (
+        "from bagserve.core.runtime import ModelRuntime\n"
+        f"try:\n    ModelRuntime.open({str(path)!r})\n"
+        "except Exception as exc:\n    print(type(exc).__name__, exc)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert done.stdout.startswith("ArtifactError"), done.stdout + done.stderr
+    assert "model.intercept.npy: not a regular file" in done.stdout
 
 
 def test_shared_arrays_are_sealed_read_only_memory(models):
