@@ -126,6 +126,7 @@ bench: $(BIN)/.dev-installed
 	$(BIN)/python bench/bench_service.py
 	$(BIN)/python bench/bench_mlserver.py
 	$(BIN)/python bench/bench_start.py
+	$(BIN)/python bench/bench_model_memory.py
 	$(BIN)/python bench/bench_jobs.py
 	$(BIN)/python bench/bench_event_loop.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_density.py

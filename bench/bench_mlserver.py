@@ -279,7 +279,7 @@ def main() -> None:
         if models is None:
             models = tmp / "models"
             build_demo_models(models)
-        runtime = ModelRuntime.open(models / MODEL / "1", mmap=True, verify=False)
+        runtime = ModelRuntime.open(models / MODEL / "1", mmap=True)
         with ExitStack() as stack:
             urls = {
                 "bagserve": start_bagserve(stack, models, tmp),

@@ -85,7 +85,9 @@ class Server:
     """``bagserve serve`` on 127.0.0.1 in a subprocess (``pythonpath``: another
     commit's package first)."""
 
-    def __init__(self, models: Path, data: Path, pythonpath: Path | None = None) -> None:
+    def __init__(
+        self, models: Path, data: Path, pythonpath: Path | None = None, workers: int = 2
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("BAGSERVE_")}
@@ -94,7 +96,7 @@ class Server:
             BAGSERVE_HOST="127.0.0.1",
             BAGSERVE_PORT=str(self.port),
             BAGSERVE_DATA_DIR=str(data / f"data-{self.port}"),
-            BAGSERVE_WORKERS="2",
+            BAGSERVE_WORKERS=str(workers),
             BAGSERVE_LOG_LEVEL="warning",
         )
         if pythonpath is not None:

@@ -26,7 +26,7 @@ class BagRuntime(MLModel):
 
         # As bagserve's workers: the processes, not BLAS, use the cores.
         threadpool_limits(1)
-        self._runtime = ModelRuntime.open(self.settings.parameters.uri, mmap=True, verify=False)
+        self._runtime = ModelRuntime.open(self.settings.parameters.uri, mmap=True)
         return True
 
     async def predict(self, payload: InferenceRequest) -> InferenceResponse:

@@ -35,7 +35,15 @@ from numpy.typing import NDArray
 # The estimators (scikit-learn, scipy) are imported where a model is loaded or its
 # class asked about: reading a manifest (ArtifactInfo, ``bagserve models list``) does
 # without them.
-from .artifacts import ARRAY_DIR, ArtifactError, estimator_class, load, read_manifest
+from .artifacts import (
+    ARRAY_DIR,
+    ArtifactError,
+    VerifiedArtifact,
+    estimator_class,
+    load_verified,
+    read_manifest,
+    read_verified,
+)
 from .bags import Bags
 from .domain import DomainReport
 from .fhir_coding import OutputCoding
@@ -677,25 +685,42 @@ class ModelRuntime:
         self.info = info
         self.model = model
         self.kind = kind_of(type(model))
+        classes = getattr(model, "classes_", None)
+        if classes is not None:
+            # The columns of its answers are named by the classes it answers with, from
+            # the verified bytes it was loaded from (not a second read of the files).
+            info.__dict__["classes"] = [str(c) for c in np.asarray(classes).tolist()]
 
     @classmethod
-    def open(
-        cls, path: str | Path, *, mmap: bool = False, verify: bool = True, trusted: bool = False
-    ) -> ModelRuntime:
-        """Load the artifact at ``path``.
+    def open(cls, path: str | Path, *, mmap: bool = False, trusted: bool = False) -> ModelRuntime:
+        """Load the artifact at ``path``: its files read once, verified, and computed
+        from in memory (:func:`~bagserve.core.artifacts.read_verified`); changing the
+        files afterwards changes none of its answers.
 
         Parameters
         ----------
         path : path
         mmap : bool, default=False
-            Memory-map the arrays read-only (worker processes then share the pages).
-        verify : bool, default=True
-            Check every file's sha256 (the service's registry already did).
+            Hold the arrays in a sealed anonymous memory file (read-only, shareable
+            with other processes) instead of memory of this process.
         trusted : bool, default=False
             Allow a joblib (pickle) artifact.
+
+        Raises
+        ------
+        ArtifactError
+            The artifact does not verify (a file tampered with, truncated or missing),
+            or cannot be loaded.
         """
-        info = ArtifactInfo.read(path, verify=verify)
-        return cls(info, load(path, mmap=mmap, trusted=trusted, verify=False))
+        return cls.from_verified(read_verified(path, shared=mmap), trusted=trusted)
+
+    @classmethod
+    def from_verified(cls, verified: VerifiedArtifact, *, trusted: bool = False) -> ModelRuntime:
+        """The runtime of an artifact read and verified already, in this process or
+        in another one (:meth:`VerifiedArtifact.attach`): manifest and arrays both
+        from its verified bytes."""
+        info = ArtifactInfo(verified.path, verified.manifest)
+        return cls(info, load_verified(verified, trusted=trusted))
 
     def align(self, samples: Sequence[Sample], *, compensated: bool = False) -> Bags:
         """Bags of the samples' columns, compensated as the model was trained, in the

@@ -24,12 +24,13 @@ imported only when something is signed or verified.
 from __future__ import annotations
 
 import ast
+import base64
 import hashlib
 import json
 import os
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,14 +250,14 @@ def signature_key_sha256(model_dir: str | os.PathLike[str]) -> str:
     """The fingerprint (sha256 of the public key PEM) an artifact's signature records
     as its signer's; ``""`` when it is unsigned or records none. Not verified."""
     try:
-        return _hint(_bundle(Path(model_dir) / SIGNATURE_FILE))
+        return _hint(_bundle((Path(model_dir) / SIGNATURE_FILE).read_bytes()))
     except (OSError, ValueError):
         return ""
 
 
-def _bundle(signature: Path) -> dict[str, Any]:
-    """The signature file as JSON (a Sigstore bundle); ValueError if it is not one."""
-    bundle = json.loads(signature.read_bytes())
+def _bundle(raw: bytes) -> dict[str, Any]:
+    """A signature file's bytes as JSON (a Sigstore bundle); ValueError if not one."""
+    bundle = json.loads(raw)
     if not isinstance(bundle, dict) or "dsseEnvelope" not in bundle:
         raise ValueError("not a Sigstore bundle")
     return bundle
@@ -302,7 +303,12 @@ def _reason(message: str) -> str:
     return "; ".join(parts)
 
 
-def verify_model(model_dir: str | os.PathLike[str], trusted_keys: Sequence[TrustedKey]) -> Signer:
+def verify_model(
+    model_dir: str | os.PathLike[str],
+    trusted_keys: Sequence[TrustedKey],
+    *,
+    digests: Mapping[str, str] | None = None,
+) -> Signer:
     """Verify an artifact's signature against the trusted keys; who signed it.
 
     The key tried is the one the signature names (its public-key hint, the sha256 of
@@ -310,12 +316,21 @@ def verify_model(model_dir: str | os.PathLike[str], trusted_keys: Sequence[Trust
     is tried against each trusted key. Unsigned files are not ignored: a file added to
     the directory after signing fails verification like a changed one.
 
+    model-signing reads the files on disk; what a process computes from is what it
+    read itself (:func:`~core.artifacts.read_verified`). ``digests`` binds the two:
+    the signature file is read once, verified, and the digests it signs must be
+    those of the bytes the caller holds, so that a file swapped between the caller's
+    read and model-signing's is refused rather than served under the signer's name.
+
     Parameters
     ----------
     model_dir : path
         The artifact.
     trusted_keys : sequence of TrustedKey
         From :func:`load_trusted_keys`.
+    digests : mapping of str to str, optional
+        The sha256 of the files the caller read (relative path to hex digest), each
+        to be the digest the signature signs for that file.
 
     Returns
     -------
@@ -337,11 +352,28 @@ def verify_model(model_dir: str | os.PathLike[str], trusted_keys: Sequence[Trust
             f"{model_dir}: unsigned (no {SIGNATURE_FILE}; a release is signed with `bagserve sign`)"
         )
     try:
-        hint = _hint(_bundle(signature))
+        raw = signature.read_bytes()
+        bundle = _bundle(raw)
+        hint = _hint(bundle)
     except (OSError, ValueError) as exc:
         raise SignatureError(
             f"{model_dir}: {SIGNATURE_FILE} is not a readable signature ({exc})"
         ) from None
+    # model-signing is given a copy of the bytes read here: the digests compared
+    # below are then those of the signature it verified, whatever the file holds now.
+    with tempfile.TemporaryDirectory(prefix="bagserve-verify-") as scratch:
+        copy = Path(scratch) / SIGNATURE_FILE
+        copy.write_bytes(raw)
+        signer = _verify_bundle(model_dir, copy, hint, trusted_keys)
+    if digests is not None:
+        _check_signed_digests(model_dir, bundle, digests)
+    return signer
+
+
+def _verify_bundle(
+    model_dir: Path, signature: Path, hint: str, trusted_keys: Sequence[TrustedKey]
+) -> Signer:
+    """model-signing's verification of ``model_dir`` against ``signature``."""
     candidates = [k for k in trusted_keys if k.sha256 == hint] or (
         [] if hint else list(trusted_keys)
     )
@@ -373,6 +405,44 @@ def verify_model(model_dir: str | os.PathLike[str], trusted_keys: Sequence[Trust
             ) from None
         return Signer(key.name, key.sha256)
     raise SignatureError(f"{model_dir}: the signature does not verify: {problem}")
+
+
+def _signed_digests(bundle: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """File to (algorithm, hex digest), as the signature's in-toto statement signs them
+    (model-signing's v1.0 predicate, or its v0.2 subjects)."""
+    statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+    resources = (statement.get("predicate") or {}).get("resources")
+    if resources is None:
+        return {
+            str(s["name"]): ("sha256", str(s["digest"]["sha256"])) for s in statement["subject"]
+        }
+    return {str(r["name"]): (str(r["algorithm"]), str(r["digest"])) for r in resources}
+
+
+def _check_signed_digests(
+    model_dir: Path, bundle: dict[str, Any], digests: Mapping[str, str]
+) -> None:
+    """Refuse bytes held by the caller that are not the bytes the signature signs."""
+    try:
+        signed = _signed_digests(bundle)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SignatureError(
+            f"{model_dir}: {SIGNATURE_FILE} is not a readable signature ({exc!r})"
+        ) from None
+    for rel, digest in sorted(digests.items()):
+        algorithm, value = signed.get(rel, ("", ""))
+        if not algorithm:
+            raise SignatureError(f"{model_dir}: {rel} is not covered by the signature")
+        if algorithm != "sha256":
+            raise SignatureError(
+                f"{model_dir}: the signature records {algorithm} digests; the bytes served "
+                "are bound to it by sha256 file digests (sign with `bagserve sign`)"
+            )
+        if value != digest:
+            raise SignatureError(
+                f"{model_dir}: {rel} changed while it was being verified (the bytes read "
+                "are not the bytes signed); load it again"
+            )
 
 
 def _check_pinned(key: TrustedKey, model_dir: Path) -> None:

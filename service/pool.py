@@ -10,8 +10,12 @@ request that outlives ``request_timeout`` gets its worker killed and replaced
 when the model refused the input, :class:`ComputeFailed` otherwise.
 
 Models are loaded into the running workers, all workers at once, on a control pipe of
-their own (:meth:`WorkerPool.load`): a load takes about one model's load time (memory
-maps), whatever the number of workers, and no worker stops taking requests for it. A
+their own (:meth:`WorkerPool.load`): each model version is handed over as the sealed
+memory its verified bytes were read into
+(:class:`~bagserve.core.artifacts.VerifiedArtifact`), which every worker maps read-only
+(one copy in memory whatever the number of workers; no worker reads a model's files).
+A load takes about one model's load time, whatever the number of workers, and no
+worker stops taking requests for it. A
 model version is served (:meth:`WorkerPool.serves`) from the moment every running
 worker holds it; a request for one that is not yet served is answered 503
 ``model-loading`` instead of reaching a worker without it, and a worker that starts
@@ -35,8 +39,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,9 +53,13 @@ from .wire import (
     recv_message,
     recv_rest,
     send_message,
+    send_with_descriptors,
 )
 from .worker import INPUT_ERROR, PROBLEM_ERROR, model_id, worker_main
 from .worker_server import worker_context
+
+if TYPE_CHECKING:
+    from bagserve.core.artifacts import VerifiedArtifact
 
 __all__ = [
     "ComputeFailed",
@@ -121,15 +128,18 @@ class _Worker:
     def alive(self) -> bool:
         return bool(self.process.is_alive())
 
-    def command(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """One exchange on the control pipe (in a thread); the worker's answer.
+    def command(
+        self, message: dict[str, Any], timeout: float, fds: Sequence[int] = ()
+    ) -> dict[str, Any]:
+        """One exchange on the control pipe (in a thread), passing descriptors ``fds``
+        with the message; the worker's answer.
 
         Raises :class:`WorkerLost` or :class:`WorkerTimeout`; after a timeout the pipe
         is out of step, and the worker must be replaced.
         """
         with self._command:
             try:
-                self.control.send(message)
+                send_with_descriptors(self.control, message, fds)
             except (BrokenPipeError, EOFError, OSError) as exc:
                 raise WorkerLost(str(exc)) from exc
             ready = wait([self.control, self.process.sentinel], timeout=timeout)
@@ -307,9 +317,10 @@ class WorkerPool:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._queued: set[int] = set()
         self._in_use: set[int] = set()
-        #: Model id to artifact: what every worker should hold (served, or loading).
-        #: Replaced, never changed in place: threads read it as it was.
-        self._wanted: dict[str, str] = {}
+        #: Model id to its verified bytes: what every worker should hold (served, or
+        #: loading), kept for the workers that start later. Replaced, never changed in
+        #: place: threads read it as it was.
+        self._wanted: dict[str, VerifiedArtifact] = {}
         #: The ids every running worker holds: the only ones requests may ask for.
         self._serving: set[str] = set()
         #: Ids whose last load failed, with the reason.
@@ -319,15 +330,13 @@ class WorkerPool:
         self._loading = asyncio.Lock()
 
     # -- lifecycle
-    def _spawn(self, index: int, models: dict[str, str]) -> tuple[_Worker, dict[str, str]]:
-        """Start worker ``index`` holding ``models`` (model id to artifact), in a thread:
-        it waits for the worker's greeting. Returns the worker and the ids it could not
-        load, with the reasons."""
+    def _spawn(self, index: int) -> _Worker:
+        """Start worker ``index``, in a thread: it waits for the worker's greeting."""
         parent, child = self._ctx.Pipe(duplex=True)
         control, control_child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
             target=worker_main,
-            args=(child, control_child, models, self.limits),
+            args=(child, control_child, self.limits),
             name=f"bagserve-worker-{index}",
             daemon=True,
         )
@@ -343,15 +352,14 @@ class WorkerPool:
         if not isinstance(greeting, dict):
             worker.kill()
             raise RuntimeError(f"worker {index} did not start (exit code {proc.exitcode})")
-        worker.held = set(greeting["loaded"])
-        return worker, dict(greeting["failed"])
+        return worker
 
     async def _bring_up(self, index: int) -> _Worker | None:
         """Start worker ``index``; it takes requests once it holds every served version,
         then loads those being loaded (:meth:`_converge`)."""
         loop = asyncio.get_running_loop()
-        must = {mid: self._wanted[mid] for mid in self._serving}
-        worker, failed = await loop.run_in_executor(self._control, self._spawn, index, must)
+        worker = await loop.run_in_executor(self._control, self._spawn, index)
+        failed: dict[str, str] = {}
         try:
             # What became served while it started, until nothing is missing: checked and
             # registered with no await in between, so no version served meanwhile is
@@ -464,13 +472,13 @@ class WorkerPool:
     # -- models
     async def load(
         self,
-        models: Mapping[str, str | Path],
+        models: Mapping[str, VerifiedArtifact],
         keep: Collection[str] = (),
         timeout: float | None = None,
     ) -> dict[str, str]:
-        """Have every worker hold ``models`` (model id to artifact, see :func:`model_id`)
-        besides ``keep``; what is in neither is dropped. Returns the ids that could not
-        be loaded, with the reasons (``{}``: all served).
+        """Have every worker hold ``models`` (model id, see :func:`model_id`, to its
+        verified bytes) besides ``keep``; what is in neither is dropped. Returns the ids
+        that could not be loaded, with the reasons (``{}``: all served).
 
         Every running worker loads the versions it lacks at the same time as the others,
         one version after another, without stopping to take requests. A version is
@@ -480,7 +488,8 @@ class WorkerPool:
 
         Parameters
         ----------
-        models : mapping of str to path
+        models : mapping of str to VerifiedArtifact
+            Read with ``shared=True``: the workers map its sealed memory.
         keep : collection of str
             Ids held before to go on holding (what is served until the caller switches).
         timeout : float, optional
@@ -488,7 +497,7 @@ class WorkerPool:
             twice ``start_timeout``: a worker may have to start first).
         """
         async with self._loading:
-            new = {mid: str(path) for mid, path in models.items()}
+            new = dict(models)
             stale = set(self._wanted) - set(keep) - set(new)
             if stale:
                 self._serving -= stale
@@ -517,21 +526,24 @@ class WorkerPool:
         """Model ids being loaded (wanted, not yet held by every running worker)."""
         return sorted(set(self._wanted) - self._serving)
 
-    async def _command(self, worker: _Worker, message: dict[str, Any]) -> dict[str, Any]:
+    async def _command(
+        self, worker: _Worker, message: dict[str, Any], fds: Sequence[int] = ()
+    ) -> dict[str, Any]:
         """One control exchange with ``worker`` (the caller holds its ``control_lock``)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._control, worker.command, message, self.start_timeout
+            self._control, worker.command, message, self.start_timeout, fds
         )
 
     async def _load_one(self, worker: _Worker, mid: str) -> str | None:
         """Load one wanted version into ``worker``; why not, or None. Raises
         :class:`WorkerLost` or :class:`WorkerTimeout`."""
         async with worker.control_lock:
-            path = self._wanted.get(mid)
-            if path is None or mid in worker.held:  # dropped, or loaded, meanwhile
+            artifact = self._wanted.get(mid)
+            if artifact is None or mid in worker.held:  # dropped, or loaded, meanwhile
                 return None
-            answer = await self._command(worker, {"op": "load", "id": mid, "path": path})
+            spec, fds = artifact.handle()
+            answer = await self._command(worker, {"op": "load", "id": mid, "artifact": spec}, fds)
             if answer.get("ok"):
                 worker.held.add(mid)
                 return None

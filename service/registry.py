@@ -6,6 +6,12 @@ keys (``BAGSERVE_TRUSTED_KEYS``), an artifact is served only if its signature ve
 against one of them (:mod:`bagserve.core.signing`), at start-up and at every reload,
 and only under the name and version its signed manifest records.
 Models are never uploaded over HTTP.
+
+What is verified is what is served: a served version's manifest and arrays are read
+once into sealed memory and verified there (:func:`~bagserve.core.artifacts.read_verified`),
+its signature bound to those bytes, and the workers compute from that memory
+(:attr:`ModelEntry.verified`), never from the files. A file changed afterwards changes
+no answer; the next load that reads it refuses it with the reason.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bagserve.core.artifacts import ArtifactError
+from bagserve.core.artifacts import ArtifactError, VerifiedArtifact, read_manifest, read_verified
 from bagserve.core.io import Panel
 from bagserve.core.runtime import ArtifactInfo, ModelKind
 from bagserve.core.signing import SignatureError, Signer, TrustedKey, verify_model
@@ -43,12 +49,16 @@ class ModelEntry:
         The verified manifest (kind, panel, preprocessing, hashes).
     signer : Signer, optional
         Who signed the release, when the service requires signatures.
+    verified : VerifiedArtifact, optional
+        The manifest and arrays as read and verified, in sealed memory: what the
+        workers compute from (None for a listing of what is on disk).
     """
 
     name: str
     version: str
     info: ArtifactInfo = field(repr=False)
     signer: Signer | None = None
+    verified: VerifiedArtifact | None = field(default=None, repr=False, compare=False)
 
     @property
     def key(self) -> str:
@@ -149,13 +159,16 @@ class Registry:
         self.failures: dict[str, str] = {}
         #: Models taken out of service by :meth:`unload` (kept out by later rescans).
         self.unloaded: set[str] = set()
-        self.entries, self.failures = self._scan()
+        self.entries, self.failures = self._scan(load=True)
 
     def _scan(
-        self, only: str | None = None
+        self, only: str | None = None, *, load: bool = False
     ) -> tuple[dict[str, dict[str, ModelEntry]], dict[str, str]]:
         """Every valid artifact on disk (of model ``only``, if given) and the reasons
-        for the others; nothing is changed."""
+        for the others; nothing is changed.
+
+        With ``load``, each valid version comes with its verified bytes, to be served
+        (:meth:`_verified`); without, the files are only checked (a listing)."""
         entries: dict[str, dict[str, ModelEntry]] = {}
         failures: dict[str, str] = {}
         if not self.models_dir.is_dir():
@@ -171,19 +184,42 @@ class Registry:
                     continue
                 key = f"{mdir.name}/{vdir.name}"
                 try:
-                    info = ArtifactInfo.read(vdir)
+                    verified = self._verified(key, vdir) if load else None
+                    if verified is None:
+                        info = ArtifactInfo.read(vdir)
+                    else:
+                        info = ArtifactInfo(vdir, verified.manifest)
                     info.check_servable()
+                    # The class labels name its answers' table columns: read now, their
+                    # bytes checked against the manifest just verified.
+                    _ = info.classes
                     signer = None
                     if self.trusted_keys:
-                        signer = verify_model(vdir, self.trusted_keys)
+                        signer = verify_model(
+                            vdir,
+                            self.trusted_keys,
+                            digests=None if verified is None else verified.digests,
+                        )
                         _check_release_place(info, key)
                 except ArtifactError as exc:  # SignatureError included
                     failures[key] = _without_paths(str(exc), vdir, key)
                     continue
                 entries.setdefault(mdir.name, {})[vdir.name] = ModelEntry(
-                    mdir.name, vdir.name, info, signer
+                    mdir.name, vdir.name, info, signer, verified
                 )
         return entries, failures
+
+    def _verified(self, key: str, vdir: Path) -> VerifiedArtifact:
+        """The verified bytes to serve ``key`` from: read into sealed memory, or, for
+        the version served now unchanged on disk, the memory it is served from (a
+        reload checks the files again, and holds no second copy)."""
+        name, version = key.split("/", 1)
+        served = self.get(name, version)
+        if served is not None and served.verified is not None:
+            on_disk = read_manifest(vdir)  # every file hashed: a changed one is refused
+            if on_disk.get("manifest_sha256") == served.sha256:
+                return served.verified
+        return read_verified(vdir, shared=True, mapped=False)
 
     def plan(self, name: str | None = None) -> Registry:
         """What serving would look like after a rescan (of model ``name`` only, which
@@ -194,11 +230,11 @@ class Registry:
         nxt.trusted_keys = self.trusted_keys
         nxt.unloaded = set(self.unloaded) - ({name} if name else set())
         if name is None:
-            entries, failures = self._scan()
+            entries, failures = self._scan(load=True)
         else:
             entries = {k: v for k, v in self.entries.items() if k != name}
             failures = {k: v for k, v in self.failures.items() if not k.startswith(f"{name}/")}
-            found, failed = self._scan(only=name)
+            found, failed = self._scan(only=name, load=True)
             entries.update(found)
             failures.update(failed)
         nxt.entries = {k: v for k, v in entries.items() if k not in nxt.unloaded}
@@ -263,14 +299,16 @@ class Registry:
                 rows.append({"name": name, "version": version, "state": state, "reason": reason})
             for key, why in sorted(failed.items()):
                 if key.startswith(f"{name}/"):
-                    rows.append(
-                        {
-                            "name": name,
-                            "version": key.split("/", 1)[1],
-                            "state": "UNAVAILABLE",
-                            "reason": why,
-                        }
-                    )
+                    version = key.split("/", 1)[1]
+                    state = "UNAVAILABLE"
+                    if name not in self.unloaded and self.get(name, version) is not None:
+                        # Served from the bytes verified when it was loaded, not the files.
+                        state, why = (
+                            "READY",
+                            f"the files on disk no longer verify ({why}); the copy verified "
+                            "when it was loaded answers until the next load refuses it",
+                        )
+                    rows.append({"name": name, "version": version, "state": state, "reason": why})
         return rows
 
     def all(self) -> list[ModelEntry]:

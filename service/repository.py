@@ -23,11 +23,14 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import Problem
 from .pool import WorkerPool, model_id
 from .registry import _NAME, ModelEntry, Registry
+
+if TYPE_CHECKING:
+    from bagserve.core.artifacts import VerifiedArtifact
 
 __all__ = ["LOADING", "READY", "UNAVAILABLE", "LoadStatus", "Repository"]
 
@@ -37,9 +40,14 @@ log = logging.getLogger("bagserve.repository")
 READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
 
 
-def _ids(entries: list[ModelEntry]) -> dict[str, str]:
-    """Model id (name/version@sha256) to artifact, as the pool loads them."""
-    return {model_id(e.key, e.sha256): str(e.info.path) for e in entries}
+def _ids(entries: list[ModelEntry]) -> dict[str, VerifiedArtifact]:
+    """Model id (name/version@sha256) to its verified bytes, as the pool loads them."""
+    out = {}
+    for e in entries:
+        # Every served entry carries them (Registry scans with load=True).
+        assert e.verified is not None, f"{e.key} was not read for serving"
+        out[model_id(e.key, e.sha256)] = e.verified
+    return out
 
 
 @dataclass

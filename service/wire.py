@@ -9,7 +9,10 @@ memory file (``memfd``) whose descriptor is passed over the socket, and the rece
 maps it (no stream of socket chunks, and no ``/dev/shm`` size limit to hit in a
 container). Requests use a pool of such files that are reused (:class:`BufferPool`),
 which the workers keep mapped; a request body read straight into one (large NPY
-uploads) reaches the worker with no copy at all.
+uploads) reaches the worker with no copy at all. The models cross the control pipe the
+same way (:func:`send_with_descriptors`): a description, and the descriptor of the
+sealed memory file that holds a model's verified bytes, which each worker maps
+read-only.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ __all__ = [
     "recv_head",
     "recv_message",
     "recv_rest",
+    "recv_with_descriptors",
     "send_message",
+    "send_with_descriptors",
 ]
 
 #: Messages with at least this many bytes of arrays go through a memory file.
@@ -314,3 +319,18 @@ def recv_message(
     a buffer sent again is not mapped again (at most ``WORKER_MAPPINGS`` of them).
     """
     return recv_rest(conn, recv_head(conn), mappings)
+
+
+def send_with_descriptors(conn: Connection, message: dict[str, Any], fds: Sequence[int]) -> None:
+    """A small message (pickled) and open descriptors to go with it (the receiver
+    gets its own copies; the sender's stay open)."""
+    conn.send({**message, "descriptors": len(fds)})
+    for fd in fds:
+        reduction.send_handle(conn, fd, 0)  # the pid is only used on Windows
+
+
+def recv_with_descriptors(conn: Connection) -> tuple[dict[str, Any], list[int]]:
+    """A message of :func:`send_with_descriptors` and the descriptors that came with it
+    (the caller closes them)."""
+    message = dict(conn.recv())
+    return message, [reduction.recv_handle(conn) for _ in range(message.pop("descriptors", 0))]

@@ -1,22 +1,24 @@
 """A compute worker process: holds the served models and answers requests.
 
-Each worker holds a :class:`~bagserve.core.runtime.ModelRuntime` per model version
-(arrays memory-mapped read-only, so the pages are shared between workers) and answers
-requests on its own pipe, in the wire format of :mod:`.wire`. Models are loaded and
-dropped on a second pipe, the control pipe, by a thread of their own
-(:class:`_Models`): a load never waits for the request being computed, and never
-takes a worker away from requests. A model version is known by its *model id*,
-``name/version@sha256`` (:func:`model_id`): a retrained artifact under the same
-version is another id, so the old one keeps answering the requests routed to it until
-the pool drops it. A request is a header (model key, how to
-decode the body, the options) and the request body as bytes (``body``), in shared
-memory when large. The worker decodes the body (:mod:`.codecs`, :mod:`.tensors`),
-checks the bags against the model (:mod:`.validation`) and predicts: the server's event
-loop never parses a body, and a body that takes time or memory to decode takes this
-process's. The answer is the typed prediction as named arrays with the bag ids,
-warnings and timings, or an error whose ``type`` tells the pool whether the request
-was refused with a problem (``"problem"``: status and details), the model refused the
-input (``"input"``, answered 422) or the computation failed (``"internal"``).
+Each worker holds a :class:`~bagserve.core.runtime.ModelRuntime` per model version and
+answers requests on its own pipe, in the wire format of :mod:`.wire`. A model's arrays
+are the bytes the server read and verified, in a sealed memory file the worker maps
+read-only (shared by every worker; :mod:`bagserve.core.sealing`): the worker never
+opens the model's files, so a file changed or truncated on disk changes no answer and
+cannot kill it. Models are loaded and dropped on a second pipe, the control pipe, by
+a thread of their own (:class:`_Models`): a load never waits for the request being
+computed, and never takes a worker away from requests. A model version is known by
+its *model id*, ``name/version@sha256`` (:func:`model_id`): a retrained artifact under
+the same version is another id, so the old one keeps answering the requests routed to
+it until the pool drops it. A request is a header (model key, how to decode the body,
+the options) and the request body as bytes (``body``), in shared memory when large.
+The worker decodes the body (:mod:`.codecs`, :mod:`.tensors`), checks the bags against
+the model (:mod:`.validation`) and predicts: the server's event loop never parses a
+body, and a body that takes time or memory to decode takes this process's. The answer
+is the typed prediction as named arrays with the bag ids, warnings and timings, or an
+error whose ``type`` tells the pool whether the request was refused with a problem
+(``"problem"``: status and details), the model refused the input (``"input"``,
+answered 422) or the computation failed (``"internal"``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .wire import recv_message, send_message
+from .wire import recv_message, recv_with_descriptors, send_message
 
 __all__ = [
     "INPUT_ERROR",
@@ -168,17 +170,26 @@ class _Models:
     def __init__(self) -> None:
         self.runtimes: dict[str, tuple[Any, Any]] = {}
 
-    def load(self, mid: str, path: str) -> str | None:
-        """Open (memory-map) one model version; returns why not, or None."""
+    def load(self, mid: str, artifact: dict[str, Any], fds: list[int]) -> str | None:
+        """Load one model version from the verified bytes the pool hands over
+        (:meth:`~bagserve.core.artifacts.VerifiedArtifact.handle`, the descriptor of its
+        sealed memory in ``fds``, taken over); returns why not, or None."""
+        from bagserve.core.artifacts import VerifiedArtifact
         from bagserve.core.runtime import ModelRuntime
 
         from .registry import ModelEntry
 
         if mid in self.runtimes:
+            for fd in fds:
+                os.close(fd)
             return None
         try:
-            runtime = ModelRuntime.open(path, mmap=True, verify=False)
-            name, version = mid.rsplit("@", 1)[0].split("/", 1)
+            verified = VerifiedArtifact.attach(artifact, fds)
+            key, sha256 = mid.rsplit("@", 1)
+            if verified.sha256 != sha256:
+                return f"the verified bytes handed over are model {verified.sha256}, not {sha256}"
+            runtime = ModelRuntime.from_verified(verified)
+            name, version = key.split("/", 1)
             entry = ModelEntry(name, version, runtime.info)
         except Exception as exc:  # reported to the pool: the load fails, serving goes on
             return f"{type(exc).__name__}: {exc}"
@@ -186,7 +197,7 @@ class _Models:
         return None
 
     def drop(self, ids: list[str]) -> None:
-        """Drop model versions ``ids`` (their pages are unmapped when the last request
+        """Drop model versions ``ids`` (their memory is unmapped when the last request
         using them is done)."""
         gone = set(ids)
         self.runtimes = {k: v for k, v in self.runtimes.items() if k not in gone}
@@ -216,12 +227,12 @@ def _control_loop(control: Connection, models: _Models) -> None:
     """Serve the pool's control messages in turn: ``load`` one model, ``drop`` some."""
     while True:
         try:
-            message = control.recv()
+            message, fds = recv_with_descriptors(control)
         except (EOFError, OSError):
             return
         op = message.get("op")
         if op == "load":
-            reason = models.load(message["id"], message["path"])
+            reason = models.load(message["id"], message["artifact"], fds)
             answer = {"ok": reason is None, "reason": reason}
         elif op == "drop":
             models.drop(list(message["ids"]))
@@ -234,22 +245,18 @@ def _control_loop(control: Connection, models: _Models) -> None:
             return
 
 
-def worker_main(
-    conn: Connection, control: Connection, models: dict[str, str], limits: dict[str, int]
-) -> None:
-    """Entry point of a worker process: load ``models``, then serve requests.
+def worker_main(conn: Connection, control: Connection, limits: dict[str, int]) -> None:
+    """Entry point of a worker process: greet the pool, then serve requests and, on the
+    control pipe, the models it hands over.
 
     Parameters
     ----------
     conn : Connection
         This worker's end of its request pipe to the pool.
     control : Connection
-        This worker's end of its control pipe: the greeting (what was loaded, what was
-        not and why), then ``load`` and ``drop`` messages, answered in turn by a thread
-        of their own.
-    models : dict of str to str
-        Model id (:func:`model_id`) to artifact path, already verified by the registry:
-        what the worker must hold before it takes requests.
+        This worker's end of its control pipe: the greeting, then ``load`` (a model's
+        verified bytes, :meth:`_Models.load`) and ``drop`` messages, answered in turn
+        by a thread of their own.
     limits : dict
         The request limits (:class:`~.codecs.RequestLimits` as JSON).
     """
@@ -262,9 +269,8 @@ def worker_main(
 
     threadpool_limits(1)
     held = _Models()
-    failed = {mid: reason for mid, path in models.items() if (reason := held.load(mid, path))}
     request_limits = RequestLimits(**limits)
-    control.send({"loaded": sorted(held.runtimes), "failed": failed})
+    control.send({"started": os.getpid()})
     threading.Thread(
         target=_control_loop, args=(control, held), name="bagserve-control", daemon=True
     ).start()

@@ -187,7 +187,7 @@ def test_a_model_with_trees_saves_and_loads_without_pickle(gated_model, tmp_path
     artifacts.save(model, tmp_path / "m")
     assert not list((tmp_path / "m").rglob("*.joblib"))
     expected = model.predict_tasks(new)
-    for mmap in (False, True):  # the service memory-maps the arrays, read-only
+    for mmap in (False, True):  # the service's workers: sealed shared memory, read-only
         loaded = artifacts.load(tmp_path / "m", mmap=mmap)
         stored = loaded.fallback_.trees_
         assert stored["tree_offsets"].size == model.fallback_.trees_["tree_offsets"].size

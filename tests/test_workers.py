@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import time
 from collections import OrderedDict
@@ -14,13 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from bagserve.core.artifacts import read_verified
 from bagserve.core.demo import build_demo_models
-from bagserve.core.runtime import ArtifactInfo
 from bagserve.service import wire
 from bagserve.service.errors import Problem
 from bagserve.service.pool import WorkerPool, model_id
 from bagserve.service.settings import Settings
 from bagserve.service.wire import BufferPool, recv_message, send_message
+
+from .test_repository import name_an_unlisted_array, rewrite_manifest
 
 
 def _echo(conn) -> None:  # runs in a spawned process
@@ -233,19 +236,25 @@ def test_the_pool_loads_into_every_worker_and_a_replacement_holds_what_is_served
     models = tmp_path / "models"
     build_demo_models(models)
     paths = {name: models / name / "1" for name in ("demo-dose", "demo-gating")}
-    ids = {
-        name: model_id(f"{name}/1", ArtifactInfo.read(path).sha256) for name, path in paths.items()
+    # Handed over as the workers get them: verified bytes in sealed memory.
+    verified = {
+        name: read_verified(path, shared=True, mapped=False) for name, path in paths.items()
     }
-    ghost = "ghost/1@0"
+    ids = {name: model_id(f"{name}/1", v.sha256) for name, v in verified.items()}
+    # One whose files verify but that names an array it does not list.
+    shutil.copytree(paths["demo-dose"], tmp_path / "ghost")
+    rewrite_manifest(tmp_path / "ghost", name_an_unlisted_array)
+    unopenable = read_verified(tmp_path / "ghost", shared=True, mapped=False)
+    ghost = model_id("ghost/1", unopenable.sha256)
     limits = Settings(models_dir=models).request_limits().to_json()
 
     async def scenario() -> None:
         pool = WorkerPool(2, 4, limits, start_timeout=60)
         await pool.start()
         try:
-            wanted = {ids[name]: path for name, path in paths.items()}
-            failed = await pool.load({**wanted, ghost: tmp_path / "nowhere"})
-            assert list(failed) == [ghost] and "nowhere" in failed[ghost]
+            wanted = {ids[name]: verified[name] for name in paths}
+            failed = await pool.load({**wanted, ghost: unopenable})
+            assert list(failed) == [ghost] and "not_listed" in failed[ghost]
             assert all(pool.serves(mid) for mid in wanted) and not pool.serves(ghost)
             await _until(lambda: pool.ready)
             workers = list(pool._workers.values())
@@ -260,7 +269,7 @@ def test_the_pool_loads_into_every_worker_and_a_replacement_holds_what_is_served
             assert pool._workers[victim.index].held == set(wanted)
             # Loading again what is held is immediate; what is not kept is dropped.
             dose = ids["demo-dose"]
-            assert await pool.load({dose: paths["demo-dose"]}) == {}
+            assert await pool.load({dose: verified["demo-dose"]}) == {}
             assert pool.serves(dose) and not pool.serves(ids["demo-gating"])
             assert all(w.held == {dose} for w in pool._workers.values())
         finally:
