@@ -7,10 +7,11 @@ data, configuration or model problem, 2 for a wrong command line, 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -540,6 +541,27 @@ def _audit_source(args: argparse.Namespace):
     return AuditLog(Database(url, data_dir, pool_size=1, timeout=settings.database_timeout))
 
 
+@contextlib.contextmanager
+def _audit_chain(args: argparse.Namespace) -> Iterator[Any]:
+    """The audit chain a command reads (:func:`_audit_source`), closed afterwards; a
+    database that cannot be opened or read ends the command with the reason."""
+    from .service.database import from_database
+
+    log = None
+    try:
+        log = _audit_source(args)
+        yield log
+    except Exception as exc:
+        if not from_database(exc):
+            raise
+        # Opening errors name the database themselves (without its password).
+        where = "" if log is None else f"{log.db.where}: cannot read the audit chain: "
+        raise SystemExit(f"error: {where}{' '.join(str(exc).split())}") from exc
+    finally:
+        if log is not None:
+            log.db.close()
+
+
 def _cmd_audit_verify(args: argparse.Namespace) -> int:
     from .service.audit import read_head, verify
 
@@ -547,11 +569,8 @@ def _cmd_audit_verify(args: argparse.Namespace) -> int:
     if args.file is not None:
         where, result = args.file, verify(args.file, earlier)
     else:
-        log = _audit_source(args)
-        try:
+        with _audit_chain(args) as log:
             where, result = log.db.where, log.verify(earlier)
-        finally:
-            log.db.close()
     if not result.ok:
         print(f"error: {where}: {result.problem}", file=sys.stderr)
         return 1
@@ -566,13 +585,10 @@ def _cmd_audit_head(args: argparse.Namespace) -> int:
 
     from .core.atomic import atomic_write_json
 
-    log = _audit_source(args)
-    try:
-        result = log.verify()
-    finally:
-        log.db.close()
+    with _audit_chain(args) as log:
+        where, result = log.db.where, log.verify()
     if not result.ok:
-        print(f"error: {log.db.where}: {result.problem}; no head written", file=sys.stderr)
+        print(f"error: {where}: {result.problem}; no head written", file=sys.stderr)
         return 1
     head = {
         "lines": result.lines,
@@ -588,13 +604,10 @@ def _cmd_audit_head(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit_export(args: argparse.Namespace) -> int:
-    log = _audit_source(args)
-    try:
-        result = log.export(args.output)
-    finally:
-        log.db.close()
+    with _audit_chain(args) as log:
+        where, result = log.db.where, log.export(args.output)
     if not result.ok:
-        print(f"error: {log.db.where}: {result.problem}; nothing written", file=sys.stderr)
+        print(f"error: {where}: {result.problem}; nothing written", file=sys.stderr)
         return 1
     print(f"{args.output}: {result.lines} record(s), last hash {result.last_hash}")
     return 0

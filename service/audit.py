@@ -51,7 +51,7 @@ from .database import GENESIS, Cursor, Database, unavailable
 
 log = logging.getLogger("bagserve.audit")
 
-__all__ = ["GENESIS", "AuditLog", "Head", "VerifyResult", "read_head", "verify"]
+__all__ = ["GENESIS", "AuditLog", "Head", "HeadMissing", "VerifyResult", "read_head", "verify"]
 
 #: Records read per query when walking the chain.
 _PAGE = 5000
@@ -72,6 +72,36 @@ def _canonical(record: dict[str, Any]) -> str:
 def _insert(cur: Cursor, rows: list[tuple[int, str | None, str]]) -> None:
     """Insert audit rows (seq, key id, record) in one statement per engine call."""
     cur.executemany("INSERT INTO audit (seq, api_key_id, record) VALUES (%s, %s, %s)", rows)
+
+
+class HeadMissing(ValueError):
+    """The database holds no valid chain head (the ``audit_head`` row): a sign of
+    tampering, since bagserve writes it with the schema and only ever updates it."""
+
+    def __init__(self, found: str) -> None:
+        super().__init__(
+            f"the audit chain's head (the audit_head row: how many records were written and "
+            f"the last one's hash) is {found}. bagserve creates it with the database and "
+            "only ever moves it forward: someone with write access to the database removed "
+            "or changed it, a sign of tampering. Without it, records deleted from the end of "
+            "the chain cannot be found from the database alone; check the chain against a "
+            "head kept elsewhere (bagserve audit verify --head FILE), and restore the "
+            "database from a backup before serving again"
+        )
+
+
+def _head_of(row: tuple[Any, ...] | None) -> Head:
+    """The head a row of ``audit_head`` holds (:class:`HeadMissing` if none, or not one)."""
+    if row is None:
+        raise HeadMissing("missing")
+    seq, last = row
+    try:
+        count = int(seq)
+    except (TypeError, ValueError):
+        raise HeadMissing(f"not valid (record count {seq!r})") from None
+    if count < 0 or not isinstance(last, str) or len(last) != len(GENESIS):
+        raise HeadMissing(f"not valid (record count {seq!r}, last hash {last!r})")
+    return count, last
 
 
 @dataclass
@@ -236,10 +266,9 @@ class AuditLog:
         """Append records in order, in one transaction that moves the head once."""
         lock = " FOR UPDATE" if self.db.dialect == "postgresql" else ""
         with self.db.transaction() as cur:
-            seq, last = cur.execute(
-                "SELECT seq, last_hash FROM audit_head WHERE id = 1" + lock
-            ).fetchone()  # type: ignore[misc]
-            seq = int(seq)
+            seq, last = _head_of(
+                cur.execute("SELECT seq, last_hash FROM audit_head WHERE id = 1" + lock).fetchone()
+            )
             records, rows = [], []
             now = datetime.now(UTC).isoformat(timespec="milliseconds")
             for fields in batch:
@@ -301,16 +330,32 @@ class AuditLog:
             after = int(rows[-1][0])
 
     def head(self) -> Head:
-        """The chain's head as the database holds it: record count and last hash."""
+        """The chain's head as the database holds it: record count and last hash.
+
+        Raises
+        ------
+        HeadMissing
+            The database has no valid head.
+        """
         with self.db.transaction(write=False) as cur:
-            seq, last = cur.execute("SELECT seq, last_hash FROM audit_head WHERE id = 1").fetchone()  # type: ignore[misc]
-        return int(seq), str(last)
+            row = cur.execute("SELECT seq, last_hash FROM audit_head WHERE id = 1").fetchone()
+        return _head_of(row)
 
     def verify(self, earlier: Head | None = None) -> VerifyResult:
         """Walk the chain in the database, then check it against the head (and against
-        a head taken ``earlier``, which the chain must still hold)."""
+        a head taken ``earlier``, which the chain must still hold). Without a valid head
+        the chain fails, and the records are still walked to say how far they hold."""
         # The head first: records appended while walking lie beyond it and are not read.
-        head = self.head()
+        try:
+            head = self.head()
+        except HeadMissing as missing:
+            walked = _walk(self._pages(), None, "record", earlier)
+            found = (
+                f"The {walked.lines} record(s) in the table are chained correctly."
+                if walked.ok
+                else f"And {walked.problem}."
+            )
+            return VerifyResult(False, walked.lines, walked.last_hash, f"{missing}. {found}")
         records = (r for r in self._pages() if r[0] <= head[0])
         return _walk(records, head, "record", earlier)
 
@@ -319,7 +364,10 @@ class AuditLog:
         JSON lines and the head to ``path.head``. The lines are streamed to a temporary
         file that replaces ``path`` only once the chain verified."""
         path = Path(path)
-        head = self.head()
+        try:
+            head = self.head()
+        except HeadMissing:
+            return self.verify()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             with open(tmp, "w", encoding="utf-8") as fh:
@@ -365,6 +413,8 @@ def _walk(
             record = json.loads(text)
         except json.JSONDecodeError:
             return VerifyResult(False, n - 1, prev, f"{unit} {n} is not JSON")
+        if not isinstance(record, dict):
+            return VerifyResult(False, n - 1, prev, f"{unit} {n} is not a JSON object")
         if record.get("prev") != prev:
             return VerifyResult(
                 False,
@@ -393,9 +443,25 @@ def _walk(
                 "up to it was rewritten",
             )
         prev = record["hash"]
-    if head is not None and (head[0] != n or head[1] != prev):
+    if head is not None and head[0] > n:
         problem = f"the chain ends at {unit} {n} but {head[0]} {unit}(s) were written"
         return VerifyResult(False, n, prev, problem + f" ({unit}s removed from the end)")
+    if head is not None and head[0] < n:
+        return VerifyResult(
+            False,
+            n,
+            prev,
+            f"the chain has {n} {unit}(s) but its head counts {head[0]} ({unit}s added "
+            "after the end, or the head moved back)",
+        )
+    if head is not None and head[1] != prev:
+        return VerifyResult(
+            False,
+            n,
+            prev,
+            f"the head names {head[1][:16]}... as the hash of {unit} {n}, which is "
+            f"{prev[:16]}...: the head or the last {unit} was replaced",
+        )
     if earlier is not None and n < earlier[0]:
         return VerifyResult(
             False,

@@ -16,15 +16,18 @@ SQL is written once with ``%s`` placeholders; for SQLite they become ``?``. The 
 is created and migrated in code (:data:`MIGRATIONS`), under a lock, by whichever replica
 starts first.
 
-A PostgreSQL server that does not answer is noticed within ``timeout`` seconds (2 by
-default, ``BAGSERVE_DATABASE_TIMEOUT``), and the request is answered 503 at once rather
-than held: a connection is waited for that long, a new one is given up after that long
-(libpq's ``connect_timeout``), a statement is cancelled by the server after that long
+Neither engine may hold a request for as long as the database does not answer: every
+call has a client-side deadline, ``timeout`` seconds (2 by default,
+``BAGSERVE_DATABASE_TIMEOUT``), and past it raises an error that :func:`unavailable`
+recognises, which the service answers with 503 and ``Retry-After``. On PostgreSQL a
+connection is waited for that long, a new one is given up after that long (libpq's
+``connect_timeout``), a statement is cancelled by the server after that long
 (``statement_timeout``; transactions that write large bodies get more, in proportion),
-and the kernel drops a connection whose peer stopped acknowledging (``tcp_user_timeout``,
-keepalives). For SQLite the same limit would be wrong: the only way it "does not answer"
-is another writer holding the file's lock, which is legitimate (a large job body being
-written) and ends; it keeps its busy timeout.
+and a server that does not answer a round trip at all (frozen: stopped processes, a
+paused VM, while its kernel still acknowledges TCP) is given up by the client a second
+later, its connection closed rather than pooled (:mod:`.postgres`). On SQLite the only
+way to "not answer" is another process holding the file's lock: a transaction waits
+that long for it (``busy_timeout``).
 """
 
 from __future__ import annotations
@@ -34,11 +37,21 @@ import math
 import sqlite3
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["GENESIS", "MIGRATIONS", "Database", "DatabaseError", "unavailable"]
+__all__ = [
+    "GENESIS",
+    "MIGRATIONS",
+    "Database",
+    "DatabaseError",
+    "DatabaseTimeout",
+    "from_database",
+    "unavailable",
+]
 
 #: The ``prev`` of the first audit record.
 GENESIS = "0" * 64
@@ -121,41 +134,61 @@ _TYPES = {
 _MIGRATION_LOCK = 0x6261677365727665
 
 
-def unavailable(exc: BaseException) -> bool:
-    """Whether ``exc`` says the database cannot be reached or used right now (a lost
-    connection, an exhausted pool, a locked or unreadable SQLite file), as opposed to a
-    bug: the service answers 503 for those."""
-    if isinstance(exc, sqlite3.OperationalError):
-        return True
-    psycopg = sys.modules.get("psycopg")
-    if psycopg is not None and isinstance(exc, psycopg.OperationalError):
-        return True
-    pool = sys.modules.get("psycopg_pool")
-    return pool is not None and isinstance(exc, pool.PoolTimeout)
+#: Seconds a PostgreSQL round trip may take beyond the statement timeout before the
+#: client gives the server up: a live server's own cancellation comes first.
+_GRACE = 1.0
+#: Seconds to wait at start-up for a PostgreSQL server that is still starting.
+_STARTUP_WAIT = 30.0
 
 
 class DatabaseError(RuntimeError):
     """The database cannot be opened or migrated (the message says which and why)."""
 
 
+class DatabaseTimeout(RuntimeError):
+    """The database did not answer within the deadline (a frozen server, every
+    connection busy): nothing of the call is known to be done."""
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot be reached or used right now (a lost
+    connection, a deadline passed, a locked or unreadable SQLite file), as opposed to a
+    bug: the service answers 503 for those."""
+    if isinstance(exc, DatabaseTimeout | sqlite3.OperationalError):
+        return True
+    psycopg = sys.modules.get("psycopg")
+    return psycopg is not None and isinstance(exc, psycopg.OperationalError)
+
+
+def from_database(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from the database (it cannot be opened, reached or read: a
+    missing table, a lost connection, a deadline) rather than from a bug."""
+    if isinstance(exc, DatabaseError | DatabaseTimeout | sqlite3.Error):
+        return True
+    psycopg = sys.modules.get("psycopg")
+    return psycopg is not None and isinstance(exc, psycopg.Error)
+
+
 class Cursor:
     """One transaction's statements, the same on both engines."""
 
-    def __init__(self, raw: Any, dialect: str) -> None:
+    def __init__(self, raw: Any, dialect: str, run: Callable[..., Any] | None = None) -> None:
         self._raw = raw
         self._sqlite = dialect == "sqlite"
+        # How a round trip is made: under the connection's deadline on PostgreSQL.
+        self._run = run or (lambda fn, *args: fn(*args))
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Cursor:
         if self._sqlite:
             sql = sql.replace("%s", "?")
-        self._raw.execute(sql, tuple(params))
+        self._run(self._raw.execute, sql, tuple(params))
         return self
 
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> Cursor:
         """One statement for many parameter rows (psycopg pipelines them: one round trip)."""
         if self._sqlite:
             sql = sql.replace("%s", "?")
-        self._raw.executemany(sql, [tuple(r) for r in rows])
+        self._run(self._raw.executemany, sql, [tuple(r) for r in rows])
         return self
 
     def fetchone(self) -> tuple[Any, ...] | None:
@@ -181,8 +214,8 @@ class Database:
     pool_size : int
         PostgreSQL connections at most.
     timeout : float
-        Seconds after which a PostgreSQL server that does not answer (a connection, a
-        statement) counts as unavailable.
+        Seconds after which a database that does not answer (a connection, a
+        statement, a lock) counts as unavailable.
     """
 
     #: Bytes per second a slow but healthy server is expected to take in a large write.
@@ -211,8 +244,7 @@ class Database:
     # ------------------------------------------------------------------ engines
     def _open_postgres(self, url: str, pool_size: int) -> None:
         try:
-            import psycopg  # noqa: F401
-            from psycopg_pool import ConnectionPool
+            from .postgres import ConnectionPool
         except ImportError as exc:  # pragma: no cover - depends on the extra
             raise DatabaseError(
                 "BAGSERVE_DATABASE_URL names PostgreSQL but psycopg is not installed: "
@@ -223,39 +255,38 @@ class Database:
             # libpq counts whole seconds and takes 2 as its least meaningful value.
             "connect_timeout": max(2, math.ceil(self.timeout)),
             "options": f"-c statement_timeout={ms}",
+            # A peer that is gone (not merely frozen) is found by the kernel.
             "keepalives": 1,
             "keepalives_idle": max(1, math.ceil(self.timeout)),
             "keepalives_interval": 1,
             "keepalives_count": 2,
             "tcp_user_timeout": ms,
         }
-        # A request waits at most ``timeout`` for a connection: past that the database
-        # is unavailable (503) rather than holding the client.
-        self._pool = ConnectionPool(
-            url,
-            min_size=1,
-            max_size=pool_size,
-            open=False,
-            name="bagserve",
-            timeout=self.timeout,
-            kwargs=connection,
-        )
-        try:
-            self._pool.open(wait=True, timeout=30)
-        except Exception as exc:
-            self._pool.close()
-            raise DatabaseError(f"cannot connect to {_redact(url)}: {exc}") from exc
+        self._pool = ConnectionPool(url, pool_size, self.timeout, connection)
+        # A server still starting (containers started together) is waited for.
+        deadline = time.monotonic() + _STARTUP_WAIT
+        while True:
+            try:
+                with self._pool.connection():
+                    return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    self._pool.close()
+                    raise DatabaseError(f"cannot connect to {_redact(url)}: {exc}") from exc
+                time.sleep(0.5)
 
     def _sqlite_connection(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            # Autocommit mode: transactions are begun explicitly below.
+            # Autocommit mode: transactions are begun explicitly below. A lock held by
+            # another process is waited for ``timeout`` seconds, then "database is
+            # locked" (503).
             conn = sqlite3.connect(
-                self.path, isolation_level=None, timeout=60.0, check_same_thread=False
+                self.path, isolation_level=None, timeout=self.timeout, check_same_thread=False
             )
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("PRAGMA busy_timeout=60000")
+            conn.execute(f"PRAGMA busy_timeout={max(1, round(1000 * self.timeout))}")
             self._local.conn = conn
             with self._lock:
                 self._connections.append(conn)
@@ -274,14 +305,17 @@ class Database:
         that a read-then-write (a queue claim, the audit head) is never interleaved
         with another writer; PostgreSQL uses row locks in the statements instead.
         ``timeout`` (PostgreSQL): the statement timeout of this transaction, when it
-        must differ from the connection's (see :meth:`write_timeout`).
+        must differ from the connection's (see :meth:`write_timeout`); each round trip
+        is given up a second after it.
+
+        Raises
+        ------
+        DatabaseTimeout
+            No free connection, or no answer, within the deadline.
         """
         if self.dialect == "postgresql":
-            with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-                if timeout is not None:
-                    # SET takes no parameters; the value is a number formatted here.
-                    cur.execute(f"SET LOCAL statement_timeout = {max(1, round(1000 * timeout))}")
-                yield Cursor(cur, self.dialect)
+            with self._postgres_transaction(timeout) as cur:
+                yield cur
             return
         conn = self._sqlite_connection()
         cur = conn.cursor()
@@ -296,14 +330,30 @@ class Database:
         finally:
             cur.close()
 
-    def ping(self, timeout: float | None = None) -> None:
-        """Raise unless the database answers a query within ``timeout`` seconds (the
-        database's own limit by default)."""
-        if self.dialect == "postgresql":
-            with self._pool.connection(timeout=timeout or self.timeout) as conn:
-                conn.execute("SELECT 1")
-            return
-        with self.transaction(write=False) as cur:
+    @contextlib.contextmanager
+    def _postgres_transaction(self, timeout: float | None) -> Iterator[Cursor]:
+        limit = (self.timeout if timeout is None else timeout) + _GRACE
+        with self._pool.connection() as conn:
+            run = partial(conn.call, limit)
+            try:
+                with conn.raw.cursor() as cur:
+                    if timeout is not None:
+                        # SET takes no parameters; the value is a number formatted here.
+                        ms = max(1, round(1000 * timeout))
+                        run(cur.execute, f"SET LOCAL statement_timeout = {ms}")
+                    yield Cursor(cur, self.dialect, run)
+                run(conn.raw.commit)
+            except BaseException:
+                if not conn.raw.closed:
+                    # One that cannot roll back is closed, not pooled (Connection.usable).
+                    with contextlib.suppress(Exception):
+                        run(conn.raw.rollback)
+                raise
+
+    def ping(self) -> None:
+        """Raise unless the database answers within its deadline and, on SQLite, its
+        write lock can be taken: what every prediction needs for its audit record."""
+        with self.transaction() as cur:
             cur.execute("SELECT 1")
 
     def close(self) -> None:

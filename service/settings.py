@@ -104,8 +104,10 @@ class Settings(BaseSettings):
         2.0,
         gt=0,
         description=(
-            "seconds after which a PostgreSQL server that does not answer (connection, "
-            "statement) is unavailable and requests get 503"
+            "seconds after which a database that does not answer is given up and the "
+            "request gets 503 with Retry-After: a connection, a statement (a PostgreSQL "
+            "server that does not answer at all, frozen, a second more), a lock another "
+            "process holds on the SQLite file; /readyz is 503 meanwhile"
         ),
     )
     lease: float = Field(

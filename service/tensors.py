@@ -103,37 +103,97 @@ def _invalid(detail: str, slug: str = "invalid-tensor") -> Problem:
     return Problem(400, detail, slug=slug)
 
 
-def _tensor(spec: dict[str, Any], binary: bytes | memoryview | None, limits: RequestLimits):
-    name = spec.get("name", "?")
+def _json_type(value: Any) -> str:
+    """What a JSON value is, in words, for a message."""
+    if value is None or isinstance(value, bool):
+        return orjson.dumps(value).decode()
+    if isinstance(value, int | float):
+        return "a number"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "a value")
+
+
+def _optional_object(value: Any, where: str) -> dict[str, Any]:
+    """An optional object (``parameters``): absent or null is empty, anything else but
+    an object is refused (an empty list or ``false`` is not "no parameters")."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _invalid(f"{where} must be an object, got {_json_type(value)}", "invalid-request")
+    return value
+
+
+def _optional_flag(params: dict[str, Any], key: str, where: str) -> bool:
+    value = params.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise _invalid(
+            f"{where}{key} must be true or false, got {_json_type(value)}", "invalid-request"
+        )
+    return bool(value)
+
+
+#: The kinds of values (as numpy reads the JSON) each kind of datatype takes: no
+#: integers from fractions (numpy would truncate them), no numbers from strings or
+#: booleans (it would convert them).
+_DATA_KINDS = {"f": "iuf", "i": "iu", "u": "iu", "b": "b"}
+
+
+def _values(data: Any, dtype: str, where: str) -> np.ndarray:
+    """The JSON ``data`` of a tensor as a flat array of ``dtype``."""
+    if not isinstance(data, list):
+        raise _invalid(f"{where}: data must be a list of {dtype} values, got {_json_type(data)}")
+    target = np.dtype(_NUMPY[dtype])
+    what = "booleans" if target.kind == "b" else "integers" if target.kind in "iu" else "numbers"
+    problem = _invalid(
+        f"{where}: data must be {what} for {dtype} (a list, possibly nested, of one shape)"
+    )
+    try:
+        # Read as the JSON gives them first, so that strings and objects show as such.
+        raw = np.asarray(data).reshape(-1)
+    except (TypeError, ValueError, OverflowError):
+        raise problem from None
+    if not raw.size:
+        return raw.astype(target)
+    if raw.dtype.kind not in _DATA_KINDS[target.kind]:
+        raise problem
+    if target.kind in "iu":
+        info = np.iinfo(target)
+        if raw.min() < info.min or raw.max() > info.max:
+            raise _invalid(f"{where}: data out of the range of {dtype}")
+    return raw.astype(target)
+
+
+def _tensor(
+    spec: dict[str, Any], where: str, binary: bytes | memoryview | None, limits: RequestLimits
+) -> np.ndarray:
     dtype = spec.get("datatype")
     shape = spec.get("shape")
-    if dtype not in _NUMPY:
-        raise _invalid(f"input {name!r}: unsupported datatype {dtype!r} (numbers and BOOL only)")
+    if not isinstance(dtype, str) or dtype not in _NUMPY:
+        shown = repr(dtype) if isinstance(dtype, str) else _json_type(dtype)
+        raise _invalid(
+            f"{where}: datatype must name a tensor type of numbers or booleans "
+            f"({', '.join(_NUMPY)}), got {shown}"
+        )
     if not isinstance(shape, list) or not all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
     ):
-        raise _invalid(f"input {name!r}: shape must be a list of non-negative integers")
+        raise _invalid(f"{where}: shape must be a list of non-negative integers")
     # Python integers: a declared shape of 2^40 x 2^40 must not wrap around.
     expected = math.prod(shape)
     if expected * 8 > limits.max_decoded_bytes:
         raise Problem(
             413,
-            f"input {name!r}: shape {shape} takes {expected * 8} bytes as float64, more than "
+            f"{where}: shape {shape} takes {expected * 8} bytes as float64, more than "
             f"the decoded-size limit of {limits.max_decoded_bytes} bytes",
             slug="decoded-too-large",
         )
     if binary is not None:
         array = np.frombuffer(binary, dtype=np.dtype(_NUMPY[dtype]).newbyteorder("<"))
     else:
-        data = spec.get("data")
-        if data is None:
-            raise _invalid(f"input {name!r} has no data")
-        try:
-            array = np.asarray(data, dtype=_NUMPY[dtype]).reshape(-1)
-        except (TypeError, ValueError, OverflowError):
-            raise _invalid(f"input {name!r}: data are not {dtype} values") from None
+        if spec.get("data") is None:
+            raise _invalid(f"{where} has no data")
+        array = _values(spec["data"], dtype, where)
     if array.size != expected:
-        raise _invalid(f"input {name!r}: {array.size} value(s) for shape {shape}")
+        raise _invalid(f"{where}: {array.size} value(s) of data for shape {shape}")
     return array.reshape(shape)
 
 
@@ -158,60 +218,72 @@ def _parse(
         ) from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list) or not doc["inputs"]:
         raise _invalid("the inference request needs a non-empty 'inputs' list", "invalid-request")
+    if doc.get("id") is not None and not isinstance(doc["id"], str):
+        raise _invalid(f"id must be a string, got {_json_type(doc['id'])}", "invalid-request")
     tensors: dict[str, np.ndarray] = {}
     offset = 0
-    for spec in doc["inputs"]:
+    for i, spec in enumerate(doc["inputs"]):
         if not isinstance(spec, dict):
-            raise _invalid("every input must be an object", "invalid-request")
-        params = spec.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise _invalid(f"input {spec.get('name')!r}: parameters must be an object")
+            raise _invalid(
+                f"inputs[{i}] must be an object, got {_json_type(spec)}", "invalid-request"
+            )
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise _invalid(
+                f"inputs[{i}]: name must be a non-empty string, got {_json_type(name)}",
+                "invalid-request",
+            )
+        where = f"inputs[{i}] ({name!r})"
+        if name in tensors:
+            raise _invalid(f"{where}: a second input of that name", "invalid-request")
+        params = _optional_object(spec.get("parameters"), f"{where}: parameters")
         binary = None
         if "binary_data_size" in params:
             size = params["binary_data_size"]
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise _invalid(
-                    f"input {spec.get('name')!r}: binary_data_size must be a byte count",
-                    "invalid-binary",
-                )
+                raise _invalid(f"{where}: binary_data_size must be a byte count", "invalid-binary")
             binary = rest[offset : offset + size]
             if len(binary) != size:
                 raise _invalid(
-                    f"input {spec.get('name')!r}: binary data shorter than its size",
-                    "invalid-binary",
+                    f"{where}: binary data shorter than its binary_data_size", "invalid-binary"
                 )
             offset += size
-        tensors[str(spec.get("name"))] = _tensor(spec, binary, limits)
+        tensors[name] = _tensor(spec, where, binary, limits)
     return doc, tensors
 
 
 def _options(doc: dict[str, Any], entry: ModelEntry) -> tuple[PredictOptions, dict[str, Any]]:
     """The request's outputs must exist; its ``interval`` parameter is a coverage."""
-    outputs = doc.get("outputs") or []
-    if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
-        raise _invalid("'outputs' must be a list of objects", "invalid-request")
-    wanted = {str(o.get("name")): (o.get("parameters") or {}) for o in outputs}
+    outputs = doc.get("outputs")
+    if outputs is None:
+        outputs = []
+    if not isinstance(outputs, list):
+        raise _invalid(f"outputs must be a list, got {_json_type(outputs)}", "invalid-request")
     available = [o["name"] for o in OUTPUTS[entry.kind]]
-    unknown = set(wanted) - set(available)
-    if unknown:
-        raise _invalid(
-            f"unknown output(s) {sorted(unknown)}; available: {sorted(available)}",
-            "invalid-request",
-        )
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise _invalid("'parameters' must be an object", "invalid-request")
+    wanted: dict[str, dict[str, Any]] = {}
+    for i, output in enumerate(outputs):
+        if not isinstance(output, dict):
+            raise _invalid(
+                f"outputs[{i}] must be an object, got {_json_type(output)}", "invalid-request"
+            )
+        name = output.get("name")
+        if not isinstance(name, str) or name not in available:
+            shown = repr(name) if isinstance(name, str) else _json_type(name)
+            raise _invalid(
+                f"outputs[{i}]: name must be one of {sorted(available)}, got {shown}",
+                "invalid-request",
+            )
+        params = _optional_object(output.get("parameters"), f"outputs[{i}] ({name!r}): parameters")
+        binary = _optional_flag(params, "binary_data", f"outputs[{i}] ({name!r}): parameters.")
+        wanted[name] = {"binary_data": binary}
+    params = _optional_object(doc.get("parameters"), "parameters")
     options = PredictOptions.parse(
         entry, {k: params.get(k) for k in ("interval", "compensated", "cells", "probabilities")}
     )
-    request_id = doc.get("id")
     echo = {
-        "id": request_id if isinstance(request_id, str) else None,
-        "outputs": {
-            name: {"binary_data": bool(p.get("binary_data"))} if isinstance(p, dict) else {}
-            for name, p in wanted.items()
-        },
-        "binary_data_output": bool(params.get("binary_data_output")),
+        "id": doc.get("id"),
+        "outputs": wanted,
+        "binary_data_output": _optional_flag(params, "binary_data_output", "parameters."),
     }
     return options, echo
 
@@ -229,10 +301,13 @@ def _bags(doc: dict[str, Any], tensors: dict[str, np.ndarray]) -> list[IncomingB
     sizes = np.asarray(sizes).reshape(-1)
     if sizes.dtype.kind not in "iu" or (sizes < 0).any() or int(sizes.sum()) != points.shape[0]:
         raise _invalid(f"'bag_sizes' must be non-negative integers summing to {points.shape[0]}")
-    spec = next(s for s in doc["inputs"] if s.get("name") == "points")
-    markers = (spec.get("parameters") or {}).get("markers") or (doc.get("parameters") or {}).get(
-        "markers"
-    )
+    i = next(i for i, s in enumerate(doc["inputs"]) if s["name"] == "points")
+    # Parsed as objects already (_parse, _options); the input's own markers first.
+    markers = (doc["inputs"][i].get("parameters") or {}).get("markers")
+    where = f"inputs[{i}] ('points'): parameters.markers"
+    if markers is None:
+        markers = (doc.get("parameters") or {}).get("markers")
+        where = "parameters.markers"
     if isinstance(markers, str):
         markers = [m.strip() for m in markers.split(",")]
     if markers is not None and (
@@ -241,7 +316,9 @@ def _bags(doc: dict[str, Any], tensors: dict[str, np.ndarray]) -> list[IncomingB
         or not all(isinstance(m, str) for m in markers)
     ):
         raise _invalid(
-            f"'markers' must name the {points.shape[1]} columns of 'points'", "invalid-request"
+            f"{where} must name the {points.shape[1]} columns of 'points' (a list of "
+            f"strings, or one string of comma-separated names), got {_json_type(markers)}",
+            "invalid-request",
         )
     starts = np.concatenate([[0], np.cumsum(sizes)])
     bags = []

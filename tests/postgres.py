@@ -10,10 +10,12 @@ package creates. Without PostgreSQL the tests that need it skip, unless
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -29,9 +31,21 @@ __all__ = ["PostgresURL", "postgres_bin", "postgres_server"]
 
 
 class PostgresURL(str):
-    """The server's URL; ``stop()`` shuts the server down early (an outage)."""
+    """The server's URL, with outages to stage.
+
+    ``stop()`` shuts the server down (an orderly outage); ``crash()`` stops it at once
+    (``pg_ctl stop -m immediate``: every process quits without a checkpoint) and
+    ``start()`` starts it again on the same port and data; ``freeze()`` stops every
+    process of the server with SIGSTOP (a paused VM or container: the kernel still
+    accepts connections and acknowledges what is sent, nobody answers) and ``thaw()``
+    lets them go on.
+    """
 
     stop: Callable[[], None]
+    crash: Callable[[], None]
+    start: Callable[[], None]
+    freeze: Callable[[], None]
+    thaw: Callable[[], None]
 
 
 def postgres_bin() -> Path | None:
@@ -56,6 +70,22 @@ def _require() -> Path:
     return bindir
 
 
+def _server_processes(data: Path) -> list[int]:
+    """The server's processes: the postmaster (its pid file's first line) and its
+    children (from /proc)."""
+    postmaster = int((data / "postmaster.pid").read_text().split("\n", 1)[0])
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command may hold spaces and parentheses: the fields follow the last ")".
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[1]) == postmaster:
+            children.append(int(stat.parent.name))
+    return [postmaster, *children]
+
+
 @contextmanager
 def postgres_server() -> Iterator[PostgresURL]:
     """Start a private PostgreSQL on 127.0.0.1; yields ``postgresql://...``."""
@@ -71,27 +101,12 @@ def postgres_server() -> Iterator[PostgresURL]:
     data, sockets = root / "data", root / "sockets"
     port = free_port()
     log = root / "postgres.log"
-    proc = None
-    try:
-        subprocess.run([*prefix, "mkdir", str(sockets)], check=True, capture_output=True, text=True)
-        subprocess.run(
-            [
-                *prefix,
-                str(bindir / "initdb"),
-                "-D",
-                str(data),
-                "-U",
-                "bagserve",
-                "--auth=trust",
-                "-E",
-                "UTF8",
-                "--no-sync",
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        proc = subprocess.Popen(
+    server: subprocess.Popen[bytes] | None = None
+    frozen: list[int] = []
+
+    def start() -> None:
+        nonlocal server
+        server = subprocess.Popen(
             [
                 *prefix,
                 str(bindir / "postgres"),
@@ -119,10 +134,63 @@ def postgres_server() -> Iterator[PostgresURL]:
                 capture_output=True,
             )
             if ready.returncode == 0:
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
+                return
+            if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"PostgreSQL did not start (see {log})")
             time.sleep(0.1)
+
+    def stop() -> None:
+        if server is None or server.poll() is not None:
+            return
+        thaw()
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+    def crash() -> None:
+        assert server is not None
+        thaw()
+        # SIGQUIT is the immediate shutdown: the postmaster has every child quit at once.
+        os.kill(_server_processes(data)[0], signal.SIGQUIT)
+        server.wait(timeout=30)
+
+    def freeze() -> None:
+        # The postmaster first: it would start new children meanwhile.
+        for pid in _server_processes(data):
+            os.kill(pid, signal.SIGSTOP)
+            frozen.append(pid)
+
+    def thaw() -> None:
+        if frozen and server is not None and server.pid not in frozen:
+            # runuser stops itself when its child stops (as su does), and stays stopped.
+            frozen.append(server.pid)
+        while frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen.pop(), signal.SIGCONT)
+
+    try:
+        subprocess.run([*prefix, "mkdir", str(sockets)], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [
+                *prefix,
+                str(bindir / "initdb"),
+                "-D",
+                str(data),
+                "-U",
+                "bagserve",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        start()
         subprocess.run(
             [
                 str(bindir / "createdb"),
@@ -139,22 +207,9 @@ def postgres_server() -> Iterator[PostgresURL]:
             text=True,
         )
         url = PostgresURL(f"postgresql://bagserve@127.0.0.1:{port}/bagserve")
-        server = proc
-
-        def stop() -> None:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-
-        url.stop = stop
+        url.stop, url.crash, url.start = stop, crash, start
+        url.freeze, url.thaw = freeze, thaw
         yield url
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop()
         shutil.rmtree(root, ignore_errors=True)

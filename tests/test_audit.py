@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import json
 import sqlite3
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -280,3 +281,101 @@ def test_records_queued_behind_a_commit_the_database_refused_fail_with_it(tmp_pa
     assert log.append(request_id="c", status=200)["prev"] == "0" * 64 and log.count() == 1
     log.close()
     log.db.close()
+
+
+#: Tampering with the chain's head and table, and what ``audit verify`` must say of it
+#: (each a clear message and exit 1, never a traceback).
+HEAD_TAMPERING = [
+    (
+        ["DELETE FROM audit_head"],
+        ["head", "is missing", "tampering", "The 6 record(s) in the table are chained correctly"],
+    ),
+    (["DELETE FROM audit_head", "DELETE FROM audit"], ["is missing", "The 0 record(s)"]),
+    (
+        [
+            "DELETE FROM audit_head",
+            "UPDATE audit SET record = replace(record, '\"r2\"', '\"r9\"') WHERE seq = 3",
+        ],
+        ["is missing", "record 3 was edited"],
+    ),
+    (["DELETE FROM audit"], ["the chain ends at record 0 but 6 record(s) were written"]),
+    (["UPDATE audit_head SET seq = 7"], ["the chain ends at record 6 but 7 record(s)"]),
+    (
+        ["UPDATE audit_head SET last_hash = '" + "f" * 64 + "'"],
+        ["the head or the last record was replaced"],
+    ),
+    (["UPDATE audit_head SET last_hash = 'x'"], ["head", "is not valid", "tampering"]),
+    (["DROP TABLE audit_head"], ["cannot read the audit chain", "audit_head"]),
+]
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def engine(request):
+    """A way to make fresh databases on each engine: ``make(name)`` gives the command
+    line's arguments naming one and a function that runs SQL in it."""
+    if request.param == "sqlite":
+
+        def make_sqlite(directory):
+            def run(statement):
+                with sqlite3.connect(directory / "bagserve.sqlite3") as conn:
+                    conn.execute(statement)
+
+            return ["--data-dir", str(directory)], Database(None, directory), run
+
+        yield make_sqlite
+        return
+    import psycopg
+
+    from .postgres import postgres_server
+
+    with postgres_server() as pg:
+
+        def make_postgres(directory):
+            name = f"d{time.time_ns()}"
+            with psycopg.connect(pg, autocommit=True) as conn:
+                conn.execute(f"CREATE DATABASE {name}")
+            url = pg.rsplit("/", 1)[0] + "/" + name
+
+            def run(statement):
+                with psycopg.connect(url, autocommit=True) as conn:
+                    conn.execute(statement)
+
+            return ["--database", url], Database(url, directory, pool_size=1), run
+
+        yield make_postgres
+
+
+def outcome(capsys, *args: str) -> tuple[int, str]:
+    """Exit code and standard error of a command line, as the shell would see them."""
+    try:
+        code = cli(*args)
+    except SystemExit as exc:  # raised with the message, which Python prints
+        print(exc.code, file=sys.stderr)
+        code = 1
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("statements", "says"), HEAD_TAMPERING)
+def test_a_missing_or_edited_head_is_named_without_a_traceback(
+    engine, statements, says, tmp_path, capsys
+):
+    where, db, run = engine(tmp_path)
+    log = AuditLog(db)
+    try:
+        for i in range(6):
+            log.append(request_id=f"r{i}", api_key_id=None, route="/v1/x", status=200)
+    finally:
+        log.close()
+        db.close()
+    assert outcome(capsys, "verify", *where)[0] == 0
+    for statement in statements:
+        run(statement)
+    code, err = outcome(capsys, "verify", *where)
+    assert code == 1 and err.startswith("error: "), err
+    assert all(part in err for part in says), err
+    assert "Traceback" not in err
+    # Nothing is taken from, or written of, a chain that does not verify.
+    exported = tmp_path / "trail.jsonl"
+    assert outcome(capsys, "export", str(exported), *where)[0] == 1
+    assert outcome(capsys, "head", "--output", str(tmp_path / "head.json"), *where)[0] == 1
+    assert not exported.exists() and not (tmp_path / "head.json").exists()

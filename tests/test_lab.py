@@ -193,6 +193,103 @@ def test_oip_per_cell_model_and_errors(url):
     assert wrong.status_code == 400 and wrong.json()["error"]
 
 
+#: A value of every JSON type, for the fields that must not take it.
+JSON_VALUES = {
+    "object": {},
+    "list": [],
+    "number": 1,
+    "true": True,
+    "false": False,
+    "null": None,
+    "string": "FP64",
+    "empty string": "",
+}
+#: Each field of an inference request (a path into it, list indices as numbers), the
+#: JSON types it takes (any other is a type confusion), and values of the right type
+#: whose items are wrong.
+FIELDS: list[tuple[tuple, set[str], list]] = [
+    (("id",), {"string", "empty string", "null"}, []),
+    (("parameters",), {"object", "null"}, []),
+    (("parameters", "interval"), {"number", "string", "empty string", "null"}, []),
+    (("parameters", "binary_data_output"), {"true", "false", "null"}, []),
+    (("inputs",), {"list"}, [[1], [[]]]),
+    (("inputs", 0), {"object"}, []),
+    (("inputs", 0, "name"), {"string"}, []),
+    (("inputs", 0, "datatype"), {"string"}, ["fp64", "BYTES"]),
+    (("inputs", 0, "shape"), {"list"}, [[10.5, 3], ["10", 3], [True, 3], [None, 3], [[10], 3]]),
+    (("inputs", 0, "parameters"), {"object", "null"}, []),
+    (
+        ("inputs", 0, "parameters", "markers"),
+        {"list", "string", "null"},
+        [[], [1, 2, 3], [{}, [], None]],
+    ),
+    (("inputs", 0, "parameters", "binary_data_size"), {"number"}, [-1, 1.5]),
+    (
+        ("inputs", 0, "data"),
+        {"list"},
+        [["0.5"] * 30, [True] * 30, [None] * 30, [{}] * 30, [[0.5]] * 29 + [[0.5, 0.5]]],
+    ),
+    (("outputs",), {"list", "null"}, [[1], [[]]]),
+    (("outputs", 0), {"object"}, []),
+    (("outputs", 0, "name"), {"string"}, []),
+    (("outputs", 0, "parameters"), {"object", "null"}, []),
+    (("outputs", 0, "parameters", "binary_data"), {"true", "false", "null"}, []),
+]
+
+
+def _set(doc: dict, path: tuple, value) -> dict:
+    doc = json.loads(json.dumps(doc))
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return doc
+
+
+def test_oip_type_confusions_are_refused_naming_the_field(url):
+    """Every field of a /v2 inference request given a JSON type it does not take (an
+    object or a list for a string, a string for a list, a string or a boolean for a
+    number, ...) is refused with a 4xx problem that names the field (and the input),
+    never a 500 and never an answer."""
+    bags, markers = dose_bags(1)
+    points = bags[0][:10]
+    valid = {
+        "id": "req-types",
+        "parameters": {"interval": 0.9, "binary_data_output": False},
+        "inputs": [
+            {
+                "name": "points",
+                "datatype": "FP64",
+                "shape": list(points.shape),
+                "data": points.reshape(-1).tolist(),
+                "parameters": {"markers": markers},
+            }
+        ],
+        "outputs": [{"name": "prediction", "parameters": {"binary_data": False}}],
+    }
+    infer = f"{url}/v2/models/demo-dose/infer"
+    assert httpx.post(infer, json=valid, timeout=60).status_code == 200
+    failures = []
+    with httpx.Client(timeout=60) as http:
+        for path, takes, wrong_items in FIELDS:
+            cases = [v for k, v in JSON_VALUES.items() if k not in takes] + wrong_items
+            field = path[-1] if isinstance(path[-1], str) else path[-2]
+            for value in cases:
+                try:
+                    r = http.post(infer, json=_set(valid, path, value))
+                except httpx.TransportError as exc:  # the server dropped the connection
+                    failures.append((path, value, type(exc).__name__))
+                    continue
+                error = (
+                    r.json().get("error", "") if r.headers["content-type"].endswith("json") else ""
+                )
+                within = path[0] in ("inputs", "outputs") and len(path) > 1
+                named = field in error and (not within or f"{path[0]}[0]" in error)
+                if not (400 <= r.status_code < 500 and named):
+                    failures.append((path, value, r.status_code, error[:200]))
+    assert not failures, failures
+
+
 # ----------------------------------------------------------------- jobs
 def poll(url: str, location: str, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from ..database import DatabaseTimeout
 from ..deps import ServicesDep
 from ..exposure import anonymous_exposure
 
@@ -79,9 +80,13 @@ async def readyz(request: Request, svc: ServicesDep) -> JSONResponse:
     workers = pool.status()
     models = [e.key for e in svc.registry.all()]
     loading = svc.repository.loading()
+    limit = svc.settings.database_timeout
     try:
-        await asyncio.wait_for(asyncio.to_thread(svc.jobs.db.ping), svc.settings.database_timeout)
+        await asyncio.wait_for(asyncio.to_thread(svc.jobs.db.ping), limit)
         database = "ok"
+    except (TimeoutError, DatabaseTimeout) as exc:
+        # Frozen, or every connection held by calls that wait for it.
+        database = f"unresponsive: {str(exc) or f'no answer within {limit:g} s'}"[:300]
     except Exception as exc:
         database = f"unreachable: {type(exc).__name__}: {exc}"[:300]
     reasons = _reasons(models, loading, workers, database == "ok")
