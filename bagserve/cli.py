@@ -70,17 +70,17 @@ def _predict_local(
     """A saved model's typed answer for files, with what every encoding of it needs:
     (result, names, meta, info, file sha256s, acquisition times, coverage used)."""
     from .core.blas import one_thread
-    from .core.hashing import file_sha256
-    from .core.io import read_sample
+    from .core.io import read_file
     from .core.policy import review_warnings
     from .core.runtime import ModelRuntime
+    from .service.options import PredictOptions
 
     runtime = model_path if isinstance(model_path, ModelRuntime) else ModelRuntime.open(model_path)
     info = runtime.info
-    if coverage is not None and info.interval_problem(coverage) is not None:
-        coverage = None  # the model has no interval: answer without one, as it can
+    coverage = PredictOptions.asked_of(info.answer_shape(), coverage=coverage).coverage
     names = [str(f) for f in files] if names is None else list(names)
-    samples = [read_sample(f) for f in files]
+    # Each file read once: its hash is of the bytes decoded.
+    samples, inputs = map(list, zip(*(read_file(f) for f in files), strict=True))
     # The service's workers compute with one BLAS thread; so does this, so that the
     # command's answer is the service's to the last bit (a multi-threaded sum is not).
     with one_thread():
@@ -95,7 +95,6 @@ def _predict_local(
         },
         "warnings": review_warnings(result, names),
     }
-    inputs = [file_sha256(f) for f in files]
     return result, names, meta, info, inputs, [s.acquired for s in samples], coverage
 
 
@@ -219,17 +218,14 @@ class RemoteModel:
         if about is None:
             self.client.close()
             raise ValueError(f"unknown model {self.name}/{self.version} at {url}")
-        cell = about.get("kind") == "cell"
-        self.options = PredictOptions(
-            coverage=interval if about.get("intervals") and not cell else None,
-            cells=cells if cell else True,
-            compensated=compensated,
+        self.options = PredictOptions.asked_of(
+            about, coverage=interval, cells=cells, compensated=compensated
         )
         self.layout = TableLayout.of(about, self.options)
         self.sha256 = str(about.get("sha256", ""))
         self.markers: list[str] = list((about.get("panel") or {}).get("markers") or [])
         self.params: dict[str, str] = {}
-        if cell:
+        if about.get("kind") == "cell":
             self.params["cells"] = "true" if cells else "false"
         elif self.options.coverage is not None:
             self.params["interval"] = str(self.options.coverage)
@@ -330,8 +326,11 @@ def table_for_files(
     result, names, _, info, inputs, _, coverage = _predict_local(
         model_path, files, compensated=compensated, coverage=coverage, names=names
     )
-    options = PredictOptions(coverage=coverage, cells=cells, compensated=compensated)
-    layout = TableLayout.of(info.answer_shape(), options)
+    shape = info.answer_shape()
+    options = PredictOptions.asked_of(
+        shape, coverage=coverage, cells=cells, compensated=compensated
+    )
+    layout = TableLayout.of(shape, options)
     rows = list(layout.rows(result, names, info, inputs=inputs))
     return layout.columns, rows, review_warnings(result, names)
 
@@ -436,8 +435,6 @@ def _send_hl7(args: argparse.Namespace, plan: tuple[dict[str, Any], Any, float])
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
-    import contextlib
-
     from .batch import LocalPredictor, RemotePredictor, batch, report_counts
     from .service.options import PredictOptions
     from .service.settings import Settings

@@ -69,6 +69,25 @@ class PredictOptions:
     unassigned: float | None = None
 
     @classmethod
+    def asked_of(
+        cls,
+        shape: Mapping[str, Any],
+        *,
+        coverage: float | None = None,
+        cells: bool = True,
+        compensated: bool = False,
+    ) -> PredictOptions:
+        """What a command asks of a model (``bagserve predict``, ``batch``, locally or
+        through a service): an interval or set of ``coverage`` only where the model
+        gives one, and the answer without it elsewhere; ``cells`` of per-cell models
+        only. ``shape``: :meth:`~bagserve.core.runtime.ArtifactInfo.answer_shape`, as
+        ``GET /v1/models/{name}`` also gives it."""
+        if coverage is not None and not (shape.get("intervals") and 0.0 < coverage < 1.0):
+            coverage = None
+        cell = shape.get("kind") == ModelKind.CELL
+        return cls(coverage=coverage, cells=cells if cell else True, compensated=compensated)
+
+    @classmethod
     def parse(cls, entry: ModelEntry, params: Mapping[str, Any]) -> PredictOptions:
         """The query (or ``/v2`` request) parameters ``quantiles``, ``exceed``,
         ``interval``, ``compensated``, ``cells`` and ``probabilities``, checked against

@@ -133,11 +133,12 @@ class LocalPredictor:
 
         self.model = str(model)
         self.info = ArtifactInfo.read(model)
-        if options.coverage is not None and self.info.interval_problem(options.coverage):
-            # The model has no interval: its table has none, as `predict` answers.
-            options = PredictOptions(**{**options.__dict__, "coverage": None})
-        self.options = options
-        self.layout = TableLayout.of(self.info.answer_shape(), options)
+        shape = self.info.answer_shape()
+        # As `predict` asks: an interval only where the model gives one.
+        self.options = PredictOptions.asked_of(
+            shape, coverage=options.coverage, cells=options.cells, compensated=options.compensated
+        )
+        self.layout = TableLayout.of(shape, self.options)
         self.model_sha256 = self.info.sha256
         self.limits = limits
         self.timeout = timeout
