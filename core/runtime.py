@@ -366,11 +366,7 @@ class ArtifactInfo:
     @classmethod
     def read(cls, path: str | Path, *, verify: bool = True) -> ArtifactInfo:
         """Read (and by default verify every hash of) the artifact at ``path``."""
-        info = cls(Path(path), read_manifest(path, verify=verify))
-        # The class labels name answers' columns for the artifact's life: read them
-        # now, with the files just verified, not at a first answer long after.
-        _ = info.classes
-        return info
+        return cls(Path(path), read_manifest(path, verify=verify))
 
     @property
     def estimator(self) -> str:
@@ -685,11 +681,6 @@ class ModelRuntime:
         self.info = info
         self.model = model
         self.kind = kind_of(type(model))
-        classes = getattr(model, "classes_", None)
-        if classes is not None:
-            # The columns of its answers are named by the classes it answers with, from
-            # the verified bytes it was loaded from (not a second read of the files).
-            info.__dict__["classes"] = [str(c) for c in np.asarray(classes).tolist()]
 
     @classmethod
     def open(cls, path: str | Path, *, mmap: bool = False, trusted: bool = False) -> ModelRuntime:
