@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from ..core.hashing import bytes_sha256
 from ..service.tables import FAILED
-from .folder import Entry, NotReady, Refused, list_folder, read_settled
+from .folder import Entry, Incomplete, NotReady, Refused, list_folder, read_settled
 from .predictors import FileFailed, LocalPredictor, RemotePredictor, Unavailable
 from .table import BatchTable
 
@@ -154,7 +154,7 @@ def batch(
             return "done"
         except NotReady as exc:
             counts.left[entry.name] = str(exc)
-            return "incomplete" if str(exc).startswith("incomplete") else "writing"
+            return "incomplete" if isinstance(exc, Incomplete) else "writing"
         sha = bytes_sha256(data)
         if sha in done:
             counts.skipped += 1

@@ -26,11 +26,16 @@ from pathlib import Path
 from ..core.io.completeness import incomplete
 from ..core.io.readers import SUPPORTED_SUFFIXES
 
-__all__ = ["Entry", "NotReady", "Refused", "list_folder", "read_settled"]
+__all__ = ["Entry", "Incomplete", "NotReady", "Refused", "list_folder", "read_settled"]
 
 
 class NotReady(Exception):
     """The file is still being written, or incomplete: try it again later."""
+
+
+class Incomplete(NotReady):
+    """Unchanged for ``settle`` seconds, yet shorter than it declares: try it again
+    when it changes."""
 
 
 class Refused(Exception):
@@ -126,7 +131,7 @@ def read_settled(entry: Entry, *, settle: float, max_bytes: int, now: float) -> 
     ------
     NotReady
         Changed less than ``settle`` seconds ago, changed since it was listed or
-        while it was read, or an FCS file shorter than its segments.
+        while it was read; :class:`Incomplete`: an FCS file shorter than its segments.
     Refused
         A symlink or non-regular file (swapped in since it was listed), or larger
         than ``max_bytes``.
@@ -158,7 +163,7 @@ def read_settled(entry: Entry, *, settle: float, max_bytes: int, now: float) -> 
         os.close(fd)
     why = incomplete(data, entry.name)
     if why is not None:
-        raise NotReady(f"incomplete: {why}")
+        raise Incomplete(f"incomplete: {why}")
     return data
 
 
