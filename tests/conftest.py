@@ -1,8 +1,9 @@
-"""Shared fixtures: small seeded bags."""
+"""Shared fixtures: small seeded bags, the shared state's database per engine."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -44,3 +45,16 @@ def bags(rng: np.random.Generator) -> Bags:
 @pytest.fixture
 def weighted_bags(rng: np.random.Generator) -> Bags:
     return random_bags(rng, weighted=True)
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def database(request, tmp_path_factory) -> Iterator[str]:
+    """The shared state's database URL, once per engine: a SQLite file, then a
+    PostgreSQL server of the test's own (:mod:`tests.postgres`)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'state.sqlite3'}"
+        return
+    from .postgres import postgres_server
+
+    with postgres_server() as url:
+        yield url

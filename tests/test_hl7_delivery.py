@@ -24,7 +24,6 @@ from bagserve.service.hl7_delivery import DeliveryQueue
 from bagserve.service.mllp import Attempt
 
 from .mllp_peer import Peer, mllp_peer
-from .postgres import postgres_server
 from .service_harness import running_service
 from .test_fhir import DOSE_BAG
 from .test_hl7 import HL7, segments
@@ -52,15 +51,6 @@ def lab(models) -> Iterator[tuple[Peer, str]]:
     test sets the script)."""
     with mllp_peer() as peer, running_service(models, BAGSERVE_HL7_FORWARD=peer.url, **FAST) as url:
         yield peer, url
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def database(request, tmp_path_factory) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'state.sqlite3'}"
-        return
-    with postgres_server() as url:
-        yield url
 
 
 def bags(*ids: str) -> dict[str, Any]:

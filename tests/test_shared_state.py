@@ -41,15 +41,6 @@ def models(tmp_path_factory) -> Path:
     return build_models(tmp_path_factory.mktemp("shared") / "models")
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def database(request, tmp_path_factory) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'state.sqlite3'}"
-        return
-    with postgres_server() as url:
-        yield url
-
-
 @pytest.fixture(scope="module")
 def replicas(models, database, tmp_path_factory) -> Iterator[list[str]]:
     """Two replicas per database, for the module (the failover case, last, kills one)."""

@@ -73,7 +73,11 @@ def test_the_layout_follows_the_model_and_the_request_alone(models):
         *(f"mean_probability_{c}" for c in classes), *TRUST,
     ]  # fmt: skip
     # A rest class asked for: a column of its own, no mean probabilities (the model's
-    # probabilities say nothing of that rule).
+    # probabilities say nothing of that rule); named as the estimators name it.
+    from bagserve.core.estimators._transfer_reject import UNASSIGNED
+    from bagserve.service import tables
+
+    assert tables.UNASSIGNED == UNASSIGNED
     with_rest = [*classes, "unassigned"]
     assert TableLayout.of(gating, PredictOptions(cells=False, unassigned=0.999)).columns == [
         "id", "n_cells", *(f"count_{c}" for c in with_rest),
