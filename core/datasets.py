@@ -469,7 +469,8 @@ def emulate_batches(
             pick, sd = sources.points[rows], 0.1 * pooled_sd
             x = pick + sd * stream.standard_normal(pick.shape)
             x = a * x + b + c * w * np.tanh((x - m) / w)
-            x = np.exp(stream.normal(0.0, 0.03, dim)) * x + stream.normal(0.0, 0.05, dim) * pooled_sd
+            jitter = np.exp(stream.normal(0.0, 0.03, dim))
+            x = jitter * x + stream.normal(0.0, 0.05, dim) * pooled_sd
             arrays.append(x)
             labels.append(y[rows])
             batches.append(batch)
