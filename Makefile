@@ -135,6 +135,7 @@ bench: $(BIN)/.dev-installed
 	$(BIN)/python bench/bench_training.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_reference_sample.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_new_batch.py
+	$(BIN)/python bench/bench_control_calibration.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg_regression.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_scale.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_conformal.py

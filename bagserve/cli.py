@@ -66,9 +66,12 @@ def _predict_local(
     compensated: bool,
     coverage: float | None,
     names: Sequence[str] | None,
+    control: str | Path | None = None,
 ) -> tuple[Any, list[str], dict[str, Any], Any, list[str], list[str | None], float | None]:
     """A saved model's typed answer for files, with what every encoding of it needs:
-    (result, names, meta, info, file sha256s, acquisition times, coverage used)."""
+    (result, names, meta, info, file sha256s, acquisition times, coverage used).
+    ``control``: the file of the batch's reference control (per-cell models fitted
+    with one), which maps every sample first; named with its sha256 in ``meta``."""
     from .core.blas import one_thread
     from .core.io import read_file
     from .core.policy import review_warnings
@@ -81,10 +84,16 @@ def _predict_local(
     names = [str(f) for f in files] if names is None else list(names)
     # Each file read once: its hash is of the bytes decoded.
     samples, inputs = map(list, zip(*(read_file(f) for f in files), strict=True))
+    reference = None
+    if control is not None:
+        sample, digest = read_file(control)
+        reference = runtime.align([sample], compensated=compensated)
     # The service's workers compute with one BLAS thread; so does this, so that the
     # command's answer is the service's to the last bit (a multi-threaded sum is not).
     with one_thread():
-        result = runtime.predict(runtime.align(samples, compensated=compensated), coverage=coverage)
+        result = runtime.predict(
+            runtime.align(samples, compensated=compensated), coverage=coverage, control=reference
+        )
     meta = {
         "model": {
             "name": info.metadata.get("name"),
@@ -95,6 +104,8 @@ def _predict_local(
         },
         "warnings": review_warnings(result, names),
     }
+    if control is not None:
+        meta["control"] = {"file": str(control), "sha256": digest}
     return result, names, meta, info, inputs, [s.acquired for s in samples], coverage
 
 
@@ -106,6 +117,7 @@ def predict_files(
     coverage: float | None = 0.9,
     cells: bool = False,
     names: Sequence[str] | None = None,
+    control: str | Path | None = None,
 ) -> dict[str, Any]:
     """Predictions of a saved model for sample files, as the service answers them.
 
@@ -119,11 +131,12 @@ def predict_files(
     already; the model's own compensation (if it has one) is skipped. ``cells``: a
     per-cell model's label of every cell besides its population summary. ``names``:
     the bags' ids in the answer and its warnings (default: the paths as given).
+    ``control``: the batch's reference control file (:func:`_predict_local`).
     """
     from .service.encoders import encode_document
 
     result, names, meta, info, inputs, _, _ = _predict_local(
-        model_path, files, compensated=compensated, coverage=coverage, names=names
+        model_path, files, compensated=compensated, coverage=coverage, names=names, control=control
     )
     doc = encode_document(result, names, meta, info, inputs=inputs, cells=cells)
     return _as_results(doc, names)
@@ -137,6 +150,7 @@ def oru_for_files(
     coverage: float | None = 0.9,
     refs: dict[str, Any] | None = None,
     parties: Any = None,
+    control: str | Path | None = None,
 ) -> str:
     """The HL7 v2.5.1 ORU^R01 message of a saved model's answer for files (the same
     message ``Accept: application/hl7-v2`` gets from the service), bags named by
@@ -154,6 +168,7 @@ def oru_for_files(
         compensated=compensated,
         coverage=coverage,
         names=[Path(f).name for f in files],
+        control=control,
     )
     meta = {**meta, "request_id": uuid.uuid4().hex}
     return oru_r01(
@@ -314,6 +329,7 @@ def table_for_files(
     compensated: bool = False,
     coverage: float | None = 0.9,
     cells: bool = False,
+    control: str | Path | None = None,
 ) -> tuple[list[str], list[list[Any]], list[str]]:
     """A saved model's answer for files as the one results table
     (:mod:`bagserve.service.tables`, the service's ``text/csv``): its columns, its rows
@@ -324,7 +340,7 @@ def table_for_files(
 
     names = [Path(f).name for f in files]
     result, names, _, info, inputs, _, coverage = _predict_local(
-        model_path, files, compensated=compensated, coverage=coverage, names=names
+        model_path, files, compensated=compensated, coverage=coverage, names=names, control=control
     )
     shape = info.answer_shape()
     options = PredictOptions.asked_of(
@@ -336,6 +352,11 @@ def table_for_files(
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
+    if args.control and args.url:
+        raise ValueError(
+            "--control maps samples with a model on this machine: the service takes no "
+            "batch control yet (drop --url, or the control)"
+        )
     plan = _hl7_plan(args) if args.hl7 else None
     if args.format == "json":
         result = (
@@ -347,6 +368,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
                 compensated=args.compensated,
                 coverage=args.interval,
                 cells=args.cells,
+                control=args.control,
             )
         )
         text = json.dumps(result, default=str)
@@ -364,6 +386,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
             compensated=args.compensated,
             coverage=args.interval,
             cells=args.cells,
+            control=args.control,
         )
         text = csv_bytes(columns, rows).decode().rstrip("\n")
     # Flags reach whoever runs the command, not only the file it writes.
@@ -426,6 +449,7 @@ def _send_hl7(args: argparse.Namespace, plan: tuple[dict[str, Any], Any, float])
             coverage=args.interval,
             refs=refs,
             parties=parties,
+            control=args.control,
         )
     try:
         ack = send(message, args.hl7, timeout=timeout)
@@ -800,6 +824,12 @@ def _parser() -> argparse.ArgumentParser:
         help="per-cell models: every cell's label (default: the population summary)",
     )
     pr.add_argument("--output", help="write here instead of stdout")
+    pr.add_argument(
+        "--control",
+        metavar="FILE",
+        help="per-cell models trained with a reference control: the control measured in "
+        "the files' batch; every file is mapped by it onto the training batch first",
+    )
     pr.add_argument(
         "--hl7",
         metavar="mllp://HOST:PORT",

@@ -36,17 +36,24 @@ Protocols and scorings:
 
 Methods: the baselines of ``dg_baselines.py`` (``LDA``, ``LDA + std``,
 ``logistic + std``, ``HGB + std``; ``+ std`` standardises each sample by its own mean
-and sd per marker) and the rows of ``MTL_VARIANTS`` (``MarginalTransferClassifier``
-with ``random_state`` = the seed: its defaults; the rest label named, ``unassigned=``;
-out-of-range tasks calibrated to the training reference, ``calibrate="quantile"``, in
-the ``all`` scoring only; a row whose parameters the installed estimator lacks is
-skipped with a note). No model is given the batches or sources (one batch in
-training). Per row: per-cell accuracy and macro-F1 averaged over the test
-samples (then over seeds), the per-seed range, the standard error over all (seed, test
-sample) scores, fit seconds. Per table: the best method, the best baseline and
-whether ``MTL (defaults)`` is within one standard error of the best baseline
-(``gap <= SE``, the SE of the best baseline's accuracy over the test samples of every
-seed).
+and sd per marker), the calibrate-then-LDA baselines of ``calibration_baselines.py``
+(``landmarks + LDA``: a per-marker scale and shift from population landmarks;
+``CytoNorm + LDA``: a monotone spline from each batch's reference control, where the
+data set has controls: ``emulate_batches(control_cells=)``, one per batch, never a
+training or test sample) and the rows of ``MTL_VARIANTS``
+(``MarginalTransferClassifier`` with ``random_state`` = the seed: its defaults; the
+rest label named, ``unassigned=``; out-of-range tasks calibrated to the training
+reference, ``calibrate="quantile"``, in the ``all`` scoring only; ``batch control``:
+fitted with the training batch's control and every test sample mapped by its batch's
+control first; a row whose parameters the installed estimator lacks is skipped with a
+note). No model is given the batches or sources (one batch in training). Per row:
+per-cell accuracy and macro-F1 averaged over the test samples (then over seeds), the
+per-seed range, the standard error over all (seed, test sample) scores, fit seconds;
+in a second table the worst (seed, test sample) accuracy and, in the all-cells
+scoring, the rest label's precision and recall over every test cell. Per table: the
+best method, the best baseline and whether ``MTL (defaults)`` is within one standard
+error of the best baseline (``gap <= SE``, the SE of the best baseline's accuracy over
+the test samples of every seed).
 
 Run with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 .venv/bin/python
 bench/bench_new_batch.py [--quick]`` (``--quick``: 1 seed, 1,000 cells per sample, one
@@ -68,12 +75,16 @@ import numpy as np
 from _report import report
 from bagserve.core import Bags, MarginalTransferClassifier
 from bagserve.core.datasets import emulate_batches, load_flowcap_gvhd, make_batched_cytometry_tasks
+from calibration_baselines import cytonorm_then_lda, landmarks_then_lda
 from dg_baselines import baseline_predictions, scores
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 GVHD = DATA / "flowcap1_gvhd"
 FLOWSOM = DATA / "flowsom_example"
 BASELINES = ("LDA", "LDA + std", "logistic + std", "HGB + std")
+#: Calibrate, then LDA (``calibration_baselines.py``); CytoNorm's needs a control per
+#: batch, which the synthetic data set has not.
+CALIBRATED = ("landmarks + LDA", "CytoNorm + LDA")
 #: Placeholder for the data set's rest label in ``MTL_VARIANTS`` (such a row is run on
 #: data sets with a rest class and in the ``all`` scoring only).
 REST = object()
@@ -86,8 +97,13 @@ MTL_VARIANTS: dict[str, dict[str, Any]] = {
     "MTL, rest label named": {"unassigned": REST},
     # Quantile calibration of out-of-range tasks, fixed on.
     "MTL, calibrated (quantile)": {"calibrate": "quantile"},
+    # Each batch's reference control maps its samples first (data sets with controls).
+    "MTL, batch control": {},
     # "MTL, calibrated (mmd)": {"calibrate": "mmd"},  # ~35 s per 8 predicted samples
 }
+#: Rows given each batch's reference control (fit: the training batch's; predict: the
+#: test batch's); run only where the data set has controls.
+WITH_CONTROL = {"MTL, batch control"}
 #: Rows run in the ``all`` scoring only (to keep the full run near 10 minutes).
 ALL_CELLS_ONLY = {"MTL, calibrated (quantile)", "MTL, calibrated (mmd)", "MTL, not calibrated"}
 #: FlowSOM example channels: the logicle-transformed fluorescence markers ($PnS) and the
@@ -124,15 +140,18 @@ def _flowsom_sample() -> tuple[np.ndarray, np.ndarray, list[str]]:
 
 def cohorts(
     n_cells: int,
-) -> dict[str, Callable[[int], tuple[Bags, np.ndarray, np.ndarray, Any]]]:
-    """Per data set: seed -> (tasks, labels, batches, rest label or None)."""
+) -> dict[str, Callable[[int], tuple[Bags, np.ndarray, np.ndarray, Any, np.ndarray]]]:
+    """Per data set: seed -> (tasks, labels, batches, rest label or None, control
+    flags: True for a batch's reference control, never a training or test sample)."""
     gvhd = _gvhd_sources()
     flowsom = _flowsom_sample()
 
     def emulated_gvhd(seed: int):
         sources, y, rest = gvhd
-        tasks, labels, batches, _ = emulate_batches(sources, y, 2, 8, n_cells, random_state=seed)
-        return tasks, labels, batches, rest
+        tasks, labels, batches, origin = emulate_batches(
+            sources, y, 2, 8, n_cells, random_state=seed, control_cells=n_cells
+        )
+        return tasks, labels, batches, rest, origin < 0
 
     def emulated_flowsom(seed: int):
         x, codes, _ = flowsom
@@ -140,14 +159,16 @@ def cohorts(
         part = np.random.default_rng([seed, 7]).permutation(x.shape[0]) % FLOWSOM_PARTS
         sources = Bags.from_arrays([x[part == k] for k in range(FLOWSOM_PARTS)])
         y = np.concatenate([codes[part == k] for k in range(FLOWSOM_PARTS)])
-        tasks, labels, batches, _ = emulate_batches(sources, y, 2, 8, n_cells, random_state=seed)
-        return tasks, labels, batches, 0
+        tasks, labels, batches, origin = emulate_batches(
+            sources, y, 2, 8, n_cells, random_state=seed, control_cells=n_cells
+        )
+        return tasks, labels, batches, 0, origin < 0
 
     def synthetic(seed: int):
         tasks, labels, batches = make_batched_cytometry_tasks(
             2, 8, n_cells, random_state=[seed, 1], strength=2.0
         )
-        return tasks, labels, batches, None
+        return tasks, labels, batches, None, np.zeros(len(tasks), dtype=bool)
 
     return {"gvhd": emulated_gvhd, "flowsom": emulated_flowsom, "synthetic": synthetic}
 
@@ -208,23 +229,53 @@ def _chosen(model: Any, answers: list[Any]) -> str:
         return ""
 
 
+def _figures(test_y, predictions, fit: float, rest: Any) -> dict[str, Any]:
+    """Accuracy and macro-F1 per test sample, fit seconds and, with a rest label, its
+    counts per test sample: cells predicted rest that are, predicted, truly rest."""
+    per = [scores(v, p) for v, p in zip(test_y, predictions, strict=True)]
+    out = {
+        "accuracy": [s["accuracy"] for s in per],
+        "macro_f1": [s["macro_f1"] for s in per],
+        "fit_seconds": fit,
+    }
+    if rest is not None:
+        out["rest_counts"] = [
+            [int(np.sum((p == rest) & (v == rest))), int(np.sum(p == rest)), int(np.sum(v == rest))]
+            for v, p in zip(test_y, predictions, strict=True)
+        ]
+    return out
+
+
 def evaluate(
-    train_x, train_y, test_x, test_y, seed: int, mtl: dict[str, dict[str, Any]], parts: int = 1
+    train_x,
+    train_y,
+    test_x,
+    test_y,
+    seed: int,
+    mtl: dict[str, dict[str, Any]],
+    parts: int = 1,
+    rest: Any = None,
+    controls: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per method: accuracy and macro-F1 of every test sample, fit seconds, notes.
 
     ``parts`` > 1 splits each training sample's cells at random into that many tasks
-    for the bagserve models (one labelled reference gives them folds)."""
+    for the bagserve models (one labelled reference gives them folds). ``rest``: the
+    rest label where it is scored (its precision and recall are counted).
+    ``controls``: the training and the test batch's reference controls, for
+    ``CytoNorm + LDA``."""
     out: dict[str, dict[str, Any]] = {}
     for name, (pred, fit) in baseline_predictions(
         train_x, train_y, test_x, seed=seed, names=BASELINES
     ).items():
-        per = [scores(v, p) for v, p in zip(test_y, pred, strict=True)]
-        out[name] = {
-            "accuracy": [s["accuracy"] for s in per],
-            "macro_f1": [s["macro_f1"] for s in per],
-            "fit_seconds": fit,
-        }
+        out[name] = _figures(test_y, pred, fit, rest)
+    out["landmarks + LDA"] = _figures(
+        test_y, *landmarks_then_lda(train_x, train_y, test_x, rest), rest
+    )
+    if controls is not None:
+        out["CytoNorm + LDA"] = _figures(
+            test_y, *cytonorm_then_lda(train_x, train_y, test_x, *controls), rest
+        )
     if parts > 1:
         rng = np.random.default_rng([seed, 11])
         split_x, split_y = [], []
@@ -235,22 +286,21 @@ def evaluate(
         train_x, train_y = split_x, split_y
     train_bags, test_bags = Bags.from_arrays(train_x), Bags.from_arrays(test_x)
     for name, params in mtl.items():
+        own, new = controls if name in WITH_CONTROL and controls else (None, None)
+        if name in WITH_CONTROL and own is None:
+            continue
         model = MarginalTransferClassifier(**{"random_state": seed, **params})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             t0 = time.perf_counter()
-            model.fit(train_bags, np.concatenate(train_y))
+            model.fit(train_bags, np.concatenate(train_y), control=own)
             fit = time.perf_counter() - t0
-        answers = model.predict_tasks(test_bags)
-        per = [scores(v, a.predictions) for v, a in zip(test_y, answers, strict=True)]
+        answers = model.predict_tasks(test_bags, control=new)
+        out[name] = _figures(test_y, [a.predictions for a in answers], fit, rest)
         edges = sum("grid" in str(w.message) for w in caught)
-        note = _chosen(model, answers) + (f"; {edges} grid-edge warnings" if edges else "")
-        out[name] = {
-            "accuracy": [s["accuracy"] for s in per],
-            "macro_f1": [s["macro_f1"] for s in per],
-            "fit_seconds": fit,
-            "chosen": note,
-        }
+        out[name]["chosen"] = _chosen(model, answers) + (
+            f"; {edges} grid-edge warnings" if edges else ""
+        )
     return out
 
 
@@ -271,14 +321,21 @@ def summarise(table: str, runs: dict[int, dict[str, dict[str, Any]]]) -> list[di
             "macro_f1_mean": float(f1.mean()),
             "accuracy_per_run": [round(float(a), 4) for a in acc.mean(axis=1)],
             "accuracy_se": se,
+            "worst_sample": float(acc.min()),
             "fit_seconds_mean": float(np.mean([runs[s][m]["fit_seconds"] for s in runs])),
         }
+        if "rest_counts" in runs[next(iter(runs))][m]:
+            hit, said, truly = np.sum([runs[s][m]["rest_counts"] for s in runs], axis=(0, 1))
+            row["rest_precision"] = float(hit / said) if said else None
+            row["rest_recall"] = float(hit / truly) if truly else None
         notes = [runs[s][m].get("chosen", "") for s in runs]
         if any(notes):
             row["chosen"] = " | ".join(notes)
         rows.append(row)
     best = max(methods, key=lambda m: stats[m][0])
-    best_baseline = max(BASELINES, key=lambda m: stats[m][0])
+    best_baseline = max(
+        (m for m in (*BASELINES, *CALIBRATED) if m in stats), key=lambda m: stats[m][0]
+    )
     summary = {"case": f"{table}: verdict", "best": best, "best_baseline": best_baseline}
     if "MTL (defaults)" in stats:
         gap = stats[best_baseline][0] - stats["MTL (defaults)"][0]
@@ -338,7 +395,33 @@ def markdown(results: list[dict[str, Any]]) -> str:
                 f"{v['best_baseline']}: gap {gap:+.3f}, SE {v['best_baseline_se']:.3f}: {word}"
             )
         out += ["| MTL (defaults) vs best baseline | " + " | ".join(cells) + " | |", ""]
+        out += _rest_and_worst(group, columns, methods)
     return "\n".join(out)
+
+
+def _rest_and_worst(group: str, columns: dict[str, Any], methods: list[str]) -> list[str]:
+    """A second table per group: the worst (seed, test sample) accuracy of each
+    column and, where the rest label is scored, its precision / recall."""
+    names = list(columns)
+    out = [
+        f"*{group}: worst sample's accuracy; rest label precision / recall (all cells)*",
+        "",
+        "| method | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for m in methods:
+        cells = []
+        for c in names:
+            r = columns[c].get(m)
+            if r is None:
+                cells.append("")
+                continue
+            text = f"{r['worst_sample']:.3f}"
+            if r.get("rest_precision") is not None:
+                text += f"; {r['rest_precision']:.3f} / {r['rest_recall']:.3f}"
+            cells.append(text)
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return [*out, ""]
 
 
 def main() -> None:
@@ -360,25 +443,33 @@ def main() -> None:
     for data in args.data:
         runs: dict[str, dict[int, Any]] = defaultdict(dict)
         for seed in seeds:
-            tasks, y, batches, rest = makers[data](seed)
+            tasks, y, batches, rest, control = makers[data](seed)
             scorings = ("all",) if rest is None else ("all", "gated")
             for a, b in ((0, 1), (1, 0)):
-                train = cells(tasks, y, np.flatnonzero(batches == a))
-                test = cells(tasks, y, np.flatnonzero(batches == b))
+                train = cells(tasks, y, np.flatnonzero((batches == a) & ~control))
+                test = cells(tasks, y, np.flatnonzero((batches == b) & ~control))
+                pair = None
+                if control.any():
+                    pair = tuple(
+                        np.asarray(tasks[int(np.flatnonzero((batches == k) & control)[0])])
+                        for k in (a, b)
+                    )
                 for scoring in scorings:
                     t0 = time.perf_counter()
                     if scoring == "gated":
                         tr, te = gated(*train, rest), gated(*test, rest)
-                        mtl = mtl_rows(None, "gated")
+                        mtl, scored_rest = mtl_rows(None, "gated"), None
                     else:
-                        tr, te, mtl = train, test, mtl_rows(rest)
+                        tr, te, mtl, scored_rest = train, test, mtl_rows(rest), rest
                     table = f"{data}, batch {a} -> {b}, {scoring} cells"
-                    runs[table][seed] = evaluate(*tr, *te, seed, mtl)
+                    runs[table][seed] = evaluate(
+                        *tr, *te, seed, mtl, rest=scored_rest, controls=pair
+                    )
                     print(f"  {table}, seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
         for table, by_seed in runs.items():
             results += summarise(table, by_seed)
         if data == "synthetic":
-            tasks, y, batches, _ = makers[data](0)
+            tasks, y, batches, _, _ = makers[data](0)
             by_ref = {}
             for a, b in ((0, 1), (1, 0)):
                 test = cells(tasks, y, np.flatnonzero(batches == b))

@@ -18,6 +18,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 from .errors import BagValidationError
+from .marker_maps import MarkerMap
 
 __all__ = [
     "QUANTILE_LEVELS",
@@ -556,21 +557,9 @@ def align_quantiles(
         The quantile levels both refer to.
     """
     q = bag_quantiles(bags, levels)
-    # Ties (a marker piled up on a detector bound) would give infinite slopes: the
-    # landmarks are spread by a hair, keeping the map monotone.
-    spread = 1e-9 * (1.0 + np.abs(q)) * np.arange(levels.size)[None, :, None]
-    q = np.maximum.accumulate(q, axis=1) + spread
     x = bags.points
     out = np.empty_like(x)
     for t in range(len(bags)):
         lo, hi = int(bags.offsets[t]), int(bags.offsets[t + 1])
-        for j in range(bags.dim):
-            xp, fp = q[t, :, j], reference[:, j]
-            v = x[lo:hi, j]
-            y = np.interp(v, xp, fp)
-            low_slope = (fp[1] - fp[0]) / (xp[1] - xp[0])
-            high_slope = (fp[-1] - fp[-2]) / (xp[-1] - xp[-2])
-            y = np.where(v < xp[0], fp[0] + (v - xp[0]) * low_slope, y)
-            y = np.where(v > xp[-1], fp[-1] + (v - xp[-1]) * high_slope, y)
-            out[lo:hi, j] = y
+        out[lo:hi] = MarkerMap.between(q[t], reference)(x[lo:hi])
     return Bags(out, bags.offsets, bags.weights, validate=False)

@@ -179,6 +179,13 @@ def render_card(
         if primary:
             lines.append(f"- Samples like the training samples: answered by {primary}")
         lines.append(_new_batch_line(new))
+    control = metadata.get("reference_control")
+    if isinstance(control, dict):
+        lines.append(
+            f"- New batches: mapped onto the training batch by their reference control "
+            f"(the training control `{control.get('file')}`, sha256 "
+            f"`{str(control.get('sha256'))[:12]}…`; `--control` names a batch's own)"
+        )
     calibration = metadata.get("probability_calibration")
     if calibration:
         lines.append(

@@ -353,6 +353,7 @@ def emulate_batches(
     *,
     strength: float = 1.0,
     concentration: float = 30.0,
+    control_cells: int = 0,
 ) -> tuple[Bags, NDArray[Any], NDArray[np.int64], NDArray[np.int64]]:
     """New labelled samples in instrument batches, emulated from real labelled samples.
 
@@ -382,6 +383,13 @@ def emulate_batches(
     recoverable in principle; how well a model trained on one batch labels another is
     what the generator measures.
 
+    With ``control_cells`` > 0, every batch also measures a *reference control*: an
+    aliquot of one material (every source's cells pooled, in their pooled
+    proportions), drawn afresh per batch and passed through that batch's instrument
+    and its own jitter, as a lab runs one control tube per batch (CytoNorm's design).
+    The controls come after every sample, drawn from a stream of their own, so the
+    samples are the same with or without them.
+
     Parameters
     ----------
     sources : Bags
@@ -395,16 +403,19 @@ def emulate_batches(
         Scale of the instruments' differences.
     concentration : float, default=30.0
         How close each sample's proportions stay to its source's.
+    control_cells : int, default=0
+        Cells of each batch's reference control; 0 for none.
 
     Returns
     -------
     tasks : Bags
-        ``n_batches * samples_per_batch`` samples of ``n_cells`` cells, batch after batch.
+        ``n_batches * samples_per_batch`` samples of ``n_cells`` cells, batch after batch,
+        then (with ``control_cells``) one control per batch, in batch order.
     labels : ndarray of shape (n_tasks * n_cells,)
     batches : ndarray of shape (n_tasks,)
     source : ndarray of shape (n_tasks,)
         The source sample of each emulated one (samples of one source are one
-        patient: group them when scoring).
+        patient: group them when scoring); -1 for a control.
     """
     y = np.asarray(y)
     if y.shape[0] != sources.n_points:
@@ -420,12 +431,14 @@ def emulate_batches(
     arrays, labels, batches, origin = [], [], [], []
     levels = np.quantile(sources.points, np.linspace(0.2, 0.8, 7), axis=0)
     dim = sources.dim
+    w = 0.5 * pooled_sd
+    instruments = []
     for batch in range(n_batches):
         a = np.exp(rng.normal(0.0, 0.15 * strength, dim))
         b = rng.normal(0.0, 0.5 * strength, dim) * pooled_sd
         c = rng.uniform(0.0, 0.6 * strength, dim)
         m = levels[rng.integers(0, levels.shape[0], dim), np.arange(dim)]
-        w = 0.5 * pooled_sd
+        instruments.append((a, b, c, m))
         for k in range(samples_per_batch):
             src = int(owners[batch][k % owners[batch].size])
             lo, hi = int(sources.offsets[src]), int(sources.offsets[src + 1])
@@ -448,6 +461,20 @@ def emulate_batches(
             labels.append(classes[pop])
             batches.append(batch)
             origin.append(src)
+    if control_cells > 0:
+        # A stream of its own: the samples above are the same with or without controls.
+        stream = np.random.default_rng(rng.integers(0, 2**63))
+        for batch, (a, b, c, m) in enumerate(instruments):
+            rows = stream.integers(0, sources.n_points, control_cells)
+            pick, sd = sources.points[rows], 0.1 * pooled_sd
+            x = pick + sd * stream.standard_normal(pick.shape)
+            x = a * x + b + c * w * np.tanh((x - m) / w)
+            jitter = np.exp(stream.normal(0.0, 0.03, dim))
+            x = jitter * x + stream.normal(0.0, 0.05, dim) * pooled_sd
+            arrays.append(x)
+            labels.append(y[rows])
+            batches.append(batch)
+            origin.append(-1)
     return (
         Bags.from_arrays(arrays),
         np.concatenate(labels),

@@ -81,6 +81,13 @@ class DomainReport:
         Share of the bag's cells whose label a refinement by the bag's own cells
         changed (marginal transfer, ``refine_ == "mixture"``); NaN where none ran,
         the default.
+    calibration_moved : ndarray of shape (n_bags, n_markers) or None
+        Where the bags' batch control mapped them first (marginal transfer with a
+        reference control): per marker, the median displacement of the bag's cells,
+        in the training control's standard deviations; ``None`` without a control.
+    calibration_worse : ndarray of bool, shape (n_bags, n_markers), or None
+        With a control: the markers its map moved further from the training control
+        on control cells it was not fitted on.
     """
 
     score: NDArray[np.float64]
@@ -91,6 +98,8 @@ class DomainReport:
     fallback: NDArray[np.bool_] | None = None
     disagreement: NDArray[np.float64] | None = None
     relabelled: NDArray[np.float64] | None = None
+    calibration_moved: NDArray[np.float64] | None = None
+    calibration_worse: NDArray[np.bool_] | None = None
 
     def __post_init__(self) -> None:
         # Frozen: the defaults are set once, as arrays like the others.

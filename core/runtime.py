@@ -168,7 +168,9 @@ class Prediction(abc.ABC):
                 continue
             if dataclasses.is_dataclass(value):
                 for g in dataclasses.fields(value):
-                    out[f"{f.name}.{g.name}"] = np.asarray(getattr(value, g.name))
+                    part = getattr(value, g.name)
+                    if part is not None:
+                        out[f"{f.name}.{g.name}"] = np.asarray(part)
             else:
                 out[f.name] = np.asarray(value)
         return out
@@ -613,6 +615,31 @@ class ArtifactInfo:
             )
         return None
 
+    def control_problem(self, control: Bags | None = None) -> str | None:
+        """Why a batch's reference control cannot map bags for this model (``None``
+        when it can: a per-cell model fitted with its training batch's control and,
+        given ``control``, one bag of at least 2 cells per quantile level)."""
+        if self.kind is not ModelKind.CELL:
+            return "a batch's reference control calibrates per-cell models only"
+        state = (self.manifest.get("model") or {}).get("state") or {}
+        if state.get("control_quantiles_") is None:
+            return (
+                "this model was trained without a reference control ([data] control in "
+                "its training configuration): a batch's control has nothing to map onto"
+            )
+        if control is None:
+            return None
+        if len(control) != 1:
+            return f"a batch has one reference control, got {len(control)} bags"
+        from .alignment import CONTROL_LEVELS
+
+        if control.n_points < 2 * CONTROL_LEVELS.size:
+            return (
+                f"the reference control has {control.n_points} cells; at least "
+                f"{2 * CONTROL_LEVELS.size} are needed"
+            )
+        return None
+
     def card(self) -> str:
         """The model card (Markdown, :func:`core.card.render_card`) with provenance."""
         from .card import render_card
@@ -746,6 +773,7 @@ class ModelRuntime:
         coverage: float | None = None,
         probabilities: bool = False,
         unassigned: float | None = None,
+        control: Bags | None = None,
         preprocessed: bool = False,
     ) -> Prediction:
         """The model's typed answer for aligned bags.
@@ -771,8 +799,14 @@ class ModelRuntime:
             say nothing of that rule: asked together with ``probabilities`` it is
             refused, and the summary's mean probabilities are left out where it adds
             the row.
+        control : Bags, optional
+            Per-cell models fitted with a reference control: the control measured in
+            the bags' batch (one bag, aligned like them), which maps every bag onto
+            the training batch before the model answers
+            (:meth:`MarginalTransferClassifier.predict_tasks`). Preprocessed with
+            the bags.
         preprocessed : bool, default=False
-            The bags already went through :meth:`preprocess`.
+            The bags (and the control) already went through :meth:`preprocess`.
 
         Returns
         -------
@@ -791,11 +825,16 @@ class ModelRuntime:
                 problem = f"unassigned must be a level in (0, 1) such as 0.999, got {unassigned!r}"
             if problem is None and probabilities:
                 problem = "ask for probabilities or unassigned cells, not both"
+        if problem is None and control is not None:
+            problem = self.info.control_problem(control)
         if problem is not None:
             raise ValueError(problem)
         if not preprocessed:
             bags = self.preprocess(bags)
-        result = self._predict(bags, quantiles, exceed, coverage, probabilities, unassigned)
+            control = None if control is None else self.preprocess(control)
+        result = self._predict(
+            bags, quantiles, exceed, coverage, probabilities, unassigned, control
+        )
         # The one place the out-of-domain policy is applied: every door reads status.
         domain = result.domain
         status = statuses(
@@ -813,10 +852,11 @@ class ModelRuntime:
         coverage: float | None,
         probabilities: bool,
         unassigned: float | None = None,
+        control: Bags | None = None,
     ) -> Prediction:
         sizes = np.asarray(bags.sizes, dtype=np.int64)
         if self.kind is ModelKind.CELL:
-            return self._predict_cells(bags, sizes, probabilities, unassigned)
+            return self._predict_cells(bags, sizes, probabilities, unassigned, control)
         parts = [
             self._predict_chunk(bags[a:b], quantiles, exceed, coverage) for a, b in _chunks(sizes)
         ]
@@ -896,8 +936,10 @@ class ModelRuntime:
         sizes: NDArray[np.int64],
         probabilities: bool,
         unassigned: float | None = None,
+        control: Bags | None = None,
     ) -> CellPrediction:
-        results = self.model.predict_tasks(bags)
+        cells = None if control is None else control.points
+        results = self.model.predict_tasks(bags, control=cells)
         labels = np.concatenate([r.predictions for r in results])
         domain = self.model.domain_report([r.report for r in results])
         classes = getattr(self.model, "classes_", None)
@@ -909,7 +951,7 @@ class ModelRuntime:
         if unassigned is not None:
             from .estimators._transfer_reject import UNASSIGNED
 
-            far = self.model.far_from_populations(bags, labels, unassigned)
+            far = self.model.far_from_populations(bags, labels, unassigned, control=cells)
             rest = [k for k, c in enumerate(classes.tolist()) if c == UNASSIGNED]
             if not rest:
                 # The model has no rest class: "unassigned" becomes a row of its own.
@@ -956,7 +998,12 @@ class ModelRuntime:
 def _concat_domains(parts: list[DomainReport | None]) -> DomainReport | None:
     if any(p is None for p in parts):
         return None
-    fields = [f.name for f in dataclasses.fields(DomainReport)]
+    # Fields no part has (a control's report on bag-level models) stay unset.
+    fields = [
+        f.name
+        for f in dataclasses.fields(DomainReport)
+        if all(getattr(p, f.name) is not None for p in parts)
+    ]
     return DomainReport(
         **{f: np.concatenate([getattr(p, f) for p in parts]) for f in fields}  # type: ignore[arg-type]
     )

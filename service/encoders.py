@@ -8,7 +8,7 @@ each answer follows the kind of the result, never the estimator's class.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -179,7 +179,7 @@ def encode_document(
             answer["input_sha256"] = inputs[i]
         answer["status"] = result.status_of(i)
         if result.released(i):
-            answer.update(_bag(result, i, cells))
+            answer.update(_bag(result, i, cells, info.markers))
         else:
             answer.update(_withheld(result, i, info))
         answer.update(_trust(result, i, info))
@@ -196,7 +196,7 @@ def _withheld(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
     out: dict[str, Any] = {"withheld": info.withheld_reason(result.domain, i)}
     if isinstance(result, CellPrediction):
         out["n_points"] = int(result.sizes[i])
-        out["report"] = _cell_report(result, i)
+        out["report"] = _cell_report(result, i, info.markers)
     else:
         out["prediction"] = None
     return out
@@ -217,7 +217,7 @@ def _trust(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
     return out
 
 
-def _cell_report(result: CellPrediction, i: int) -> dict[str, Any]:
+def _cell_report(result: CellPrediction, i: int, markers: Sequence[str] = ()) -> dict[str, Any]:
     domain = result.domain
     assert domain is not None
     return {
@@ -230,10 +230,30 @@ def _cell_report(result: CellPrediction, i: int) -> dict[str, Any]:
         "disagreement": domain.disagreement_of(i),
         # Labels changed by the mixture fitted to this bag's own cells.
         "relabelled": domain.relabelled_of(i),
+        **_calibration(domain, i, markers),
     }
 
 
-def _bag(result: Prediction, i: int, cells: bool = True) -> dict[str, Any]:
+def _calibration(domain: Any, i: int, markers: Sequence[str]) -> dict[str, Any]:
+    """How the batch's reference control mapped bag ``i`` (nothing without one): per
+    marker, the median displacement of its cells in the training control's sd, and
+    the markers the map made worse."""
+    if domain.calibration_moved is None:
+        return {}
+    moved = domain.calibration_moved[i]
+    names = list(markers) or [str(j) for j in range(moved.size)]
+    return {
+        "calibration": {
+            "by": "control",
+            "moved": {n: round(float(v), 4) for n, v in zip(names, moved, strict=True)},
+            "worse": [n for n, w in zip(names, domain.calibration_worse[i], strict=True) if w],
+        }
+    }
+
+
+def _bag(
+    result: Prediction, i: int, cells: bool = True, markers: Sequence[str] = ()
+) -> dict[str, Any]:
     """Bag ``i``'s released answer (its id, status and trust fields are added apart)."""
     if isinstance(result, CellPrediction):
         cell: dict[str, Any] = {"n_points": int(result.sizes[i])}
@@ -249,7 +269,7 @@ def _bag(result: Prediction, i: int, cells: bool = True) -> dict[str, Any]:
                 "classes": result.classes.tolist(),
                 "cells": probabilities.tolist(),
             }
-        cell["report"] = _cell_report(result, i)
+        cell["report"] = _cell_report(result, i, markers)
         return cell
     if isinstance(result, ClassificationPrediction):
         classes = [str(c) for c in result.classes.tolist()]

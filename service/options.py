@@ -26,6 +26,8 @@ __all__ = ["MAX_DISTRIBUTION_QUERIES", "MAX_PLOT_CELLS", "PredictOptions"]
 MAX_DISTRIBUTION_QUERIES = 99
 #: At most this many cells per bag in a ``plot`` sample.
 MAX_PLOT_CELLS = 20_000
+#: Longest bag id ``?control=`` may name (ids are file names or the caller's labels).
+MAX_CONTROL_ID = 256
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,10 @@ class PredictOptions:
         Per-cell classifiers: ``?unassigned=0.999`` answers ``"unassigned"`` for every
         cell beyond that χ² level of Mahalanobis distance from the population it was
         given (a row of its own in the summary); not with ``probabilities``.
+    control : str or None
+        Per-cell models fitted with a reference control: ``?control=ID`` names the bag
+        of the request that is the batch's reference control; it maps every other bag
+        onto the training batch first and gets no answer of its own.
     """
 
     quantiles: tuple[float, ...] = ()
@@ -67,6 +73,7 @@ class PredictOptions:
     probabilities: bool = False
     plot: int = 0
     unassigned: float | None = None
+    control: str | None = None
 
     @classmethod
     def asked_of(
@@ -142,6 +149,18 @@ class PredictOptions:
                 problems.append("ask for probabilities or unassigned cells, not both")
             else:
                 parsed["unassigned"] = level
+        if params.get("control") not in (None, ""):
+            name = params["control"]
+            unavailable = entry.info.control_problem()
+            if not isinstance(name, str) or len(name) > MAX_CONTROL_ID:
+                problems.append(
+                    f"control must name one bag of the request (at most {MAX_CONTROL_ID} "
+                    f"characters), got {str(name)[:MAX_CONTROL_ID]!r}"
+                )
+            elif unavailable is not None:
+                problems.append(f"{entry.key}: {unavailable}")
+            else:
+                parsed["control"] = name
         if interval is not None and interval.strip():
             try:
                 parsed["coverage"] = float(interval)
@@ -180,7 +199,7 @@ class PredictOptions:
         out: dict[str, Any] = {k: list(v) for k, v in asked if v}
         if self.coverage is not None:
             out["coverage"] = self.coverage
-        for name in ("compensated", "cells", "probabilities", "plot", "unassigned"):
+        for name in ("compensated", "cells", "probabilities", "plot", "unassigned", "control"):
             if getattr(self, name) != getattr(PredictOptions, name):
                 out[name] = getattr(self, name)
         return out

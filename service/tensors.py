@@ -278,7 +278,11 @@ def _options(doc: dict[str, Any], entry: ModelEntry) -> tuple[PredictOptions, di
         wanted[name] = {"binary_data": binary}
     params = _optional_object(doc.get("parameters"), "parameters")
     options = PredictOptions.parse(
-        entry, {k: params.get(k) for k in ("interval", "compensated", "cells", "probabilities")}
+        entry,
+        {
+            k: params.get(k)
+            for k in ("interval", "compensated", "cells", "probabilities", "control")
+        },
     )
     echo = {
         "id": doc.get("id"),

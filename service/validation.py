@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from bagserve.core.bags import Bags
 from bagserve.core.io import DataError, Sample
 from bagserve.core.runtime import CellPrediction, ModelKind
 
@@ -157,3 +158,46 @@ def plot_samples(
             }
         )
     return out
+
+
+def split_control(
+    bags: list[IncomingBag],
+    points: list[np.ndarray],
+    weights: list[np.ndarray | None],
+    options: PredictOptions,
+) -> tuple[list[IncomingBag], list[np.ndarray], list[np.ndarray | None], Bags, str]:
+    """The bag ``?control=`` names taken out of the request: the other bags (their
+    points and weights), the control as one bag (aligned like them; the runtime
+    preprocesses it with them), and a note naming it with its sha256.
+
+    Raises
+    ------
+    Problem
+        422: no bag has that id, or it is the only bag (nothing left to answer).
+    """
+    ids = [b.id for b in bags]
+    if options.control not in ids:
+        shown = ", ".join(repr(i) for i in ids[:5]) + (" ..." if len(ids) > 5 else "")
+        detail = f"control {options.control!r} names no bag of the request (its bags: {shown})"
+        raise Problem(422, detail, errors=[detail], slug="invalid-bags")
+    k = ids.index(options.control)
+    if len(bags) == 1:
+        detail = (
+            f"bag {options.control!r} is the batch's control: the request has no other bag "
+            "to answer"
+        )
+        raise Problem(422, detail, errors=[detail], slug="invalid-bags")
+    control = Bags.from_arrays([points[k]])
+    note = (
+        f"bag {options.control!r} is this batch's reference control (sha256 "
+        f"{bags[k].input_sha256}): every other bag was mapped by it onto the training "
+        "batch, and it has no answer of its own"
+    )
+    keep = [i for i in range(len(bags)) if i != k]
+    return (
+        [bags[i] for i in keep],
+        [points[i] for i in keep],
+        [weights[i] for i in keep],
+        control,
+        note,
+    )

@@ -79,7 +79,7 @@ def predict_message(
     from .codecs import BodySpec, decode_body
     from .options import PredictOptions
     from .tensors import decode_inference
-    from .validation import plot_samples, validate_bags
+    from .validation import plot_samples, split_control, validate_bags
 
     t0 = time.perf_counter()
     spec = BodySpec(**header["body"])
@@ -93,6 +93,10 @@ def predict_message(
         options = PredictOptions.from_json(header.get("options"))
     t1 = time.perf_counter()
     points, weights, notes = validate_bags(bags, entry, limits, problems, options)
+    control = None
+    if options.control is not None:
+        bags, points, weights, control, note = split_control(bags, points, weights, options)
+        notes = [*notes, note]
     sizes = [a.shape[0] for a in points]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     stacked = np.concatenate(points) if len(points) > 1 else points[0]
@@ -109,6 +113,7 @@ def predict_message(
         coverage=options.coverage,
         probabilities=options.probabilities,
         unassigned=options.unassigned,
+        control=control,
     )
     plots = plot_samples(entry, points, result, options.plot) if options.plot else None
     t3 = time.perf_counter()

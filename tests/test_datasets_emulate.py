@@ -113,3 +113,35 @@ def test_gvhd_ungated_cells_stay_heterogeneous():
         src_gain = _two_component_gain(xs[vs == 0])
         assert src_gain > 0.5
         assert _two_component_gain(x[v == 0]) > 0.5 * src_gain
+
+
+def test_a_control_per_batch_leaves_the_samples_as_they_were():
+    sources, y = _sources()
+    plain = emulate_batches(sources, y, 2, 3, 400, random_state=6)
+    tasks, labels, batches, source = emulate_batches(
+        sources, y, 2, 3, 400, random_state=6, control_cells=250
+    )
+    assert len(tasks) == 8 and list(tasks.sizes[-2:]) == [250, 250]
+    np.testing.assert_array_equal(batches, [0, 0, 0, 1, 1, 1, 0, 1])
+    np.testing.assert_array_equal(source, [*plain[3], -1, -1])
+    n = plain[0].n_points
+    np.testing.assert_array_equal(tasks.points[:n], plain[0].points)
+    np.testing.assert_array_equal(labels[:n], plain[1])
+    assert set(np.unique(labels[n:])) <= set(np.unique(y))
+
+
+def test_each_control_goes_through_its_own_batchs_instrument():
+    """With ``strength=0`` every instrument is the identity and the controls draw the
+    same cells: each marker's order within a control is the same with the instruments
+    on (monotone), and the two batches' controls, alike without instruments, differ
+    with them by more than two aliquots of one batch would."""
+    sources, y = _sources()
+    plain = emulate_batches(sources, y, 2, 2, 300, random_state=7, strength=0.0, control_cells=800)
+    moved = emulate_batches(sources, y, 2, 2, 300, random_state=7, strength=2.0, control_cells=800)
+    for t in (4, 5):
+        a, b = np.asarray(plain[0][t]), np.asarray(moved[0][t])
+        for j in range(a.shape[1]):
+            np.testing.assert_array_equal(np.argsort(a[:, j]), np.argsort(b[:, j]))
+    gap_plain = np.abs(np.median(plain[0][4], 0) - np.median(plain[0][5], 0)).max()
+    gap_moved = np.abs(np.median(moved[0][4], 0) - np.median(moved[0][5], 0)).max()
+    assert gap_moved > 3 * gap_plain

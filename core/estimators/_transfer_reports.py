@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from ..alignment import MarkerQuality
+
 __all__ = ["TaskPrediction", "TaskReport"]
 
 
@@ -49,9 +51,14 @@ class TaskReport:
         refinement ran.
     calibrated : str or None
         How the task, out of range, was calibrated to the training reference before
-        the primary model answered it (``calibration_``: ``"quantile"`` or ``"mmd"``);
-        ``None`` where it was not. The distance and the flag are the task's own, as
-        it arrived.
+        the primary model answered it (``calibration_``: ``"quantile"`` or ``"mmd"``),
+        or ``"control"`` where its batch's reference control mapped it before any
+        model saw it; ``None`` where it was not. Without a control, the distance and
+        the flag are the task's own, as it arrived; with one, the mapped task's.
+    calibration : MarkerQuality or None
+        With a control: per marker, how far the map moved this task's cells, and the
+        control's distance to the training control before and after the map on
+        cells it was not fitted on (``worse``: the markers it made worse).
     """
 
     nearest_tasks: NDArray[np.int64]
@@ -62,6 +69,7 @@ class TaskReport:
     disagreement: float | None = None
     relabelled: float | None = None
     calibrated: str | None = None
+    calibration: MarkerQuality | None = None
 
 
 @dataclass

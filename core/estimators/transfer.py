@@ -57,6 +57,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
 
 from .._random import check_generator
+from ..alignment import CONTROL_LEVELS, control_map
 from ..bags import (
     Bags,
     BagValidationError,
@@ -135,6 +136,16 @@ def _as_partner(model: Any, partner: Any) -> Any:
         and partner.train_embedding_ is model.train_embedding_
     )
     return partner
+
+
+def _calibration_arrays(reports: list[TaskReport]) -> dict[str, Any]:
+    """The :class:`~core.domain.DomainReport` fields of tasks a control mapped."""
+    if not reports or any(r.calibration is None for r in reports):
+        return {}
+    return {
+        "calibration_moved": np.array([r.calibration.moved for r in reports]),
+        "calibration_worse": np.array([r.calibration.worse for r in reports]),
+    }
 
 
 class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMixin, BaseEstimator):
@@ -280,7 +291,13 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
         return self._encode(y)
 
     # ================================================================= fitting
-    def fit(self, X: Any, y: ArrayLike, groups: ArrayLike | None = None) -> _MarginalTransfer:
+    def fit(
+        self,
+        X: Any,
+        y: ArrayLike,
+        groups: ArrayLike | None = None,
+        control: ArrayLike | None = None,
+    ) -> _MarginalTransfer:
         """Fit on labelled training tasks.
 
         Parameters
@@ -300,7 +317,15 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             samples of batches like the training ones), leave-tasks-out. Otherwise
             the one model answers every task and is chosen leave-one-batch-out. The
             normalisation itself is chosen leave-tasks-out.
+        control : array-like of shape (m, d), optional
+            The training batch's *reference control*: a tube of one material measured
+            in every batch. Kept as its quantiles (``control_quantiles_``), so that a
+            new batch's control, given to :meth:`predict_tasks`, maps every sample of
+            that batch onto the training batch before any model sees it
+            (:func:`~core.alignment.control_map`). The tasks must then be one batch:
+            with ``groups`` of two batches or more, a control cannot say which.
         """
+        self._keep_control(control, groups)
         # The search, the final fits and the fallback's ask for the same medians, and
         # share their data (_training_data) and task embeddings (_fit_final); nothing
         # of it stays on the model.
@@ -313,6 +338,57 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
         # Warned from here, so that the warning points at the caller's fit().
         warn_grid_edges(self)
         return self
+
+    def _keep_control(self, control: ArrayLike | None, groups: ArrayLike | None) -> None:
+        """The training batch's reference control, as quantiles (or none)."""
+        self.control_quantiles_ = self.control_scale_ = None
+        if control is None:
+            return
+        if groups is not None and np.unique(np.asarray(groups)).size > 1:
+            raise ValueError(
+                "a reference control belongs to one batch: fit with groups of one batch, "
+                "or without the control"
+            )
+        cells = np.asarray(control, dtype=np.float64)
+        if cells.ndim != 2 or cells.shape[0] < 2 * CONTROL_LEVELS.size:
+            raise BagValidationError(
+                [
+                    f"the reference control must be cells x markers with at least "
+                    f"{2 * CONTROL_LEVELS.size} cells, got shape {cells.shape}"
+                ]
+            )
+        if not np.isfinite(cells).all():
+            raise BagValidationError(["the reference control contains NaN or Inf"])
+        self.control_quantiles_ = np.quantile(cells, CONTROL_LEVELS, axis=0)
+        self.control_scale_ = cells.std(axis=0)
+
+    def _apply_control(self, raw: Bags, control: ArrayLike | None) -> tuple[Bags, list[Any]]:
+        """``raw`` mapped by its batch's control onto the training batch, and each
+        task's calibration report; ``raw`` as it is without a control."""
+        if control is None:
+            return raw, [None] * len(raw)
+        reference = getattr(self, "control_quantiles_", None)
+        if reference is None:
+            raise ValueError(
+                "this model was fitted without a reference control (fit(..., control=)): "
+                "a batch's control has nothing to be mapped onto"
+            )
+        cells = np.asarray(control, dtype=np.float64)
+        if cells.ndim != 2 or cells.shape[1] != raw.dim:
+            raise BagValidationError(
+                [f"the control has shape {cells.shape}; the samples have {raw.dim} markers"]
+            )
+        if not np.isfinite(cells).all():
+            raise BagValidationError(["the control contains NaN or Inf"])
+        mapping, quality = control_map(cells, reference, self.control_scale_)
+        mapped = mapping(raw.points)
+        unit = np.where(self.control_scale_ > 0, self.control_scale_, 1.0)
+        moved = np.abs(mapped - raw.points) / unit
+        qualities = [
+            replace(quality, moved=np.median(moved[lo:hi], axis=0))
+            for lo, hi in zip(raw.offsets[:-1], raw.offsets[1:], strict=True)
+        ]
+        return Bags(mapped, raw.offsets, raw.weights, validate=False), qualities
 
     def _fit_tasks(self, X: Any, y: ArrayLike, groups: ArrayLike | None) -> None:
         """:meth:`fit`'s work."""
@@ -562,8 +638,14 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             )
         return out
 
-    def _scores_per_task(self, raw: Bags) -> tuple[list[NDArray[np.float64]], list[TaskReport]]:
+    def _scores_per_task(
+        self, raw: Bags, control: ArrayLike | None = None
+    ) -> tuple[list[NDArray[np.float64]], list[TaskReport]]:
         """Scores and reports of tasks given as they arrived (not yet normalised).
+
+        With their batch's reference ``control``, the tasks are first mapped by it
+        onto the training batch (:meth:`_apply_control`), and every model that answers
+        them (the primary, the fallback, the reject rule) sees the mapped cells.
 
         With an invariant fallback (``fallback_``), it answers the tasks out of range,
         and every other task is asked of both models: where they disagree by more than
@@ -573,12 +655,21 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
         check_is_fitted(self, "tau_")
         if raw.sizes.min() < 1:  # pragma: no cover - Bags never holds empty bags
             raise BagValidationError(["empty task"])
+        raw, by_control = self._apply_control(raw, control)
         # Tasks out of range are calibrated first where the fit chose that; the primary
-        # model answers them then, as the batch folds that chose it measured.
+        # model answers them then, as the batch folds that chose it measured. A
+        # batch's control has calibrated them already.
         tasks = self._normalise(raw)
         emb, sq_new = self._task_similarities(tasks)
         reports = self._reports(sq_new)
-        raw, calibrated = self._calibrated(raw, reports)
+        if control is None:
+            raw, calibrated = self._calibrated(raw, reports)
+        else:
+            calibrated = {}
+            reports = [
+                replace(r, calibrated="control", calibration=q)
+                for r, q in zip(reports, by_control, strict=True)
+            ]
         if calibrated:
             tasks = self._normalise(raw)
             emb, sq_new = self._task_similarities(tasks)
@@ -695,13 +786,14 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             relabelled=np.array(
                 [np.nan if r.relabelled is None else r.relabelled for r in reports]
             ),
+            **_calibration_arrays(reports),
         )
 
-    def domain_check(self, X: Any) -> DomainReport:
+    def domain_check(self, X: Any, control: ArrayLike | None = None) -> DomainReport:
         """How far each new task lies from the training tasks (see :meth:`domain_report`)."""
-        return self.domain_report(self.task_report(X))
+        return self.domain_report(self.task_report(X, control))
 
-    def task_report(self, X: Any) -> list[TaskReport]:
+    def task_report(self, X: Any, control: ArrayLike | None = None) -> list[TaskReport]:
         """Similarity of each new task to the training tasks, and the out-of-range flag.
 
         With a fallback the flag also depends on how the two models answer the task
@@ -712,14 +804,19 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
         check_is_fitted(self, "tau_")
         fallback = getattr(self, "fallback_", None)
         refines = self._refines() or (fallback is not None and fallback._refines())
-        calibrates = getattr(self, "calibration_", "none") != "none"
+        calibrates = getattr(self, "calibration_", "none") != "none" or control is not None
         if getattr(self, "disagreement_threshold_", None) is not None or refines or calibrates:
-            return self._scores_per_task(_as_tasks(X)[0])[1]
+            return self._scores_per_task(_as_tasks(X)[0], control)[1]
         return self._reports(self._task_similarities(self._tasks(X))[1])
 
-    def predict_tasks(self, X: Any) -> list[TaskPrediction]:
-        """Per task: a prediction for every point, the scores, and the :class:`TaskReport`."""
-        scores, reports = self._scores_per_task(_as_tasks(X)[0])
+    def predict_tasks(self, X: Any, control: ArrayLike | None = None) -> list[TaskPrediction]:
+        """Per task: a prediction for every point, the scores, and the :class:`TaskReport`.
+
+        ``control``: the reference control measured in the tasks' batch, for a model
+        fitted with the training batch's (``fit(..., control=)``): every task is mapped
+        by it onto the training batch first, and its report says how
+        (:attr:`TaskReport.calibration`)."""
+        scores, reports = self._scores_per_task(_as_tasks(X)[0], control)
         return [
             TaskPrediction(self._decode(s), self._squeeze(s), r)
             for s, r in zip(scores, reports, strict=True)
@@ -728,14 +825,15 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
     def _squeeze(self, s: NDArray[np.float64]) -> NDArray[np.float64]:
         return s[:, 0] if s.shape[1] == 1 else s
 
-    def _all_scores(self, X: Any) -> NDArray[np.float64]:
-        scores, _ = self._scores_per_task(_as_tasks(X)[0])
+    def _all_scores(self, X: Any, control: ArrayLike | None = None) -> NDArray[np.float64]:
+        scores, _ = self._scores_per_task(_as_tasks(X)[0], control)
         return np.concatenate(scores)
 
-    def predict(self, X: Any) -> NDArray[Any]:
+    def predict(self, X: Any, control: ArrayLike | None = None) -> NDArray[Any]:
         """A label (or value) for every point: one task as a 2-D array, or several tasks
-        (a :class:`~core.Bags` or list), concatenated task after task."""
-        return self._decode(self._all_scores(X))
+        (a :class:`~core.Bags` or list), concatenated task after task (``control``: as
+        in :meth:`predict_tasks`)."""
+        return self._decode(self._all_scores(X, control))
 
     # ================================================================= inspection
     def joint_features(self, X: Any) -> NDArray[np.float64]:
@@ -987,10 +1085,11 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
             return self.classes_[(scores[:, 0] > 0).astype(int)]
         return self.classes_[np.argmax(scores, axis=1)]
 
-    def decision_function(self, X: Any) -> NDArray[np.float64]:
+    def decision_function(self, X: Any, control: ArrayLike | None = None) -> NDArray[np.float64]:
         """Scores per point: ``(n_points,)`` for two classes (positive means
-        ``classes_[1]``), else ``(n_points, n_classes)`` one-vs-rest."""
-        return self._squeeze(self._all_scores(X))
+        ``classes_[1]``), else ``(n_points, n_classes)`` one-vs-rest (``control``: as
+        in :meth:`predict_tasks`)."""
+        return self._squeeze(self._all_scores(X, control))
 
     def decode_scores(self, scores: NDArray[np.float64]) -> NDArray[Any]:
         """The labels of scores as :meth:`decision_function` gives them (the labels
@@ -999,7 +1098,11 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         return self._decode(s[:, None] if s.ndim == 1 else s)
 
     def far_from_populations(
-        self, X: Any, labels: NDArray[Any], level: float = 0.999
+        self,
+        X: Any,
+        labels: NDArray[Any],
+        level: float = 0.999,
+        control: ArrayLike | None = None,
     ) -> NDArray[np.bool_]:
         """Whether each cell lies far from the population it was labelled with: its
         squared Mahalanobis distance to that population's training mean, under its
@@ -1015,9 +1118,12 @@ class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):
         labels : ndarray of shape (n_points,)
             The labels :meth:`predict` gave them.
         level : float, default=0.999
+        control : array-like, optional
+            The tasks' batch control, as given to :meth:`predict_tasks`: distances are
+            measured on the cells it maps, as the labels were given.
         """
         check_is_fitted(self, "population_means_")
-        tasks = self._tasks(X)
+        tasks = self._normalise(self._apply_control(_as_tasks(X)[0], control)[0])
         labels = np.asarray(labels)
         if labels.shape[0] != tasks.n_points:
             raise BagValidationError(

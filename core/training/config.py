@@ -12,7 +12,11 @@ A configuration (see ``examples/``) has these tables; paths are relative to the 
                      that way); groups (CSV: file_column + group_column, default
                      "group": the subject, patient or donor of each file; the folds,
                      the estimator's own search and calibration and the domain check
-                     then leave whole subjects out); n_jobs (parallel reading)
+                     then leave whole subjects out); n_jobs (parallel reading);
+                     control (per-cell models: the training batch's reference
+                     control file, one tube of one material measured in every
+                     batch; a new batch's control then maps its samples onto the
+                     training batch, see ``MarginalTransferClassifier.fit``)
     [labels]         unassigned: the label (after ``label_map``) of cells no
                      population claims (e.g. the ungated ones); they are answered
                      as ``"unassigned"``, their own row everywhere, and the model

@@ -19,8 +19,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from ..bags import Bags
 from ..errors import ConfigError, DataError
 from ..estimators._transfer_reject import UNASSIGNED
+from ..hashing import file_sha256
 from ..io import Compensation, Dataset, Panel, load_dataset, read_file_table
 from ..streaming import points_sha256
 from .config import _config_compensation, _config_panel, _resolve, config_rest_label
@@ -55,7 +57,7 @@ def read_data(
     label_map = data.pop("label_map", None)
     # Batches, groups and sample ids are read by training (config_batches,
     # config_groups, _bag_names), not here.
-    for key in ("batches", "batch_column", "groups", "group_column", "sample_column"):
+    for key in ("batches", "batch_column", "groups", "group_column", "sample_column", "control"):
         data.pop(key, None)
     known = {"file_column", "label_column", "cell_label_column", "n_jobs"}
     if set(data) - known:
@@ -77,6 +79,23 @@ def read_data(
     if dataset.y is not None:
         dataset.y = _mark_unassigned(config, _apply_label_map(label_map, dataset.y))
     return dataset
+
+
+def read_control(config: Mapping[str, Any], panel: Panel) -> tuple[Bags, dict[str, str]] | None:
+    """``[data] control``: the training batch's reference control (one file, relative
+    to the configuration), compensated as ``[preprocessing]`` says and aligned to
+    ``panel``, as one bag, with its file name and sha256 (the model's provenance);
+    ``None`` without one."""
+    name = (config.get("data") or {}).get("control")
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise ConfigError(f"[data] control must be one file name, got {name!r}")
+    path = Path(config["_base"]) / name
+    if not path.is_file():
+        raise ConfigError(f"[data] control: no file {path.name!r} beside the configuration")
+    dataset = load_dataset([path], panel=panel, compensation=_config_compensation(config))
+    return dataset.bags, {"file": name, "sha256": file_sha256(path)}
 
 
 def _mark_unassigned(config: Mapping[str, Any], y: np.ndarray) -> np.ndarray:

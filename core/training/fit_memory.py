@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..hashing import file_sha256
 from ..io import Preprocessing
 from .config import CELL_LEVEL
-from .data import _bag_names, bag_fingerprints, read_data
+from .data import _bag_names, bag_fingerprints, read_control, read_data
 from .folds import FoldCache, _cv_predictions, _folds, _params_key
 from .groups import _grouping, _groups_kw, config_batches
 from .saving import _Fitted
@@ -41,9 +41,10 @@ class _InMemorySearch:
         markers: list[str],
         progress: bool,
         fit_groups: np.ndarray | None = None,
+        control: Bags | None = None,
     ) -> None:
         self.bags, self.y, self.folds = bags, y, folds
-        self.fit_groups = fit_groups
+        self.fit_groups, self.control = fit_groups, control
         self.cell_level, self.pre_spec, self.markers = cell_level, pre_spec, markers
         self.progress = progress
         self.preprocessing = Preprocessing(**pre_spec).fit(bags, markers)
@@ -71,6 +72,7 @@ class _InMemorySearch:
                 self.oof_scores,
                 self.fit_groups,
                 self.fold_cache,
+                self.control,
             )
             for est, _ in tqdm(
                 candidates,
@@ -86,6 +88,8 @@ class _InMemorySearch:
         bags = self._final_bags
         every = np.arange(len(self.bags))
         groups = _groups_kw(self.fit_groups, every)
+        if self.control is not None:
+            groups["control"] = self.preprocessing.apply(self.control, self.markers).points
         # The kept candidate and its widened refit embed every bag alike: once.
         shared = self.fold_cache.embedded("all", estimator, bags, None)
         if shared is not None:
@@ -123,6 +127,17 @@ def _train_in_memory(
             "[preprocessing] max_points drops cells, which a per-cell model needs labelled"
         )
     batches = config_batches(config, data.files)
+    control, control_file = read_control(config, data.panel) or (None, None)
+    if control is not None and not cell_level:
+        raise ConfigError(
+            "[data] control: a batch's reference control calibrates per-cell models "
+            "(MarginalTransferClassifier, MarginalTransferRegressor) only"
+        )
+    if control is not None and batches is not None and np.unique(batches).size > 1:
+        raise ConfigError(
+            "[data] control: a reference control belongs to one batch, and [data] "
+            "batches names several"
+        )
     if batches is not None and not cell_level:
         raise ConfigError(
             "[data] batches: batch-aware selection is for per-cell models "
@@ -142,7 +157,7 @@ def _train_in_memory(
     # bag-level model's, the subjects (its search, calibration and domain check).
     fit_groups = batches if cell_level else subjects
     searcher = _InMemorySearch(
-        data.bags, y, folds, cell_level, pre_spec, markers, progress, fit_groups
+        data.bags, y, folds, cell_level, pre_spec, markers, progress, fit_groups, control
     )
     # A widened refit fits the kept candidate on the same folds again: the marginal-
     # transfer fits then reuse the first fits' fold evaluations (same results).
@@ -186,4 +201,5 @@ def _train_in_memory(
         np.asarray(data.bags.sizes),
         calibration,
         grouping,
+        control_file,
     )

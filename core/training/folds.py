@@ -72,6 +72,19 @@ def _folds(
     return folds
 
 
+def _in_columns(scores: np.ndarray, known: np.ndarray, classes: np.ndarray) -> np.ndarray:
+    """A fold model's one-vs-rest scores in the columns of every class of the data.
+
+    A fold whose training samples lack a class (a rare population in a few samples)
+    has a model without it: its scores sit in that model's classes' columns, and a
+    class it cannot give scores ``-1``, the ``±1`` coding's "not this class". Its
+    one margin for two classes is ``(-s, s)``."""
+    out = np.full((scores.shape[0], classes.size), -1.0)
+    cols = np.searchsorted(classes, known)
+    out[:, cols] = np.column_stack([-scores, scores]) if scores.ndim == 1 else scores
+    return out
+
+
 class FoldCache:
     """What every candidate of one search computes alike on a fold, computed once.
 
@@ -87,6 +100,7 @@ class FoldCache:
 
     def __init__(self) -> None:
         self._bags: dict[int, tuple[Bags, Bags]] = {}
+        self._pre: dict[int, Preprocessing] = {}
         self._embedded: dict[tuple[int, str], tuple[Any, Any, Any]] = {}
         self._stack = ExitStack()
 
@@ -104,7 +118,15 @@ class FoldCache:
         if i not in self._bags:
             pre = Preprocessing(**pre_spec).fit(raw[train], markers)
             self._bags[i] = pre.apply(raw[train], markers), pre.apply(raw[val], markers)
+            self._pre[i] = pre
         return self._bags[i]
+
+    def control(self, i: int, control: Bags | None, markers: list[str]) -> dict[str, Any]:
+        """The ``control=`` keyword of fold ``i``'s fit: the training batch's reference
+        control preprocessed as the fold's bags (after :meth:`bags`), or nothing."""
+        if control is None:
+            return {}
+        return {"control": self._pre[i].apply(control, markers).points}
 
     def embedded(self, i: int | str, model: BaseEstimator, bags_tr: Bags, bags_va: Bags | None):
         """Fold ``i``'s fitted representation and embeddings for ``model`` (``i="all"``,
@@ -131,6 +153,7 @@ class FoldCache:
         """Drop what was kept (the ``T x T`` products with it)."""
         self._stack.close()
         self._bags.clear()
+        self._pre.clear()
         self._embedded.clear()
 
 
@@ -146,9 +169,14 @@ def _cv_predictions(
     scores_out: dict[str, np.ndarray] | None = None,
     fit_groups: np.ndarray | None = None,
     cache: FoldCache | None = None,
+    control: Bags | None = None,
 ) -> np.ndarray:
     """Out-of-fold predictions: each bag (or cell) is predicted by a model, preprocessing
     included, that never saw it (a progress bar over the folds with ``progress``).
+
+    ``control``: a per-cell model's training-batch reference control (``[data]
+    control``), given to each fold's fit preprocessed as its bags; the held-out bags
+    are of that batch, so they are predicted as they are.
 
     ``fit_groups`` (one per bag) go to each fold's fit as ``groups``: the batches of a
     per-cell model, the subjects of a bag-level one.
@@ -164,6 +192,7 @@ def _cv_predictions(
 
     pred = np.empty(y.shape, dtype=object if y.dtype.kind in "OUS" else np.float64)
     keep_scores = cell_level and scores_out is not None and hasattr(est, "decode_scores")
+    classes = np.unique(y) if keep_scores else np.empty(0)
     scores: np.ndarray | None = None
     own = cache is None
     cache = FoldCache() if cache is None else cache
@@ -176,13 +205,18 @@ def _cv_predictions(
             if cell_level:
                 y_tr = np.concatenate([y[raw.offsets[t] : raw.offsets[t + 1]] for t in train])
                 rows = np.concatenate([np.arange(raw.offsets[t], raw.offsets[t + 1]) for t in val])
-                model.fit(bags_tr, y_tr, **_groups_kw(fit_groups, train))
+                model.fit(
+                    bags_tr,
+                    y_tr,
+                    **_groups_kw(fit_groups, train),
+                    **cache.control(i, control, markers),
+                )
                 if keep_scores:
                     s = model.decision_function(bags_va)
-                    if scores is None:
-                        scores = np.empty((y.shape[0], *s.shape[1:]))
-                    scores[rows] = s
                     pred[rows] = model.decode_scores(s)
+                    if scores is None:
+                        scores = np.full((y.shape[0], classes.size), np.nan)
+                    scores[rows] = _in_columns(s, model.classes_, classes)
                 else:
                     pred[rows] = model.predict(bags_va)
             elif (shared := cache.embedded(i, model, bags_tr, bags_va)) is not None:
@@ -197,7 +231,8 @@ def _cv_predictions(
             cache.close()
     if keep_scores and scores is not None:
         assert scores_out is not None
-        scores_out[_params_key(est)] = scores
+        # Two classes: the one margin of classes[1], as the final model gives it.
+        scores_out[_params_key(est)] = scores[:, 1] if classes.size == 2 else scores
     return pred
 
 

@@ -61,6 +61,8 @@ class _Fitted:
     calibration: dict[str, Any] | None = None
     #: How the folds were grouped (:func:`_grouping`).
     grouping: dict[str, Any] = field(default_factory=dict)
+    #: Per-cell models: the training batch's reference control (file, sha256).
+    control: dict[str, str] | None = None
 
 
 def _save(
@@ -106,6 +108,8 @@ def _save(
     }
     if fitted.calibration is not None:
         metrics["probability_calibration"] = fitted.calibration
+    if fitted.control is not None:
+        metrics["reference_control"] = fitted.control
     files = report.render(
         fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
     )
@@ -166,6 +170,7 @@ def _save(
         "serving": serving,
         "calibration": _calibration_record(fitted.final),
         "new_batches": _new_batch_record(fitted.final),
+        "reference_control": fitted.control,
         "metrics": json.loads(json.dumps(metrics["cv"], default=str)),
         "config": {k: v for k, v in config.items() if not k.startswith("_")},
     }

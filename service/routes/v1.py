@@ -207,6 +207,22 @@ _PREDICT_DOC: dict[str, Any] = {
                 "own in the `population` summary. Not with `probabilities`."
             ),
         },
+        {
+            "name": "control",
+            "in": "query",
+            "required": False,
+            # No example: it names a bag of the request, and applies to per-cell models
+            # trained with a reference control only.
+            "schema": {"type": "string", "maxLength": 256},
+            "description": (
+                "Per-cell models trained with a reference control (`[data] control`): the "
+                "id of the request's bag that is this batch's control. Its map (per "
+                "marker, its quantiles onto the training control's) is applied to every "
+                "other bag before the model answers; each bag's `report.calibration` says "
+                "how far it moved each marker and which markers it made worse. The "
+                "control gets no answer of its own; a note names it with its sha256."
+            ),
+        },
         *(
             {
                 "name": name,
