@@ -739,7 +739,11 @@ def _parser() -> argparse.ArgumentParser:
         help="metrics of a model on the data of a configuration (its unseen bags only)",
     )
     e.add_argument("model")
-    e.add_argument("data", help="a TOML file with a [data] table (labels included)")
+    e.add_argument(
+        "data",
+        help="a TOML file with a [data] table (files and their labels); a training "
+        "configuration will do, its other tables are not read",
+    )
     e.add_argument(
         "--include-training",
         action="store_true",
