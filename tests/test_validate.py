@@ -240,3 +240,17 @@ def test_validate_per_cell_model(tmp_path):
         r["pass"] for r in doc["acceptance"] if r["set"] == "all"
     ]
 
+
+def test_the_card_and_the_readme_state_the_intended_use():
+    from bagserve.core.card import render_card
+
+    root = Path(__file__).resolve().parents[1]
+    stated = {"config": {"model": {"intended_use": "Dose of a yeast culture, research."}}}
+    for metadata in ({}, stated):
+        card = render_card(metadata, estimator="DistributionRidge", kind="regression")
+        section = card.split("## Intended use", 1)[1].split("\n## ", 1)[0]
+        assert "research use only, unless a laboratory validates" in section
+        assert "`bagserve validate`" in section
+    assert "Dose of a yeast culture, research." in card
+    readme = (root / "README.md").read_text()
+    assert "bagserve is for research use only, unless a laboratory validates" in readme
