@@ -21,6 +21,9 @@ from bagserve.core.validation import TrainingSampleError, render_html, validate
 
 from bagserve.cli import main, predict_files
 
+# The small models fitted here choose at their grids' edges; what is tested is validate.
+pytestmark = pytest.mark.filterwarnings("ignore::bagserve.core.selection.GridEdgeWarning")
+
 
 def _write_bag(path: Path, points: np.ndarray, markers: list[str]) -> Path:
     header = ",".join(markers)
@@ -191,6 +194,44 @@ def test_replicates_give_precision(dose_model, tmp_path):
     assert row["specimen"] == "spec0" and row["n"] == 3 == len(values)
     # One replicate per run: the spread is all between runs, none within.
     assert row["n_runs"] == 3 and row["sd_repeatability"] is None
+
+
+def test_validate_bag_classifier(tmp_path):
+    from bagserve.core import DistributionRidgeClassifier
+
+    bags, dose, markers = demo_samples("dose", 30, 4)
+    level = np.where(dose > np.median(dose), "high", "low")
+    model = DistributionRidgeClassifier(
+        SlicedWasserstein(n_directions=20, n_levels=20, random_state=0), random_state=0
+    ).fit(bags, level)
+    path = save(
+        model, tmp_path / "m", name="level", version="1", panel=Panel(tuple(markers)).to_json()
+    )
+    new, new_dose, _ = demo_samples("dose", 12, 5)
+    truth = np.where(new_dose > np.median(dose), "high", "low")
+    rows = ["file,level"]
+    for i in range(len(new)):
+        _write_bag(tmp_path / f"c{i:02d}.csv", new[i], markers)
+        rows.append(f"c{i:02d}.csv,{truth[i]}")
+    (tmp_path / "refs.csv").write_text("\n".join(rows) + "\n")
+    toml = tmp_path / "validate.toml"
+    toml.write_text(
+        '[data]\nfiles = "c*.csv"\nlabels = "refs.csv"\nlabel_column = "level"\n'
+        "[acceptance]\nsensitivity = [0.5, 1.0]\nkappa = [-1.0, 1.0]\n"
+    )
+    doc = validate(path, toml)
+    served = predict_files(path, sorted(tmp_path.glob("c*.csv")))["results"]
+    called = np.array([r["prediction"] for r in served])
+    assert [r["model"] for r in doc["per_sample"]] == called.tolist()
+    assert [r["agrees"] for r in doc["per_sample"]] == (called == truth).tolist()
+    q = doc["qualitative"]["all"]
+    assert q["n"] == 12 and doc["quantitative"] is None
+    assert q["concordance"]["k"] == int(np.sum(called == truth))
+    # Sensitivity judged for every class, on both sets; kappa once per set.
+    assert len(doc["acceptance"]) == 2 * (2 + 1)
+    toml.write_text(toml.read_text() + "slope = [0.9, 1.1]\n")
+    with pytest.raises(ConfigError, match="slope: the model gives classes"):
+        validate(path, toml)
 
 
 def test_validate_per_cell_model(tmp_path):
