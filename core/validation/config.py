@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..hashing import bytes_sha256
 from .qualitative import INTERVALS
 
 __all__ = ["ACCEPTANCE_KEYS", "ValidationConfig", "load_validation_config"]
@@ -65,6 +66,8 @@ class ValidationConfig:
     Attributes
     ----------
     path : Path
+    sha256 : str
+        Of the bytes read (the study names the file it read, not one changed since).
     data : dict
         The ``[data]`` (and ``[labels]``) tables in the form training reads them
         (:func:`core.training.read_data`), with ``_base`` set.
@@ -77,6 +80,7 @@ class ValidationConfig:
     """
 
     path: Path
+    sha256: str
     data: dict[str, Any]
     confidence: float = 0.95
     error_ratio: float = 1.0
@@ -121,10 +125,11 @@ def load_validation_config(path: str | Path) -> ValidationConfig:
     """
     path = Path(path)
     try:
-        doc = tomllib.loads(path.read_text())
+        raw = path.read_bytes()
+        doc = tomllib.loads(raw.decode())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    except tomllib.TOMLDecodeError as exc:
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: invalid TOML ({exc})") from exc
     unknown = set(doc) - _TABLES
     if unknown:
@@ -173,6 +178,7 @@ def load_validation_config(path: str | Path) -> ValidationConfig:
         )
     return ValidationConfig(
         path=path,
+        sha256=bytes_sha256(raw),
         data=data,
         confidence=confidence,
         error_ratio=error_ratio,

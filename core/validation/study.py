@@ -184,7 +184,7 @@ def validate(model: str | Path | Any, data: str | Path | ValidationConfig) -> di
             "intended_use": config_model.get("intended_use"),
         },
         "data": {
-            "validation_file": {"name": config.path.name, "sha256": file_sha256(config.path)},
+            "validation_file": {"name": config.path.name, "sha256": config.sha256},
             "tables": _tables(cfg, config),
             "files": [
                 {"sample": r["sample"], "file": r["file"], "sha256": r["sha256"]} for r in base_rows
