@@ -18,6 +18,7 @@ from bagserve.core.hashing import file_sha256, json_sha256
 from bagserve.core.io import Panel, Preprocessing
 from bagserve.core.training import bag_fingerprints
 from bagserve.core.validation import TrainingSampleError, render_html, validate
+from sklearn.metrics import cohen_kappa_score
 
 from bagserve.cli import main, predict_files
 
@@ -270,6 +271,15 @@ def test_validate_per_cell_model(tmp_path):
         assert row["model"] == pytest.approx(100 * np.mean(cells0 == c))
         assert row["reference"] == pytest.approx(100 * np.mean(labels[: len(bags[0])] == c))
         assert row["cell_concordance"] == pytest.approx(np.mean(cells0 == labels[: len(bags[0])]))
+    # Per sample, its own cells' agreement.
+    start = 0
+    for i, one in enumerate(q["per_sample"]):
+        n = len(bags[i])
+        cells, truth = predicted[start : start + n], labels[start : start + n]
+        assert one["sample"] == f"p{i}.csv" and one["n"] == n
+        assert one["concordance"]["estimate"] == pytest.approx(np.mean(cells == truth))
+        assert one["kappa"]["kappa"] == pytest.approx(cohen_kappa_score(truth, cells))
+        start += n
     # Concordance on both sets, bias on every population and both sets.
     assert len(doc["acceptance"]) == 2 + 2 * len(classes)
     page = render_html(doc)

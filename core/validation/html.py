@@ -331,6 +331,23 @@ def _share(share: Mapping[str, Any]) -> str:
     return f"{_pct(share['estimate'])} ({_ci(share['ci'], _pct)})"
 
 
+def _per_sample_agreement(a: Mapping[str, Any]) -> str:
+    """Each sample's cell agreement: concordance, kappa, each class's sensitivity."""
+    head = ["sample", "cells", "concordance (CI)", "kappa (CI)"]
+    head += [f"sensitivity {c}" for c in a["classes"]]
+    rows = [
+        (
+            s["sample"],
+            s["n"],
+            _share(s["concordance"]),
+            f"{_num(s['kappa']['kappa'])} ({_ci(s['kappa']['kappa_ci'])})",
+            *(_pct(c["sensitivity"]["estimate"]) for c in s["per_class"]),
+        )
+        for s in a["per_sample"]
+    ]
+    return _table(head, rows)
+
+
 def _qualitative(doc: Mapping[str, Any]) -> str:
     q = doc["qualitative"]
     if q is None:
@@ -354,6 +371,8 @@ def _qualitative(doc: Mapping[str, Any]) -> str:
         matrix = [(f"reference {c}", *r) for c, r in zip(a["classes"], a["confusion"], strict=True)]
         out.append("<p class='muted'>Confusion matrix: rows reference, columns model.</p>")
         out.append(_table(["", *(f"model {c}" for c in a["classes"])], matrix))
+        if a.get("per_sample"):
+            out.append(f"<p>Per sample (its cells):</p>{_per_sample_agreement(a)}")
     out.append("</section>")
     return "".join(out)
 

@@ -17,7 +17,7 @@ What is compared depends on the model (:class:`~core.runtime.ModelKind`):
   (qualitative: concordance, sensitivity, specificity, PPV, NPV, kappa);
 * per-cell classifiers: each population's percent of the sample's cells against the
   reference gates' (quantitative, one analysis per population), and the label of
-  every cell against its reference gate (qualitative).
+  every cell against its reference gate (qualitative: over all cells, and per sample).
 
 A sample the model declined (withheld by its policy, or outside its applicability
 domain) is counted and listed, and every analysis is given twice: on all samples and
@@ -263,8 +263,9 @@ def _tables(cfg: Mapping[str, Any], config: ValidationConfig) -> list[dict[str, 
 
 # A quantitative input: per measurand, (reference, model) arrays over the samples.
 Measurands = dict[str, tuple[np.ndarray, np.ndarray]]
-# A qualitative input: (reference, model) labels, which sample each belongs to, classes.
-Labels = tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]
+# A qualitative input: (reference, model) labels, the sample of each label, the classes,
+# and the samples' names when each sample has many labels (its cells).
+Labels = tuple[np.ndarray, np.ndarray, np.ndarray, list[str], list[str] | None]
 
 
 def _value_results(
@@ -316,7 +317,7 @@ def _class_results(
         }
         for i, r in enumerate(rows)
     ]
-    return out, None, (reference, model, np.arange(len(rows)), classes)
+    return out, None, (reference, model, np.arange(len(rows)), classes, None)
 
 
 def _cell_results(
@@ -357,7 +358,8 @@ def _cell_results(
     measurands = {
         f"{name} (% of cells)": (ref_pct[:, c], model_pct[:, c]) for c, name in enumerate(classes)
     }
-    return out, measurands, (reference, model, bag, classes)
+    names = [r["sample"] for r in rows]
+    return out, measurands, (reference, model, bag, classes, names)
 
 
 def _label_keys(y: np.ndarray) -> np.ndarray:
@@ -407,15 +409,25 @@ def _quantitative(
 def _qualitative(
     labels: Labels, declined: np.ndarray, which: str, config: ValidationConfig
 ) -> dict[str, Any]:
-    reference, model, owner, classes = labels
+    reference, model, owner, classes, names = labels
     keep = np.ones(reference.size, bool) if which == "all" else ~declined[owner]
-    return qualitative_agreement(
-        reference[keep],
-        model[keep],
-        classes,
-        interval=config.interval,
-        confidence=config.confidence,
-    )
+    options = {"interval": config.interval, "confidence": config.confidence}
+    out = qualitative_agreement(reference[keep], model[keep], classes, **options)
+    if names is not None:
+        # Per sample (its cells), for the samples of the set: one call per sample, not
+        # per cell.
+        order = np.argsort(owner, kind="stable")
+        bounds = np.searchsorted(owner[order], np.arange(len(names) + 1))
+        out["per_sample"] = []
+        for i, name in enumerate(names):
+            if which != "all" and declined[i]:
+                continue
+            at = order[bounds[i] : bounds[i + 1]]
+            one = qualitative_agreement(reference[at], model[at], classes, **options)
+            out["per_sample"].append(
+                {"sample": name, **{k: one[k] for k in ("n", "concordance", "kappa", "per_class")}}
+            )
+    return out
 
 
 def _precision(
