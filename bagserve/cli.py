@@ -1,4 +1,4 @@
-"""The ``bagserve`` command: train, evaluate, predict, list models, build the demo.
+"""The ``bagserve`` command: train, evaluate, validate, predict, list models, build the demo.
 
 Exit codes fit scripts: 0 on success, 1 with one ``error: ...`` line on stderr for any
 data, configuration or model problem, 2 for a wrong command line, 130 on Ctrl-C.
@@ -56,6 +56,21 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     # alone (a script keeping stdout) is not the only one told.
     print(f"evaluate: {result['note']}", file=sys.stderr)
     print(json.dumps(result, default=str))
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from .core.validation import validate, write_study
+
+    doc = validate(args.model, args.data)
+    paths = write_study(doc, args.out)
+    samples = doc["samples"]
+    print(
+        f"validate: {samples['n']} sample(s), {samples['n_declined']} declined by the model; "
+        f"acceptance: {doc['verdict']}",
+        file=sys.stderr,
+    )
+    print(json.dumps({"verdict": doc["verdict"], **{k: str(v) for k, v in paths.items()}}))
     return 0
 
 
@@ -763,7 +778,11 @@ def _parser() -> argparse.ArgumentParser:
         help="metrics of a model on the data of a configuration (its unseen bags only)",
     )
     e.add_argument("model")
-    e.add_argument("data", help="a TOML file with a [data] table (labels included)")
+    e.add_argument(
+        "data",
+        help="a TOML file with a [data] table (files and their labels); a training "
+        "configuration will do, its other tables are not read",
+    )
     e.add_argument(
         "--include-training",
         action="store_true",
@@ -772,6 +791,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--quiet", action="store_true")
     e.set_defaults(func=_cmd_evaluate)
+
+    v = sub.add_parser(
+        "validate",
+        help="compare a model with a reference method on new samples (CLSI EP09/EP12)",
+        description="Runs a saved model exactly as served on samples with reference "
+        "results (a validation TOML: [data] with files and references, [acceptance] "
+        "limits, [statistics], [precision], [report]) and writes validation.html "
+        "(printable, with a signature block), validation.json and per_sample.csv into "
+        "--out. Samples the model was trained on are refused.",
+    )
+    v.add_argument("model", help="a saved model's directory")
+    v.add_argument("data", help="the validation TOML file")
+    v.add_argument("--out", required=True, help="directory for the three files")
+    v.set_defaults(func=_cmd_validate)
 
     ba = sub.add_parser(
         "batch",

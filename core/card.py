@@ -25,6 +25,12 @@ _POLICY_TEXT = {
     "preliminary, for a person to confirm.",
     "withhold": "Out-of-domain policy `withhold`: such answers carry no value, only why.",
 }
+#: The product's intended use, stated on every card whatever the configuration says.
+_PRODUCT_USE = (
+    "bagserve models are for research use only, unless a laboratory validates the model "
+    "as its own test for the use above (`bagserve validate`: a method comparison on "
+    "samples it was not trained on, signed by the laboratory director)."
+)
 _CALIBRATION_TEXT = {
     "cv+": "conformal CV+ (the hyperparameter search repeated inside every calibration fold)",
     "jackknife+": "conformal jackknife+ (closed-form leave-one-out residuals)",
@@ -77,6 +83,7 @@ def render_card(
         ),
         "",
     ]
+    lines += [_PRODUCT_USE, ""]
     if model_cfg.get("limitations"):
         lines += ["## Limitations", "", str(model_cfg["limitations"]), ""]
     policy = (metadata.get("serving") or {}).get("out_of_domain", "preliminary")

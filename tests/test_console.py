@@ -184,6 +184,14 @@ def test_the_console_predicts_a_sample_in_a_real_browser(url, browser, shots):
     browser.wait_for("document.querySelectorAll('#audit tbody tr').length >= 2")
     first = browser.evaluate("document.querySelector('#audit tbody tr').textContent")
     assert "demo-gating/1" in first and "200" in first
+    # Each answer's status and domain flag, bag by bag, not only the HTTP code: the
+    # far sample's answer was preliminary, out of the model's domain.
+    browser.wait_for("document.querySelectorAll('#audit tbody tr').length >= 3")
+    answers = browser.evaluate(
+        "[...document.querySelectorAll('#audit tbody tr')].slice(0, 3)"
+        ".map(r => r.querySelector('td.answers').textContent)"
+    )
+    assert answers == ["final", "preliminary out of domain", "final"], answers
     assert_not_blank(browser.screenshot(shots / "console-cells.png"))
     assert_local_only(browser, url)
     assert not browser.console_errors, browser.console_errors

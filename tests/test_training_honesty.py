@@ -517,6 +517,23 @@ def test_evaluate_on_disjoint_bags_reports_every_bag(widened, evaluation_data, c
     assert "none of the" in captured.err
 
 
+def test_evaluate_reads_a_file_of_the_data_alone(widened, evaluation_data, capsys):
+    # `evaluate --help` says a [data] table is enough: a file without [estimator] (nor
+    # any other training table) is evaluated like the training configuration it came from.
+    result, _ = widened
+    cfg, _, _ = evaluation_data["disjoint"]
+    data_only = cfg.with_name("data_only.toml")
+    text = cfg.read_text()
+    start = text.index("[data]")
+    end = text.find("\n[", start + 1)
+    data_only.write_text(text[start : None if end < 0 else end] + "\n")
+    assert "[estimator]" not in data_only.read_text()
+    assert main(["evaluate", str(result.path), str(data_only), "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["rmse"] == pytest.approx(
+        evaluate(result.path, cfg)["rmse"], rel=1e-12
+    )
+
+
 def test_evaluate_leaves_training_bags_out_by_fingerprint(synthetic, widened, evaluation_data):
     _root, names, *_ = synthetic
     result, _ = widened

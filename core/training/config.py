@@ -88,7 +88,12 @@ ESTIMATORS: dict[str, type[BaseEstimator]] = {
 CELL_LEVEL = (MarginalTransferClassifier, MarginalTransferRegressor)
 
 
-def load_config(path: str | Path) -> dict[str, Any]:
+def load_config(
+    path: str | Path, required: tuple[str, ...] = ("data", "estimator")
+) -> dict[str, Any]:
+    """The configuration at ``path``, its tables checked by name, with ``_base`` (its
+    directory) added; ``required`` names the tables it must have (evaluation reads
+    ``[data]`` alone)."""
     path = Path(path)
     try:
         config = tomllib.loads(path.read_text())
@@ -112,7 +117,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
     unknown = set(config) - known
     if unknown:
         raise ConfigError(f"{path}: unknown table(s) {sorted(unknown)}; expected {sorted(known)}")
-    for table in ("data", "estimator"):
+    for table in required:
         if table not in config:
             raise ConfigError(f"{path}: missing [{table}] table")
     config["_base"] = str(path.resolve().parent)

@@ -47,7 +47,8 @@ def evaluate(
     model_path : path
         The artifact.
     config_path : path
-        A configuration whose ``[data]`` table names the bags and their labels.
+        A TOML file whose ``[data]`` table names the bags and their labels (a
+        training configuration will do; its other tables are not read).
     include_training : bool, default=False
         Report the metrics on every bag, training bags included, and the unseen
         bags' metrics under ``"unseen_only"``. Without it only the unseen bags count.
@@ -77,7 +78,9 @@ def evaluate(
     from ..runtime import ModelRuntime
 
     runtime = ModelRuntime.open(model_path)
-    config = load_config(config_path)
+    # Only [data] is read: a file of the data alone will do, and so does a training
+    # configuration (the model's own panel and compensation are used, not its tables).
+    config = load_config(config_path, required=("data",))
     data = read_data(
         config,
         panel=runtime.info.panel,

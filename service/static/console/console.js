@@ -277,6 +277,18 @@ function scatter(plot, classes) {
 }
 
 // ------------------------------------------------------------------ audit trail
+// Each answer's status under the model's policy and its domain flag, bag by bag, as the
+// record keeps them: a preliminary or withheld answer is what a reviewer looks for.
+function auditAnswers(output) {
+  const statuses = (output && output.status) || [];
+  const flags = (output && output.out_of_range) || [];
+  const shown = statuses.slice(0, 5).map((s, i) => el("div", { class: "answer" },
+    el("span", { class: `status ${s}` }, s),
+    flags[i] ? el("span", { class: "flag" }, " out of domain") : ""));
+  if (statuses.length > 5) shown.push(el("div", { class: "muted" }, `and ${statuses.length - 5} more`));
+  return shown;
+}
+
 async function loadAudit() {
   const body = $("audit").tBodies[0];
   try {
@@ -284,9 +296,10 @@ async function loadAudit() {
     body.replaceChildren(...answer.entries.map((e) => el("tr", {},
       el("td", {}, e.time), el("td", {}, e.model ? `${e.model.name}/${e.model.version}` : ""),
       el("td", {}, e.status), el("td", {}, (e.bag_sizes || []).length),
+      el("td", { class: "answers" }, ...auditAnswers(e.output)),
       el("td", {}, (e.request_sha256 || e.input_sha256 || "").slice(0, 16)), el("td", {}, e.request_id))));
   } catch (error) {
-    body.replaceChildren(el("tr", {}, el("td", { colspan: 6 }, error.message)));
+    body.replaceChildren(el("tr", {}, el("td", { colspan: 7 }, error.message)));
   }
 }
 
