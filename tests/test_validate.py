@@ -85,7 +85,7 @@ def test_validate_regression_writes_the_three_files(dose_model, tmp_path, capsys
     assert main(["validate", str(path), str(toml), "--out", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out)
     doc = json.loads((out / "validation.json").read_text())
-    assert summary["verdict"] == doc["verdict"] in ("pass", "fail")
+    assert summary["verdict"] == doc["verdict"] in ("pass", "fail", "not shown")
     # The model's values are those `bagserve predict` gives for the same files.
     files = sorted(tmp_path.glob("s*.csv"))
     served = predict_files(path, files)["results"]
@@ -110,9 +110,17 @@ def test_validate_regression_writes_the_three_files(dose_model, tmp_path, capsys
     # Each limit judged on both sets; slope on both regressions.
     judged = {(r["criterion"], r["statistic"], r["set"]) for r in doc["acceptance"]}
     assert len(judged) == len(doc["acceptance"]) == 2 * (1 + 2 + 1)
+    # Inside the limits with its confidence interval: pass; the estimate outside:
+    # fail; the estimate inside and its interval not: not shown (CLSI EP09).
     for r in doc["acceptance"]:
-        assert r["pass"] == (r["low"] <= r["estimate"] <= r["high"])
-    assert doc["verdict"] == ("pass" if all(r["pass"] for r in doc["acceptance"]) else "fail")
+        inside = r["low"] <= r["estimate"] <= r["high"]
+        ci_inside = r["low"] <= r["ci"][0] and r["ci"][1] <= r["high"]
+        want = "fail" if not inside else "pass" if ci_inside else "not shown"
+        assert r["verdict"] == want and r["pass"] == (want == "pass")
+    verdicts = {r["verdict"] for r in doc["acceptance"]}
+    assert doc["verdict"] == (
+        "fail" if "fail" in verdicts else "not shown" if "not shown" in verdicts else "pass"
+    )
     # Provenance: the model, the files and tables with their sha256, the software.
     assert (
         doc["model"]["sha256"]
@@ -140,8 +148,8 @@ def test_validate_regression_writes_the_three_files(dose_model, tmp_path, capsys
     # Every judged estimate and its verdict are on the page, as the JSON has them.
     for r in doc["acceptance"]:
         assert f"{r['estimate']:.4g}" in page
-    verdicts = re.findall(r'<td class="(pass|fail)">(PASS|FAIL)</td>', page)
-    assert [v[0] == "pass" for v in verdicts] == [r["pass"] for r in doc["acceptance"]]
+    verdicts = re.findall(r'<td class="(pass|fail|unshown)">(PASS|FAIL|NOT SHOWN)</td>', page)
+    assert [v[1] for v in verdicts] == [r["verdict"].upper() for r in doc["acceptance"]]
     assert page.count("<svg") == 2
     table = list(csv.DictReader(io.StringIO((out / "per_sample.csv").read_text())))
     assert [t["sample"] for t in table] == [r["sample"] for r in rows]
@@ -286,9 +294,9 @@ def test_validate_per_cell_model(tmp_path):
     assert "Qualitative comparison (CLSI EP12)" in page and "Confusion matrix" in page
     # Nothing declined: the page says the second set is the first, and judges it once.
     assert doc["samples"]["n_declined"] == 0 and "declined no sample" in page
-    verdicts = re.findall(r'<td class="(pass|fail)">(PASS|FAIL)</td>', page)
-    assert [v[0] == "pass" for v in verdicts] == [
-        r["pass"] for r in doc["acceptance"] if r["set"] == "all"
+    verdicts = re.findall(r'<td class="(pass|fail|unshown)">(PASS|FAIL|NOT SHOWN)</td>', page)
+    assert [v[1] for v in verdicts] == [
+        r["verdict"].upper() for r in doc["acceptance"] if r["set"] == "all"
     ]
 
 

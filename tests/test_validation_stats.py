@@ -249,3 +249,34 @@ def test_precision_by_analysis_of_variance():
     assert [r["specimen"] for r in rows] == ["a"]
     assert rows[0]["sd_repeatability"] == pytest.approx(np.std([1.0, 2.0, 4.0], ddof=1))
     assert rows[0]["sd_within_lab"] is None
+
+
+def test_a_criterion_passes_only_when_its_interval_lies_within_the_limits():
+    """CLSI EP09 judges a bias through its confidence interval: inside with it, pass;
+    the estimate outside, fail; the estimate inside and the interval not, not shown
+    (too few samples to tell), which the study's verdict must not call a pass."""
+    from bagserve.core.validation.acceptance import NOT_SHOWN, judge, overall
+
+    def analysis(bias, ci):
+        return {
+            "measurand": "m",
+            "bland_altman": {"bias": bias, "bias_ci": ci, "lower": -0.2, "upper": 0.2},
+            "ratio": {},
+            "correlation": {},
+            "deming": {},
+            "passing_bablok": {},
+        }
+
+    def verdicts(bias, ci):
+        rows = judge({"bias": (-0.1, 0.1)}, {"all": [analysis(bias, ci)]}, None)
+        return [r["verdict"] for r in rows], overall(rows)
+
+    assert verdicts(0.02, [-0.05, 0.08]) == (["pass"], "pass")
+    assert verdicts(0.02, [-0.05, 0.15]) == ([NOT_SHOWN], NOT_SHOWN)
+    assert verdicts(0.12, [0.05, 0.2]) == (["fail"], "fail")
+    assert verdicts(None, None) == (["fail"], "fail")
+    # The limits of agreement have no interval of their own: judged on the estimate.
+    rows = judge({"limits_of_agreement": (-0.3, 0.3)}, {"all": [analysis(0.0, None)]}, None)
+    assert [r["verdict"] for r in rows] == ["pass"]
+    assert overall([*rows, {"verdict": NOT_SHOWN}]) == NOT_SHOWN
+    assert overall([]) == "no acceptance limits given"

@@ -1,12 +1,21 @@
-"""The study's results against the laboratory's acceptance limits, each pass or fail.
+"""The study's results against the laboratory's acceptance limits: pass, fail, or not
+shown.
 
 Every limit of ``[acceptance]`` (:data:`~core.validation.config.ACCEPTANCE_KEYS`) is a
-closed interval ``[low, high]``; a criterion passes when its point estimate lies in it
-(for ``limits_of_agreement``: both limits). The confidence interval is shown beside it,
-so that a director sees how close to the limit the estimate's uncertainty reaches. A
-statistic that could not be estimated fails. Each criterion is judged on every analysis
-set (all samples, and without the declined ones), for every measurand (per-cell
-models: every population) and, for sensitivity, specificity, PPV and NPV, every class.
+closed interval ``[low, high]``. As CLSI EP09 compares a bias with the allowable bias
+through its confidence interval, a criterion
+
+* **passes** when its confidence interval lies in the limits (the data show the
+  criterion met at the stated confidence),
+* **fails** when its point estimate lies outside them (for ``limits_of_agreement``:
+  either limit), or it could not be estimated,
+* is **not shown** when its point estimate lies inside but its confidence interval
+  reaches beyond: too few samples to tell, which a director must not read as a pass.
+
+A statistic without a confidence interval (the limits of agreement themselves) is
+judged on its estimate. Each criterion is judged on every analysis set (all samples,
+and without the declined ones), for every measurand (per-cell models: every
+population) and, for sensitivity, specificity, PPV and NPV, every class.
 """
 
 from __future__ import annotations
@@ -17,7 +26,10 @@ from typing import Any
 from ..errors import ConfigError
 from .config import ACCEPTANCE_KEYS
 
-__all__ = ["judge"]
+__all__ = ["NOT_SHOWN", "judge", "overall"]
+
+#: The verdict of an estimate inside the limits whose confidence interval is not.
+NOT_SHOWN = "not shown"
 
 _QUANTITATIVE = ("bias", "limits_of_agreement", "ratio_bias", "slope", "intercept", "r")
 _PER_CLASS = ("sensitivity", "specificity", "ppv", "npv")
@@ -35,7 +47,8 @@ def judge(
     list of dict
         ``criterion``, ``statistic`` (what was judged), ``set``, ``subject`` (the
         measurand or class), ``estimate`` (or ``[lower, upper]`` for the limits of
-        agreement), ``ci``, ``low``, ``high``, ``pass``.
+        agreement), ``ci``, ``low``, ``high``, ``verdict`` (``"pass"``, ``"fail"`` or
+        :data:`NOT_SHOWN`) and ``pass`` (the verdict is ``"pass"``).
 
     Raises
     ------
@@ -137,7 +150,10 @@ def _row(
     high: float,
 ) -> dict[str, Any]:
     values = estimate if isinstance(estimate, list) else [estimate]
-    ok = all(v is not None and v == v and low <= v <= high for v in values)
+    inside = all(v is not None and v == v and low <= v <= high for v in values)
+    bounds = [v for v in (ci or []) if v is not None]
+    shown = len(bounds) == 2 and all(v == v and low <= v <= high for v in bounds)
+    verdict = "fail" if not inside else "pass" if shown or ci is None else NOT_SHOWN
     return {
         "criterion": key,
         "statistic": statistic,
@@ -147,5 +163,15 @@ def _row(
         "ci": ci,
         "low": low,
         "high": high,
-        "pass": bool(ok),
+        "verdict": verdict,
+        "pass": verdict == "pass",
     }
+
+
+def overall(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The study's verdict: ``"fail"`` if any criterion fails, else :data:`NOT_SHOWN`
+    if any is not shown, else ``"pass"`` (or that no limits were given)."""
+    if not rows:
+        return "no acceptance limits given"
+    verdicts = {r["verdict"] for r in rows}
+    return "fail" if "fail" in verdicts else NOT_SHOWN if NOT_SHOWN in verdicts else "pass"

@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .acceptance import NOT_SHOWN
 from .svg import scatter
 
 __all__ = ["render_html"]
@@ -29,8 +30,10 @@ th,td{border:1px solid #d0d7de;padding:3px 7px;text-align:left;vertical-align:to
 th{background:#f3f5f7}td.num{text-align:right;font-variant-numeric:tabular-nums}
 code,.hash{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11px;word-break:break-all}
 .pass{color:#116329;font-weight:600}.fail{color:#a40e26;font-weight:600}
+.unshown{color:#7d4e00;font-weight:600}
 .verdict{display:inline-block;padding:4px 12px;border-radius:4px;font-weight:700;font-size:15px}
 .verdict.pass{background:#dafbe1}.verdict.fail{background:#ffebe9}.verdict.none{background:#eaeef2}
+.verdict.unshown{background:#fff8c5}
 .muted{color:#57606a}.plots{display:flex;flex-wrap:wrap;gap:12px}
 .plots figure{margin:0;width:340px}.plots figcaption{font-size:11px;color:#57606a}
 .sign{border:1px solid #8c959f;padding:12px 16px;margin-top:18px}
@@ -101,8 +104,11 @@ def _table(head: Sequence[str], rows: Iterable[Sequence[Any]], classes: Sequence
     return "".join(out)
 
 
-def _passfail(ok: bool) -> tuple[str, str]:
-    return ("PASS", "pass") if ok else ("FAIL", "fail")
+def _passfail(verdict: str) -> tuple[str, str]:
+    """A criterion's verdict as shown, and its style."""
+    return {"pass": ("PASS", "pass"), "fail": ("FAIL", "fail")}.get(
+        verdict, ("NOT SHOWN", "unshown")
+    )
 
 
 # ------------------------------------------------------------------------------ plots
@@ -207,14 +213,27 @@ def _acceptance(doc: Mapping[str, Any]) -> str:
         limits = f"{fmt(r['low'])} to {fmt(r['high'])}"
         where = _SET_NAMES[r["set"]]
         ci = _ci(r["ci"], fmt)
-        body.append((r["statistic"], where, r["subject"], shown, ci, limits, _passfail(r["pass"])))
+        verdict = _passfail(r["verdict"])
+        body.append((r["statistic"], where, r["subject"], shown, ci, limits, verdict))
     head = ["criterion", "samples", "of", "estimate", "CI", "limits", "result"]
+    rule = _RULE + (f" {_UNSHOWN}" if any(r["verdict"] == NOT_SHOWN for r in rows) else "")
     return (
         "<section><h2>Acceptance</h2>"
         + (f"<p class='muted'>{_SAME}</p>" if same else "")
         + _table(head, body)
-        + "</section>"
+        + f"<p class='muted'>{rule}</p></section>"
     )
+
+
+_RULE = (
+    "A criterion passes when its confidence interval lies within the limits, and fails "
+    "when its estimate lies outside them (CLSI EP09 judges a bias through its interval)."
+)
+_UNSHOWN = (
+    "NOT SHOWN: the estimate lies within the limits but its confidence interval reaches "
+    "beyond them, so these samples cannot show the criterion met; EP09 asks for at least "
+    "40 samples spread over the measuring range."
+)
 
 
 def _samples(doc: Mapping[str, Any]) -> str:
@@ -486,7 +505,7 @@ _CSP = "default-src 'none'; style-src 'unsafe-inline'"
 def render_html(doc: Mapping[str, Any]) -> str:
     """The report page of a study document (:func:`core.validation.validate`)."""
     verdict = doc["verdict"]
-    css = {"pass": "pass", "fail": "fail"}.get(verdict, "none")
+    css = {"pass": "pass", "fail": "fail", NOT_SHOWN: "unshown"}.get(verdict, "none")
     m = doc["model"]
     lab = f" — {_e(doc['laboratory'])}" if doc.get("laboratory") else ""
     model = f"{_e(m['name'])} / {_e(m['version'])}"

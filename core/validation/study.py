@@ -37,7 +37,7 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from ..hashing import file_sha256, json_sha256
 from ..policy import WITHHELD, bag_warnings
-from .acceptance import judge
+from .acceptance import judge, overall
 from .agreement import bland_altman, proportional_trend
 from .config import ValidationConfig, load_validation_config
 from .precision import MISSING_REPLICATES, precision
@@ -219,11 +219,7 @@ def validate(model: str | Path | Any, data: str | Path | ValidationConfig) -> di
     }
     rows = judge(config.acceptance, quantitative, qualitative)
     doc["acceptance"] = rows
-    doc["verdict"] = (
-        "no acceptance limits given"
-        if not rows
-        else ("pass" if all(r["pass"] for r in rows) else "fail")
-    )
+    doc["verdict"] = overall(rows)
     doc = _json_values(doc)
     # The digest the printed page shows, so that a signed printout names its JSON.
     doc["sha256"] = json_sha256(doc, exclude=("sha256",))
