@@ -157,20 +157,7 @@ class NystroemFeatureStrategy(RandomFeatureStrategy):
         # once: tasks are spread over the cores): every configuration at that bandwidth
         # reuses them, and so does every fold. The features of the points a task is
         # scored on when held out come along with its statistics.
-        sigmas = dict.fromkeys(s for s, _ in folds)
-        # Held-out features are kept for these bandwidths only: the cache outlives the
-        # search (fits that reuse its evaluations keep it), and the features of every
-        # bandwidth seen, of every such search, came to 1.4 GB on the GvHD example. A
-        # bandwidth met again has them computed again by fold_errors (each row's
-        # features depend on its point only: the same bits), in milliseconds.
-        stale = [
-            k
-            for k in cache
-            if isinstance(k, tuple) and k[0] == "held-out features" and k[1] not in sigmas
-        ]
-        for key in stale:
-            del cache[key]
-        for sigma in sigmas:
+        for sigma in dict.fromkeys(s for s, _ in folds):
             train = np.unique(np.concatenate([t for s, t in folds if s == sigma]))
             key = ("statistics", sigma)
             cache[key] = data.statistics[sigma] = task_statistics(
