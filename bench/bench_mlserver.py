@@ -20,9 +20,16 @@ Measured, every figure beside the other server's in the same run, requests inter
 
 * single client: latency median and p99 of a 100 x 3 and a 10^5 x 3 bag, and the
   overhead (latency minus the in-process compute of the same bag, timed in between);
-* 8 concurrent clients (httpx, one connection each): requests per second and p99.
+  for the large bag also bagserve with the binary tensor extension (the same bag as
+  raw float64 after a JSON header) against MLServer's JSON;
+* 8 concurrent clients (httpx, one connection each): requests per second and p99;
+* bagserve's own ``Server-Timing`` stages (read, parse, queue, transfer, compute,
+  audit, encode, app), median per request with one client and mean under 8.
 
-Ratios are bagserve / MLServer. Writes ``bench/results/bench_mlserver.json``.
+Ratios are bagserve / MLServer. The run ends with the rows of issue 47's table, each
+against its goal, and the machine's load average (1 minute) before and after each
+case: on 2 shared cores the other work on the machine moves every figure. Writes
+``bench/results/bench_mlserver.json``.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -121,6 +129,18 @@ def start_mlserver(stack: ExitStack, bin_dir: Path, models: Path, tmp: Path) -> 
     return f"{url}/v2/models/{MODEL}/infer"
 
 
+#: The rows of issue 47's table: the ratio's key, the case (0: small bag, 1: large
+#: bag), the goal's comparison and value (None: keep what it was).
+GOALS = [
+    ("small bag (100x3) overhead, one client", "overhead_ratio", 0, "<=", 1.0),
+    (f"{CLIENTS} clients, small bag: requests/s", "throughput_ratio", 0, ">=", 1.2),
+    (f"{CLIENTS} clients, small bag: p99", "p99_ratio", 0, "<=", 1.0),
+    ("large bag (10^5x3) overhead, JSON", "overhead_ratio", 1, "<=", 0.5),
+    ("large bag, binary vs MLServer JSON", "binary_overhead_ratio", 1, "keep", None),
+]
+JSON_HEADERS = {"content-type": "application/json"}
+
+
 def body(points: np.ndarray) -> bytes:
     """One bag as an Open Inference Protocol JSON request (the same bytes to both)."""
     doc = {
@@ -131,6 +151,34 @@ def body(points: np.ndarray) -> bytes:
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+def binary_body(points: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    """The same bag with the binary tensor extension: a JSON header, then the raw
+    little-endian float64 values; with the headers that say so."""
+    raw = np.ascontiguousarray(points, dtype="<f8").tobytes()
+    head = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "points",
+                    "datatype": "FP64",
+                    "shape": list(points.shape),
+                    "parameters": {"binary_data_size": len(raw)},
+                }
+            ]
+        }
+    )
+    headers = {
+        "content-type": "application/octet-stream",
+        "inference-header-content-length": str(len(head)),
+    }
+    return head + raw, headers
+
+
+def load_average() -> float:
+    """The machine's load average over the last minute."""
+    return os.getloadavg()[0]
+
+
 def stages(header: str | None) -> dict[str, float]:
     """bagserve's ``Server-Timing`` as milliseconds per stage."""
     if not header:
@@ -139,35 +187,42 @@ def stages(header: str | None) -> dict[str, float]:
     return {k: float(v) for k, v in parts}
 
 
-async def post(client: httpx.AsyncClient, url: str, content: bytes) -> httpx.Response:
-    r = await client.post(url, content=content, headers={"content-type": "application/json"})
+async def post(
+    client: httpx.AsyncClient, url: str, content: bytes, headers: dict[str, str] = JSON_HEADERS
+) -> httpx.Response:
+    r = await client.post(url, content=content, headers=headers)
     if r.status_code != 200:
         raise RuntimeError(f"{url}: {r.status_code} {r.text[:300]}")
     return r
 
 
+#: A request kind: the server's URL, the body and its headers.
+Target = tuple[str, bytes, dict[str, str]]
+
+
 async def latencies(
-    urls: dict[str, str], content: bytes, n: int, compute: Any
-) -> dict[str, list[float]]:
-    """``n`` requests to each server from one client, in turn (the order alternating),
-    with the in-process compute of the same bag timed between them."""
-    out: dict[str, list[float]] = {name: [] for name in [*urls, "compute", "audit"]}
+    targets: dict[str, Target], n: int, compute: Any
+) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
+    """``n`` requests of each target from one client, in turn (the order alternating),
+    with the in-process compute of the same bag timed between them; the seconds of
+    each, and each bagserve answer's stages."""
+    out: dict[str, list[float]] = {name: [] for name in [*targets, "compute"]}
+    timings: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
     async with httpx.AsyncClient(timeout=300) as client:
-        for name in urls:  # warm up: connections, the workers' first call
+        for name in targets:  # warm up: connections, the workers' first call
             for _ in range(3):
-                await post(client, urls[name], content)
+                await post(client, *targets[name])
         for i in range(n):
-            order = list(urls) if i % 2 == 0 else list(reversed(urls))
+            order = list(targets) if i % 2 == 0 else list(reversed(targets))
             for name in order:
                 t0 = time.perf_counter()
-                r = await post(client, urls[name], content)
+                r = await post(client, *targets[name])
                 out[name].append(time.perf_counter() - t0)
-                if name == "bagserve":  # its audit record's commit, in seconds
-                    out["audit"].append(stages(r.headers.get("server-timing"))["audit"] / 1000)
+                timings[name].append(stages(r.headers.get("server-timing")))
             t0 = time.perf_counter()
             compute()
             out["compute"].append(time.perf_counter() - t0)
-    return out
+    return out, timings
 
 
 async def load(url: str, content: bytes, total: int) -> tuple[float, list[float], list[dict]]:
@@ -212,20 +267,32 @@ def compare(
         runtime.predict(bags)
 
     case = f"{n} x {points.shape[1]} bag (JSON {len(content) / 1024:.0f} KiB)"
-    print(f"{case}: single client ...", flush=True)
-    single = asyncio.run(
-        latencies(urls, content, args.large_repeat if large else args.repeat, compute)
+    out: dict[str, Any] = {"case": case, "load_average_before": load_average()}
+    print(f"{case}: single client (load average {out['load_average_before']:.2f}) ...", flush=True)
+    targets: dict[str, Target] = {name: (url, content, JSON_HEADERS) for name, url in urls.items()}
+    if large:
+        targets["bagserve_binary"] = (urls["bagserve"], *binary_body(points))
+    single, single_stages = asyncio.run(
+        latencies(targets, args.large_repeat if large else args.repeat, compute)
     )
     floor = float(np.median(single["compute"]))
-    out: dict[str, Any] = {"case": case, "in_process_compute_ms": 1000 * floor}
-    for name in urls:
+    out["in_process_compute_ms"] = 1000 * floor
+    for name in targets:
         out[f"{name}_latency_p50_ms"] = ms(single[name], 50)
         out[f"{name}_latency_p99_ms"] = ms(single[name], 99)
         out[f"{name}_overhead_ms"] = 1000 * (float(np.median(single[name])) - floor)
-    # The durable audit record's share of bagserve's latency (one fsync at least).
-    out["bagserve_audit_p50_ms"] = ms(single["audit"], 50)
     out["latency_p50_ratio"] = out["bagserve_latency_p50_ms"] / out["mlserver_latency_p50_ms"]
     out["overhead_ratio"] = out["bagserve_overhead_ms"] / out["mlserver_overhead_ms"]
+    if large:
+        out["binary_overhead_ratio"] = (
+            out["bagserve_binary_overhead_ms"] / out["mlserver_overhead_ms"]
+        )
+    # Where bagserve's time went with one client: its Server-Timing, median per stage
+    # (the audit stage is the durable record's commit, one fsync at least).
+    for name in (n for n in targets if n.startswith("bagserve")):
+        for stage in single_stages[name][0]:
+            values = [t.get(stage, 0.0) for t in single_stages[name]]
+            out[f"{name}_1_client_{stage}_p50_ms"] = float(np.median(values))
 
     print(f"{case}: {CLIENTS} clients ...", flush=True)
     total = args.large_total if large else args.total
@@ -253,7 +320,32 @@ def compare(
         out[f"bagserve_{CLIENTS}_clients_{stage}_mean_ms"] = float(
             np.mean([t.get(stage, 0.0) for t in timings])
         )
+    out["load_average_after"] = load_average()
     return out
+
+
+def summary(results: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+    """The rows of issue 47's table from one run, each against its goal, as figures
+    and as the text table printed last."""
+    rows: dict[str, Any] = {"case": "issue 47's table (bagserve / MLServer)"}
+    lines = [f"{'row':44s} {'ratio':>7s}  goal"]
+    for label, key, index, op, goal in GOALS:
+        value = float(results[index][key])
+        if goal is None:
+            verdict = "keep"
+        else:
+            met = value <= goal if op == "<=" else value >= goal
+            verdict = f"{op} {goal:g}: {'met' if met else 'NOT met'}"
+        lines.append(f"{label:44s} {value:7.2f}  {verdict}")
+        rows[label] = value
+    loads = [r[k] for r in results for k in ("load_average_before", "load_average_after")]
+    rows["load_average_min"], rows["load_average_max"] = min(loads), max(loads)
+    rows["machine"] = f"{platform.platform()}, {os.cpu_count()} cores"
+    lines.append(
+        f"machine: {rows['machine']}; load average (1 min) "
+        f"{rows['load_average_min']:.2f}-{rows['load_average_max']:.2f} during the run"
+    )
+    return rows, "\n".join(lines)
 
 
 def main() -> None:
@@ -290,14 +382,9 @@ def main() -> None:
                 bags, _, _ = make_dose_response_bags(1, n, random_state=[7, seed])
                 points = np.ascontiguousarray(bags[0], dtype=np.float64)
                 results.append(compare(urls, points, runtime, args))
-        report(results, "bench_mlserver", save=not args.quick, width=40)
-        small = results[0]
-        print(
-            f"\ngoals (small bag, {CLIENTS} clients): throughput ratio "
-            f"{small['throughput_ratio']:.2f} (>= 1: "
-            f"{'met' if small['throughput_ratio'] >= 1 else 'not met'}), p99 ratio "
-            f"{small['p99_ratio']:.2f} (<= 2: {'met' if small['p99_ratio'] <= 2 else 'not met'})"
-        )
+        rows, table = summary(results)
+        report([*results, rows], "bench_mlserver", save=not args.quick, width=44)
+        print(f"\n{table}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

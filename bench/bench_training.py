@@ -24,6 +24,12 @@ Cases:
   early_stopping=False)`` on the same pooled cells, accuracy on the other batch's
   samples; the ratio MTL/HGB is taken within one process, so load cancels.
 
+Every case also reports the peak resident memory of its process (``peak RSS MB``, the
+largest of its rounds): the training, the interpreter and its imports (about 240 MB).
+To see where a peak comes from, run a case's child under memray (``pip install
+memray``; ``python -m memray run -o out.bin bench/bench_training.py --child . --case
+gvhd``), whose high-water-mark allocation records name the lines that hold the memory.
+
 Run with ``.venv/bin/python bench/bench_training.py [--quick] [--rounds 3]
 [--gvhd-rounds 1] [--cases yeast,gvhd,synthetic]``. Writes bench/results/bench_training.json.
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -53,22 +60,16 @@ CASES = ("yeast", "gvhd", "synthetic")
 #: fallback rules of issue 30 made meanwhile) was bb75d39 with every estimator file
 #: changed since; the third (the search stops evaluating candidates that cannot win,
 #: and every median heuristic once per fit) 04bf58d; the fourth (a candidate's folds on
-#: all cores) e4d0385; this one (steps worse than the best configuration seen stop
+#: all cores) e4d0385; the fifth (steps worse than the best configuration seen stop
 #: after a round, held-out features from the statistics pass, the median and the
-#: canonical order without sorting every column) is c99ae30, the files below as they
-#: were there.
-BEFORE = "c99ae30"
+#: canonical order without sorting every column) c99ae30, with every estimator file; this
+#: one (the caches kept for later fits drop the held-out features once their search is
+#: over: peak memory) is 05f539c, the files below as they were there.
+BEFORE = "05f539c"
 CHANGED = (
-    "core/bags.py",
-    "core/kernels.py",
-    "core/representations/mean.py",
     "core/estimators/transfer.py",
     "core/estimators/_transfer_cv.py",
-    "core/estimators/_transfer_fallback.py",
     "core/estimators/_transfer_nystroem.py",
-    "core/estimators/_transfer_refine.py",
-    "core/estimators/_transfer_search.py",
-    "core/estimators/_transfer_solvers.py",
     "core/estimators/_transfer_strategy.py",
 )
 
@@ -187,6 +188,9 @@ def child(tree: Path, case: str, quick: bool) -> None:
             result = _train_case(_gvhd_config(quick, Path(tmp)))
     else:
         result = _synthetic_case(quick)
+    # The process's peak resident memory (Linux counts KiB): the case's training plus
+    # the interpreter and its imports (about 240 MB), as a user's process would see.
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(result, default=float))
 
 
@@ -267,8 +271,12 @@ def _measure(
     rows = []
     for case in cases:
         today, after = runs[(case, "today")], runs[(case, "after")]
+        peak = {
+            side: max(g["peak_rss_mb"] for g in got)
+            for side, got in (("today", today), ("after", after))
+        }
         if case == "synthetic":
-            for key in today[0]:
+            for key in (k for k in today[0] if k != "peak_rss_mb"):
                 row: dict[str, Any] = {"case": f"synthetic, train on {key}"}
                 for side, got in (("today", today), ("after", after)):
                     for field in ("mtl_seconds", "hgb_seconds", "ratio"):
@@ -278,6 +286,8 @@ def _measure(
                 row["same accuracy"] = all(
                     g[key]["mtl_accuracy"] == today[0][key]["mtl_accuracy"] for g in today + after
                 )
+                # One process trains both directions: its peak covers the two.
+                row["today peak RSS MB"], row["after peak RSS MB"] = peak["today"], peak["after"]
                 rows.append(row)
             continue
         row = {"case": case}
@@ -291,6 +301,7 @@ def _measure(
             g["best_params"] == today[0]["best_params"] for g in today + after
         )
         row["best_params"] = after[0]["best_params"]
+        row["today peak RSS MB"], row["after peak RSS MB"] = peak["today"], peak["after"]
         rows.append(row)
     rows.append({"case": "machine", "load average": list(os.getloadavg()), "rounds": rounds})
     return rows

@@ -29,6 +29,7 @@ from .deps import Services, ServicesDep
 from .errors import install_handlers
 from .exposure import anonymous_exposure
 from .file_import import import_files
+from .group_commit import GroupCommit
 from .hl7_delivery import DeliveryQueue
 from .idempotency import IdempotencyStore
 from .job_runner import JobRunner
@@ -169,12 +170,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             timeout=settings.database_timeout,
         )
         imported = await asyncio.to_thread(import_files, db, data, settings.audit_log)
-        audit = AuditLog(db, on_commit=app_metrics.observe_audit_commit)
+        # One writer for the audit and idempotency records: the records of requests
+        # that finish together share a transaction and its fsync.
+        commits = GroupCommit(db, on_commit=app_metrics.observe_audit_commit)
+        audit = AuditLog(db, writer=commits)
         stats = ModelStats()
         predictor = Predictor(settings, pool, app_metrics, audit, stats)
         owner = replica_id()
         idempotency = IdempotencyStore(
-            db, settings.idempotency_ttl, lease=settings.lease, owner=owner
+            db, settings.idempotency_ttl, lease=settings.lease, owner=owner, writer=commits
         )
         store = JobStore(
             db, settings.jobs_ttl, lease=settings.lease, poll=settings.job_poll, owner=owner
@@ -261,7 +265,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await deliveries.stop()
             await pool.stop()
             # Records still queued are committed before the database closes.
-            await asyncio.to_thread(audit.close)
+            await asyncio.to_thread(commits.close)
             await asyncio.to_thread(db.close)
 
     app = FastAPI(

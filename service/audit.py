@@ -16,11 +16,12 @@ record, so moving a record to another key is an edit like any other. ``bagserve 
 export FILE`` writes the chain as JSON lines with a ``FILE.head`` sidecar (count, last
 hash) that :func:`verify` checks the same way, away from the database.
 
-Records are written by group commit: each process has one writer thread per
-:class:`AuditLog`, which takes every record waiting when it becomes free, appends them
-in one transaction (one fsync), and only then releases each caller. A request is still
-answered only once its record is durable, but concurrent requests share the commit's
-cost instead of queueing behind one fsync each.
+Records are written by group commit (:mod:`.group_commit`): the service has one writer
+thread, which takes every record waiting when it becomes free (audit records and the
+idempotency records of the same requests), writes them in one transaction (one fsync),
+and only then releases each caller. A request is still answered only once its record is
+durable, but concurrent requests share the commit's cost instead of queueing behind one
+fsync each.
 
 Someone who can write the database can also cut records off its end and move the head
 row back to match. A head taken earlier and kept elsewhere (``bagserve audit head``,
@@ -34,20 +35,19 @@ import asyncio
 import json
 import logging
 import os
-import threading
-import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bagserve.core.atomic import atomic_write_json
 from bagserve.core.hashing import json_sha256
 
-from .database import GENESIS, Cursor, Database, unavailable
+from .database import GENESIS, Cursor, Database
+from .group_commit import GroupCommit, Transaction
 
 log = logging.getLogger("bagserve.audit")
 
@@ -114,43 +114,45 @@ class VerifyResult:
     problem: str | None
 
 
+@dataclass
+class _Chain:
+    """The chain's end as one transaction extends it: rows to insert at its end."""
+
+    seq: int
+    last: str
+    now: str
+    rows: list[tuple[int, str | None, str]] = field(default_factory=list)
+
+
 class AuditLog:
     """The audit chain in the database; thread-safe.
 
-    Appends go through a writer thread that commits every record waiting when it
-    becomes free in one transaction (group commit); each caller is released once the
-    transaction holding its record committed. Nothing is waited for on purpose: a lone
-    record is committed at once, and records arriving during a commit form the next one.
+    Appends go through a :class:`~.group_commit.GroupCommit` writer, which commits
+    every write waiting when it becomes free in one transaction (group commit), the
+    idempotency records of the same requests included when the service shares it; each
+    caller is released once the transaction holding its record committed. Within a
+    transaction the chain's head is read once, under its lock, and moved once.
 
     Parameters
     ----------
     db : Database
-    max_batch : int, default=512
-        Records in one transaction at most.
-    on_commit : callable, optional
-        Called after each commit with the number of records it held and its seconds
-        (the service's metrics).
-    idle : float, default=30
-        Seconds without a record after which the writer thread ends (the next record
-        starts another): a short-lived log leaves no thread behind.
+    writer : GroupCommit, optional
+        The writer to share (the service's, shared with its idempotency records); by
+        default one of the log's own, made with ``max_batch``, ``on_commit`` and
+        ``idle`` (see :class:`~.group_commit.GroupCommit`).
     """
 
     def __init__(
         self,
         db: Database,
         *,
+        writer: GroupCommit | None = None,
         max_batch: int = 512,
         on_commit: Callable[[int, float], None] | None = None,
         idle: float = 30.0,
     ) -> None:
         self.db = db
-        self.max_batch = max_batch
-        self.on_commit = on_commit
-        self.idle = idle
-        self._pending: deque[tuple[dict[str, Any], Future[dict[str, Any]]]] = deque()
-        self._wake = threading.Condition()
-        self._writer: threading.Thread | None = None
-        self._closed = False
+        self.writer = writer or GroupCommit(db, max_batch=max_batch, on_commit=on_commit, idle=idle)
 
     def append(self, **fields: Any) -> dict[str, Any]:
         """Append one record (``time``, the fields, ``prev`` and its own ``hash``),
@@ -180,106 +182,40 @@ class AuditLog:
         Raises
         ------
         RuntimeError
-            The log was closed.
+            The writer was closed.
         """
-        future: Future[dict[str, Any]] = Future()
-        with self._wake:
-            if self._closed:
-                raise RuntimeError("the audit log is closed")
-            self._pending.append((fields, future))
-            if self._writer is None:
-                self._writer = threading.Thread(
-                    target=self._run, name="bagserve-audit", daemon=True
-                )
-                self._writer.start()
-            self._wake.notify()
-        return future
+        return self.writer.submit(partial(self._append, fields))
 
     def close(self, timeout: float | None = None) -> None:
-        """Write what is queued, then stop the writer (later appends raise)."""
-        with self._wake:
-            self._closed = True
-            writer = self._writer
-            self._wake.notify()
-        if writer is not None:
-            writer.join(timeout)
+        """Write what is queued, then stop the writer (later appends raise; a shared
+        writer stops for every user)."""
+        self.writer.close(timeout)
 
-    def _run(self) -> None:
-        """The writer thread: take what is waiting, commit it, release its callers."""
-        while True:
-            with self._wake:
-                if not self._pending and not self._closed:
-                    self._wake.wait(self.idle)
-                if not self._pending:
-                    # Idle or closed: end; a later record starts another writer.
-                    self._writer = None
-                    return
-                n = min(len(self._pending), self.max_batch)
-                batch = [self._pending.popleft() for _ in range(n)]
-            self._write(batch)
+    def _append(self, fields: dict[str, Any], tx: Transaction) -> dict[str, Any]:
+        """One record after the transaction's last: chained, its row queued for the
+        transaction's end."""
+        chain = tx.shared("audit", self._open_chain, self._close_chain)
+        record = {"time": chain.now, **fields, "prev": chain.last}
+        record["hash"] = chain.last = _digest(record)
+        chain.seq += 1
+        chain.rows.append((chain.seq, fields.get("api_key_id"), _canonical(record)))
+        return record
 
-    def _write(self, batch: list[tuple[dict[str, Any], Future[dict[str, Any]]]]) -> None:
-        # Futures cancelled meanwhile are written all the same, just not answered.
-        waiting = [(fields, f if f.set_running_or_notify_cancel() else None) for fields, f in batch]
-        self._commit_batch(waiting)
-
-    def _commit_batch(
-        self, batch: list[tuple[dict[str, Any], Future[dict[str, Any]] | None]]
-    ) -> None:
-        t0 = time.perf_counter()
-        try:
-            records = self._append_all([fields for fields, _ in batch])
-        except BaseException as exc:
-            down = unavailable(exc)
-            if len(batch) > 1 and not down:
-                # Not the database: one record may be at fault (not JSON): each alone,
-                # so that the others are still written and only its caller fails.
-                for item in batch:
-                    self._commit_batch([item])
-                return
-            if down:
-                # The records that queued up meanwhile fail with these, at once: each
-                # caller hears within one database timeout, not one per batch ahead.
-                with self._wake:
-                    queued = list(self._pending)
-                    self._pending.clear()
-                batch = batch + [
-                    (f, w if w.set_running_or_notify_cancel() else None) for f, w in queued
-                ]
-            for _, future in batch:
-                if future is not None:
-                    future.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        if self.on_commit is not None:
-            try:
-                self.on_commit(len(batch), time.perf_counter() - t0)
-            except Exception:
-                # Only the metrics fail: the records are in, and their callers go on.
-                log.exception("audit commit callback failed")
-        for (_, future), record in zip(batch, records, strict=True):
-            if future is not None:
-                future.set_result(record)
-
-    def _append_all(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Append records in order, in one transaction that moves the head once."""
+    def _open_chain(self, cur: Cursor) -> _Chain:
+        """The head, locked until the commit (PostgreSQL: replicas never fork it)."""
         lock = " FOR UPDATE" if self.db.dialect == "postgresql" else ""
-        with self.db.transaction() as cur:
-            seq, last = _head_of(
-                cur.execute("SELECT seq, last_hash FROM audit_head WHERE id = 1" + lock).fetchone()
-            )
-            records, rows = [], []
-            now = datetime.now(UTC).isoformat(timespec="milliseconds")
-            for fields in batch:
-                record = {"time": now, **fields, "prev": last}
-                record["hash"] = last = _digest(record)
-                seq += 1
-                records.append(record)
-                rows.append((seq, fields.get("api_key_id"), _canonical(record)))
-            _insert(cur, rows)
-            cur.execute("UPDATE audit_head SET seq = %s, last_hash = %s WHERE id = 1", (seq, last))
-        return records
+        seq, last = _head_of(
+            cur.execute("SELECT seq, last_hash FROM audit_head WHERE id = 1" + lock).fetchone()
+        )
+        return _Chain(seq, last, datetime.now(UTC).isoformat(timespec="milliseconds"))
+
+    @staticmethod
+    def _close_chain(cur: Cursor, chain: _Chain) -> None:
+        """The transaction's records in one statement, and the head moved once."""
+        _insert(cur, chain.rows)
+        cur.execute(
+            "UPDATE audit_head SET seq = %s, last_hash = %s WHERE id = 1", (chain.seq, chain.last)
+        )
 
     def recent(self, limit: int, key_id: str | None = None) -> list[dict[str, Any]]:
         """The last ``limit`` records, newest first (of API key ``key_id`` only, if given).

@@ -56,6 +56,7 @@ __all__ = [
     "inflate",
     "media_type",
     "npy_bytes",
+    "simdjson_document",
 ]
 
 JSON = "application/json"
@@ -246,6 +247,21 @@ def _parser(size: int) -> simdjson.Parser:
     return parser
 
 
+def simdjson_document(body: bytes | memoryview) -> Any:
+    """``body`` parsed by simdjson, with the thread's parser when it is free.
+
+    Raises what simdjson raises for an invalid document, and ValueError for a body
+    that starts with a UTF-8 byte order mark, which simdjson skips but JSON (RFC 8259)
+    and orjson, whose path writes the error messages, do not allow.
+    """
+    if bytes(body[:3]) == b"\xef\xbb\xbf":
+        raise ValueError("a byte order mark")
+    try:
+        return _parser(len(body)).parse(body)
+    except RuntimeError:  # the thread's parser still holds a live document
+        return simdjson.Parser().parse(body)
+
+
 def check_json_values(body: bytes | memoryview, limits: RequestLimits) -> None:
     """Refuse a JSON body whose numbers would take more than the decoded-size limit.
 
@@ -280,10 +296,7 @@ def _plain_json_bags(body: bytes | memoryview) -> list[IncomingBag] | None:
     to the general path, which is always correct).
     """
     try:
-        try:
-            doc = _parser(len(body)).parse(body)
-        except RuntimeError:  # the thread's parser still holds a live document
-            doc = simdjson.Parser().parse(body)
+        doc = simdjson_document(body)
         if isinstance(doc, simdjson.Object) and "points" in doc and "bags" not in doc:
             items = [doc]
             arrays = 0

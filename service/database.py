@@ -356,6 +356,21 @@ class Database:
         with self.transaction() as cur:
             cur.execute("SELECT 1")
 
+    def close_thread_connection(self) -> None:
+        """Close the calling thread's SQLite connection, if it has one (a thread that
+        ends: its connection would otherwise stay open until :meth:`close`)."""
+        if self.dialect != "sqlite":
+            return
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            return
+        self._local.conn = None
+        with self._lock:
+            if conn in self._connections:
+                self._connections.remove(conn)
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
+
     def close(self) -> None:
         if self.dialect == "postgresql":
             self._pool.close()

@@ -10,6 +10,10 @@ several, wait for the first one's answer: the first claims the key (a row withou
 answer, leased to its replica and renewed while it computes); the others poll it. If
 the claiming replica dies, its lease runs out and a waiting request takes the key over.
 Answers that invite a retry (429, 5xx) are not kept: the claim is dropped.
+
+Claims and answers are written by the service's group commit (:mod:`.group_commit`),
+with the audit records: the records of requests that finish together share one
+transaction and one fsync.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import re
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from bagserve.core.hashing import chunks_sha256, text_sha256
@@ -28,6 +33,7 @@ from starlette.responses import Response
 
 from .database import Database
 from .errors import Problem, problem_response
+from .group_commit import GroupCommit, Transaction
 from .jobs import replica_id
 
 __all__ = ["IdempotencyStore", "fingerprint"]
@@ -81,15 +87,25 @@ class IdempotencyStore:
         Seconds a replica holds a key it computes without renewing the claim.
     owner : str, optional
         This replica's name.
+    writer : GroupCommit, optional
+        The writer to share (the service's, shared with its audit trail); by default
+        one of the store's own.
     """
 
     #: Seconds between looks at a key another request is computing.
     wait_poll = 0.05
 
     def __init__(
-        self, db: Database, ttl: float, *, lease: float = 30.0, owner: str | None = None
+        self,
+        db: Database,
+        ttl: float,
+        *,
+        lease: float = 30.0,
+        owner: str | None = None,
+        writer: GroupCommit | None = None,
     ) -> None:
         self.db = db
+        self.writer = writer or GroupCommit(db)
         self.ttl = ttl
         self.lease = lease
         self.owner = owner or replica_id()
@@ -97,79 +113,76 @@ class IdempotencyStore:
         self._users: dict[str, int] = {}
 
     # ------------------------------------------------------------------ storage
-    def _begin(self, key_hash: str, fp: str) -> tuple[str, dict[str, Any] | None]:
+    def _begin(self, key_hash: str, fp: str, tx: Transaction) -> tuple[str, dict[str, Any] | None]:
         """``("mine", None)`` when this request now holds the key, ``("replay",
         record)``, ``("wait", None)`` while another request computes it, or
         ``("reused", None)`` for a key used by another request."""
         now = time.time()
-        with self.db.transaction() as cur:
-            inserted = cur.execute(
-                "INSERT INTO idempotency (key_hash, fingerprint, created, owner, lease_until) "
-                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (key_hash) DO NOTHING",
-                (key_hash, fp, now, self.owner, now + self.lease),
-            ).rowcount
-            if inserted == 1:
-                return "mine", None
-            lock = " FOR UPDATE" if self.db.dialect == "postgresql" else ""
-            row = cur.execute(
-                "SELECT fingerprint, stored, lease_until, status, headers, body "
-                "FROM idempotency WHERE key_hash = %s" + lock,
-                (key_hash,),
-            ).fetchone()
-            if row is None:  # deleted in between (an answer not kept): try again
-                return "wait", None
-            fingerprint_, stored, lease_until, status, headers, body = row
-            answered = stored is not None
-            expired = answered and now - float(stored) > self.ttl
-            abandoned = not answered and float(lease_until or 0) < now
-            if expired or abandoned:
-                cur.execute(
-                    "UPDATE idempotency SET fingerprint = %s, created = %s, stored = NULL, "
-                    "owner = %s, lease_until = %s, status = NULL, headers = NULL, body = NULL "
-                    "WHERE key_hash = %s",
-                    (fp, now, self.owner, now + self.lease, key_hash),
-                )
-                return "mine", None
-            if fingerprint_ != fp:
-                return "reused", None
-            if not answered:
-                return "wait", None
-            return "replay", {
-                "status": int(status),
-                "headers": json.loads(headers),
-                "body": bytes(body),
-            }
-
-    def _renew(self, key_hash: str) -> None:
-        with self.db.transaction() as cur:
+        cur = tx.cur
+        inserted = cur.execute(
+            "INSERT INTO idempotency (key_hash, fingerprint, created, owner, lease_until) "
+            "VALUES (%s, %s, %s, %s, %s) ON CONFLICT (key_hash) DO NOTHING",
+            (key_hash, fp, now, self.owner, now + self.lease),
+        ).rowcount
+        if inserted == 1:
+            return "mine", None
+        lock = " FOR UPDATE" if self.db.dialect == "postgresql" else ""
+        row = cur.execute(
+            "SELECT fingerprint, stored, lease_until, status, headers, body "
+            "FROM idempotency WHERE key_hash = %s" + lock,
+            (key_hash,),
+        ).fetchone()
+        if row is None:  # deleted in between (an answer not kept): try again
+            return "wait", None
+        fingerprint_, stored, lease_until, status, headers, body = row
+        answered = stored is not None
+        expired = answered and now - float(stored) > self.ttl
+        abandoned = not answered and float(lease_until or 0) < now
+        if expired or abandoned:
             cur.execute(
-                "UPDATE idempotency SET lease_until = %s WHERE key_hash = %s AND owner = %s "
-                "AND stored IS NULL",
-                (time.time() + self.lease, key_hash, self.owner),
+                "UPDATE idempotency SET fingerprint = %s, created = %s, stored = NULL, "
+                "owner = %s, lease_until = %s, status = NULL, headers = NULL, body = NULL "
+                "WHERE key_hash = %s",
+                (fp, now, self.owner, now + self.lease, key_hash),
             )
+            return "mine", None
+        if fingerprint_ != fp:
+            return "reused", None
+        if not answered:
+            return "wait", None
+        return "replay", {
+            "status": int(status),
+            "headers": json.loads(headers),
+            "body": bytes(body),
+        }
 
-    def _store(self, key_hash: str, response: Response) -> None:
+    def _renew(self, key_hash: str, tx: Transaction) -> None:
+        tx.cur.execute(
+            "UPDATE idempotency SET lease_until = %s WHERE key_hash = %s AND owner = %s "
+            "AND stored IS NULL",
+            (time.time() + self.lease, key_hash, self.owner),
+        )
+
+    def _store(self, key_hash: str, response: Response, tx: Transaction) -> None:
         headers = {k: v for k, v in response.headers.items() if k.lower() in _KEPT_HEADERS}
-        with self.db.transaction(timeout=self.db.write_timeout(len(response.body))) as cur:
-            cur.execute(
-                "UPDATE idempotency SET stored = %s, status = %s, headers = %s, body = %s, "
-                "owner = NULL, lease_until = NULL WHERE key_hash = %s AND owner = %s",
-                (
-                    time.time(),
-                    response.status_code,
-                    json.dumps(headers),
-                    bytes(response.body),
-                    key_hash,
-                    self.owner,
-                ),
-            )
+        tx.cur.execute(
+            "UPDATE idempotency SET stored = %s, status = %s, headers = %s, body = %s, "
+            "owner = NULL, lease_until = NULL WHERE key_hash = %s AND owner = %s",
+            (
+                time.time(),
+                response.status_code,
+                json.dumps(headers),
+                bytes(response.body),
+                key_hash,
+                self.owner,
+            ),
+        )
 
-    def _drop(self, key_hash: str) -> None:
-        with self.db.transaction() as cur:
-            cur.execute(
-                "DELETE FROM idempotency WHERE key_hash = %s AND owner = %s AND stored IS NULL",
-                (key_hash, self.owner),
-            )
+    def _drop(self, key_hash: str, tx: Transaction) -> None:
+        tx.cur.execute(
+            "DELETE FROM idempotency WHERE key_hash = %s AND owner = %s AND stored IS NULL",
+            (key_hash, self.owner),
+        )
 
     def sweep(self) -> int:
         """Delete answers older than the ttl; how many."""
@@ -220,7 +233,7 @@ class IdempotencyStore:
         self, key_hash: str, fp: str, produce: Callable[[], Awaitable[Response]]
     ) -> Response:
         while True:
-            state, record = await asyncio.to_thread(self._begin, key_hash, fp)
+            state, record = await self.writer.run(partial(self._begin, key_hash, fp))
             if state == "mine":
                 break
             if state == "reused":
@@ -258,11 +271,11 @@ class IdempotencyStore:
                         slug=exc.slug,
                         headers=exc.headers,
                     )
-                    await asyncio.to_thread(self._store, key_hash, response)
+                    await self._keep_answer(key_hash, response)
                     kept = True
                 raise
             if response.status_code < 500 and response.status_code != 429:
-                await asyncio.to_thread(self._store, key_hash, response)
+                await self._keep_answer(key_hash, response)
                 kept = True
             return response
         finally:
@@ -270,10 +283,14 @@ class IdempotencyStore:
             if not kept:
                 # Shielded: a request cancelled mid-way still frees its key.
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(asyncio.to_thread(self._drop, key_hash))
+                    await asyncio.shield(self.writer.run(partial(self._drop, key_hash)))
+
+    async def _keep_answer(self, key_hash: str, response: Response) -> None:
+        """Store the answer, durably, before it leaves."""
+        await self.writer.run(partial(self._store, key_hash, response), len(response.body))
 
     async def _keep(self, key_hash: str) -> None:
         while True:
             await asyncio.sleep(self.lease / 3)
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(self._renew, key_hash)
+                await self.writer.run(partial(self._renew, key_hash))

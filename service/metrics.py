@@ -3,8 +3,8 @@
 * ``bagserve_requests_total{route, model, status}``
 * ``bagserve_stage_seconds{stage}``: read, parse, validate, queue, transfer, compute,
   audit (waiting for the audit record's group commit), encode
-* ``bagserve_audit_commit_records``, ``bagserve_audit_commit_seconds``: records per audit
-  transaction and its time (group commit: several requests share one)
+* ``bagserve_audit_commit_records``, ``bagserve_audit_commit_seconds``: records (audit
+  and idempotency) per group-commit transaction and its time (several requests share one)
 * ``bagserve_queue_depth``, ``bagserve_busy_workers``, ``bagserve_alive_workers``
 * ``bagserve_points_per_bag``: histogram of the size of predicted bags
 * ``bagserve_model_load_failures``: artifacts that failed verification at start-up
@@ -89,13 +89,13 @@ class Metrics:
         )
         self.audit_records = Histogram(
             "bagserve_audit_commit_records",
-            "audit records committed in one transaction (group commit)",
+            "audit and idempotency records committed in one transaction (group commit)",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
             registry=self.registry,
         )
         self.audit_seconds = Histogram(
             "bagserve_audit_commit_seconds",
-            "time of one audit transaction, its fsync included",
+            "time of one group-commit transaction (audit, idempotency), its fsync included",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=self.registry,
         )
@@ -112,8 +112,9 @@ class Metrics:
                 child.observe(seconds)
 
     def observe_audit_commit(self, records: int, seconds: float) -> None:
-        """One audit transaction: how many records it held and how long it took
-        (called from the audit writer's thread; prometheus-client is thread-safe)."""
+        """One group-commit transaction: how many records (audit, idempotency) it held
+        and how long it took (called from the writer's thread; prometheus-client is
+        thread-safe)."""
         self.audit_records.observe(records)
         self.audit_seconds.observe(seconds)
 

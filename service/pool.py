@@ -80,6 +80,15 @@ log = logging.getLogger("bagserve.workers")
 _LOOP_EXCHANGE = os.name == "posix"
 
 
+#: Why an in-loop exchange woke: the answer is readable, the worker died, or time ran out.
+_ANSWER, _DIED, _EXPIRED = "answer", "died", "expired"
+
+
+def _expire(woken: asyncio.Future[str]) -> None:
+    if not woken.done():
+        woken.set_result(_EXPIRED)
+
+
 class PoolError(ServiceError):
     """A request could not be computed by the worker pool."""
 
@@ -120,6 +129,10 @@ class _Worker:
     #: order the event loop asked for them.
     control_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     _command: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: The event loop watching the request pipe and the sentinel (:meth:`watch`).
+    _watcher: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    #: What the in-loop exchange waits for: the answer, or the worker's death.
+    _woken: asyncio.Future[str] | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -185,6 +198,44 @@ class _Worker:
                 pool.give_back(buf)  # type: ignore[union-attr]
         return answer
 
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Have ``loop`` watch the request pipe and the sentinel from now on, for
+        :meth:`exchange_in_loop` (on the loop's thread; once, not per request).
+
+        Registering and unregistering both descriptors, and restoring the pipe's
+        blocking mode, for every request cost about 20 system calls of the event
+        loop's per small request (``bench/README.md``).
+        """
+        if self._watcher is loop:
+            return
+        fd, sentinel = self.conn.fileno(), self.process.sentinel
+        loop.add_reader(fd, self._wake, _ANSWER)
+        loop.add_reader(sentinel, self._wake, _DIED)
+        # uvloop leaves a watched descriptor non-blocking; the reads of an answer, and
+        # the thread's exchanges, expect a blocking socket (readiness is epoll's).
+        os.set_blocking(fd, True)
+        self._watcher = loop
+
+    def unwatch(self) -> None:
+        """Stop the loop's watch (on the loop's thread): before an exchange in a thread
+        (which reads the pipe itself), and before the worker's descriptors close."""
+        loop, self._watcher = self._watcher, None
+        if loop is None:
+            return
+        loop.remove_reader(self.conn.fileno())
+        loop.remove_reader(self.process.sentinel)
+        os.set_blocking(self.conn.fileno(), True)
+
+    def _wake(self, what: str) -> None:
+        woken = self._woken
+        if woken is None:
+            # Readable with no request in flight: the worker died idle (its sentinel
+            # stays readable) or wrote out of turn. Not watched until its next request,
+            # so that the loop does not spin on it; the monitor replaces a dead one.
+            self.unwatch()
+        elif not woken.done():
+            woken.set_result(what)
+
     async def exchange_in_loop(
         self,
         header: dict[str, Any],
@@ -198,43 +249,38 @@ class _Worker:
 
         An idle worker has read everything sent to it, so the write fits its socket's
         buffer and does not block. The loop waits for the answer or the worker's death
-        as it waits for any socket; an answer whose head says more follows (arrays
-        past the first write, memory files to map) is read on in ``rest``, a thread,
-        so that the loop never waits on a large answer. For a small request the two
-        hand-offs cost about a sixth of the server's CPU (``bench/README.md``).
+        as it waits for any socket (it watches both while the worker lives,
+        :meth:`watch`); an answer whose head says more follows (arrays past the first
+        write, memory files to map) is read on in ``rest``, a thread, so that the loop
+        never waits on a large answer. For a small request the two hand-offs cost about
+        a sixth of the server's CPU (``bench/README.md``).
         """
         loop = asyncio.get_running_loop()
+        self.watch(loop)
+        woken: asyncio.Future[str] = loop.create_future()
+        self._woken = woken
         try:
             send_message(self.conn, header, arrays)
         except (BrokenPipeError, EOFError, OSError) as exc:
+            self._woken = None
             raise WorkerLost(str(exc)) from exc
-        aside = meanwhile() if meanwhile is not None else None
-        woken = loop.create_future()
-
-        def wake() -> None:
-            if not woken.done():
-                woken.set_result(None)
-
-        fd, sentinel = self.conn.fileno(), self.process.sentinel
-        loop.add_reader(fd, wake)
-        loop.add_reader(sentinel, wake)
+        timer = loop.call_later(timeout, _expire, woken)
         try:
-            await asyncio.wait_for(woken, timeout)
-        except TimeoutError:
-            raise WorkerTimeout(f"no answer within {timeout:g} s") from None
+            aside = meanwhile() if meanwhile is not None else None
+            what = await woken
         finally:
-            loop.remove_reader(fd)
-            loop.remove_reader(sentinel)
-            # uvloop leaves a watched descriptor non-blocking; the reads below, and the
-            # thread's exchanges of later requests, expect a blocking socket.
-            os.set_blocking(fd, True)
+            timer.cancel()
+            self._woken = None
+        if what == _EXPIRED:
+            raise WorkerTimeout(f"no answer within {timeout:g} s")
         # An answer written before the worker died is still the answer.
-        if not self.conn.poll(0):
+        if what == _DIED and not self.conn.poll(0):
             raise WorkerLost(self._died())
         try:
             head = recv_head(self.conn)
             if head_is_whole(head):
                 return (*recv_rest(self.conn, head), aside)
+            self.unwatch()  # the thread reads on: the pipe stays readable meanwhile
             return (*await loop.run_in_executor(rest, recv_rest, self.conn, head), aside)
         except EOFError:
             raise WorkerLost(self._died()) from None
@@ -425,6 +471,7 @@ class WorkerPool:
         for waiter in self._waiters:
             waiter.cancel()
         for w in list(self._workers.values()):
+            w.unwatch()
             w.kill()
         self._workers.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -445,6 +492,7 @@ class WorkerPool:
                 if old is not None:
                     # The others may now be every running worker holding a version.
                     self._refresh()
+                    old.unwatch()  # on the loop's thread, before its descriptors close
                     await loop.run_in_executor(self._control, old.kill)
                 pause = 1.0
                 while not self._closed:
@@ -680,6 +728,7 @@ class WorkerPool:
                     header, arrays, timeout, self._executor, meanwhile
                 )
             else:
+                worker.unwatch()  # the thread reads the pipe itself
                 out_header, out_arrays, aside = await loop.run_in_executor(
                     self._executor,
                     worker.exchange,

@@ -269,7 +269,7 @@ def test_records_queued_behind_a_commit_the_database_refused_fail_with_it(tmp_pa
         time.sleep(0.3)  # the database's timeout
         raise sqlite3.OperationalError("database is locked")
 
-    monkeypatch.setattr(log, "_append_all", down)
+    monkeypatch.setattr(log.writer, "_transaction", down)
     first = log.submit({"request_id": "a", "status": 200})
     assert started.wait(10)
     later = [log.submit({"request_id": f"b{i}", "status": 200}) for i in range(5)]

@@ -169,7 +169,8 @@ def test_small_requests_are_exchanged_on_the_event_loop(loop):
     answers whole in their first write, followed by arrays, or in a memory file all
     arrive exactly; the worker's death and the timeout are told apart; and the socket
     stays blocking for the thread's exchanges of large requests (uvloop makes the
-    descriptors it watches non-blocking)."""
+    descriptors it watches non-blocking). The loop watches the worker's pipe and
+    sentinel once, not per request, and stops when it died."""
     import uvloop
     from bagserve.service.pool import WorkerLost, WorkerTimeout, _Worker
 
@@ -193,7 +194,10 @@ def test_small_requests_are_exchanged_on_the_event_loop(loop):
             assert header["n"] == n and aside == seen
             np.testing.assert_array_equal(arrays["values"], np.arange(n, dtype=np.float64))
             assert os.get_blocking(parent.fileno())
+            if n == 100:  # watched from now on, not registered again per request
+                assert worker._watcher is asyncio.get_running_loop()
         # The thread's exchange of a large request still works on the same socket.
+        worker.unwatch()
         big = {"body": np.zeros(wire.COALESCE_MAX_BYTES + 1, np.uint8)}
         assert not wire.fits_one_write(big)
         header, _, _ = await asyncio.get_running_loop().run_in_executor(
@@ -205,6 +209,9 @@ def test_small_requests_are_exchanged_on_the_event_loop(loop):
         parent.recv_bytes()  # the late answer, so that the next exchange is in step
         with pytest.raises(WorkerLost, match="died"):
             await worker.exchange_in_loop({"n": 1, "die": True}, request, 30, rest)
+        # A dead worker's sentinel stays readable: no longer watched once nothing waits
+        # for it, so that the loop does not spin on it until the worker is replaced.
+        await _until(lambda: worker._watcher is None, timeout=10)
 
     try:
         if loop == "uvloop":

@@ -52,6 +52,7 @@ __all__ = [
     "misclassification_rate",
     "one_standard_error_choice",
     "one_standard_error_record",
+    "release_kept_searches",
     "reused_across_fits",
     "reusing_fold_evaluations",
 ]
@@ -146,6 +147,18 @@ def reusing_fold_evaluations() -> AbstractContextManager[None]:
     Nested blocks share the outermost one's evaluations.
     """
     return scoped_store(_REUSED)
+
+
+def release_kept_searches(strategy: SolverStrategy) -> None:
+    """After a search, within :func:`reusing_fold_evaluations`: let ``strategy`` drop
+    from the caches kept for later fits what it can compute again
+    (:meth:`~._transfer_strategy.SolverStrategy.release_search`)."""
+    reused = _REUSED.get()
+    if reused is None:
+        return
+    for state in list(reused.values()):
+        if isinstance(state, dict) and "strategy" in state:
+            strategy.release_search(state["strategy"])
 
 
 def _update(h: Any, value: Any) -> None:

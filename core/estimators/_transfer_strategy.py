@@ -351,6 +351,13 @@ class SolverStrategy(ABC):
         training points (a strategy may compute what it needs of them along)."""
         return None
 
+    def release_search(self, cache: dict[Hashable, Any]) -> None:
+        """Drop from ``cache``, once its search is over, what is large and cheap to
+        compute again: the cache is kept for later fits that reuse the search's
+        evaluations (:func:`~._transfer_cv.reusing_fold_evaluations`). Nothing by
+        default."""
+        return None
+
     @abstractmethod
     def fold_errors(
         self, fold: ValidationFold, alphas: NDArray[np.float64], cache: dict[Hashable, Any]

@@ -73,7 +73,7 @@ from ..representations.base import BagRepresentation, Embedding
 from ..representations.mean import sharing_median_distances
 from ._grid_choices import GridChoice, transfer_choices, warn_grid_edges
 from ._transfer_calibration import CalibrationMixin
-from ._transfer_cv import content_digest
+from ._transfer_cv import content_digest, release_kept_searches
 from ._transfer_exact import ExactKernelStrategy
 from ._transfer_fallback import FallbackMixin
 from ._transfer_nystroem import NystroemFeatureStrategy
@@ -437,6 +437,7 @@ class _MarginalTransfer(SearchMixin, CalibrationMixin, FallbackMixin, OpenSetMix
             # synchronisation (and spin badly when the cores are busy).
             with one_thread():
                 chosen, best = self._search(strategy, variants, Y, grid, alphas, groups, raw)
+            release_kept_searches(strategy)
         else:
             chosen = choices[0]
             best = {name: values[0] for name, values in grid.items()}
