@@ -33,6 +33,7 @@ from bagserve.core.runtime import CellPrediction, ModelKind, Prediction, predict
 from .audit import AuditLog
 from .codecs import MULTIPART, BodySpec, media_type
 from .errors import Problem
+from .explanations import explanations_sha256
 from .metrics import Metrics
 from .model_stats import ModelStats
 from .options import PredictOptions
@@ -92,7 +93,7 @@ class Outcome:
         The options the prediction was made with (``/v2``: from its document).
     plots : list of dict, optional
         Per bag, with ``?plot=N``: cells for a scatter plot
-        (:func:`~.validation.plot_samples`).
+        (:func:`~.validation.plot_samples`; with ``explain``, their contributions).
     echo : dict, optional
         ``/v2``: what the answer needs of the request (:mod:`.tensors`).
     inputs : list of str
@@ -116,6 +117,8 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     #: Per bag, when its instrument acquired it (FCS keywords), or None.
     acquired: list[str | None] = field(default_factory=list)
+    #: Per bag, with ``explain``: its explanation (:mod:`.explanations`).
+    explanations: list[dict[str, Any]] | None = None
 
     @property
     def sizes(self) -> list[int]:
@@ -154,6 +157,9 @@ class Outcome:
         if r.domain is not None:
             out["out_of_range"] = [bool(v) for v in r.domain.out_of_range.tolist()]
             out["domain_score"] = [round(float(v), 6) for v in r.domain.score.tolist()]
+        if self.explanations is not None:
+            # The explanations hold cell values: the trail keeps their hash only.
+            out["explanations_sha256"] = explanations_sha256(self.explanations)
         if not values:
             return out
         if isinstance(r, CellPrediction):
@@ -377,6 +383,7 @@ class Predictor:
             list(out_header["inputs"]),
             list(out_header["notes"]),
             list(out_header.get("acquired") or [None] * len(ids)),
+            out_header.get("explanations"),
         )
 
     def _observe_domain(self, entry: ModelEntry, result: Prediction) -> None:

@@ -71,12 +71,13 @@ def predict_message(
     """One request: its body decoded and validated, the typed prediction out as arrays.
 
     Returns the answer's header (``kind``, bag ``ids``, each bag's ``inputs`` hash,
-    ``notes``, ``plots``, the options applied, ``/v2``'s ``echo``, seconds per stage)
-    and the runtime's arrays.
+    ``notes``, ``plots``, ``explanations``, the options applied, ``/v2``'s ``echo``,
+    seconds per stage) and the runtime's arrays.
     """
     from bagserve.core.bags import Bags
 
     from .codecs import BodySpec, decode_body
+    from .explanations import explanation_documents
     from .options import PredictOptions
     from .tensors import decode_inference
     from .validation import plot_samples, validate_bags
@@ -102,15 +103,20 @@ def predict_message(
             [np.ones(s) if w is None else w for w, s in zip(weights, sizes, strict=True)]
         )
     t2 = time.perf_counter()
+    incoming = Bags(stacked, offsets, cell_weights, validate=False)
     result = runtime.predict(
-        Bags(stacked, offsets, cell_weights, validate=False),
+        incoming,
         quantiles=options.quantiles,
         exceed=options.exceed,
         coverage=options.coverage,
         probabilities=options.probabilities,
         unassigned=options.unassigned,
     )
-    plots = plot_samples(entry, points, result, options.plot) if options.plot else None
+    explanations = None
+    if options.explain:
+        explanations, plots = explanation_documents(runtime, incoming, options.plot)
+    else:
+        plots = plot_samples(entry, points, result, options.plot) if options.plot else None
     t3 = time.perf_counter()
     answer = {
         "kind": str(result.kind),
@@ -119,6 +125,7 @@ def predict_message(
         "acquired": [b.acquired for b in bags],
         "notes": notes,
         "plots": plots,
+        "explanations": explanations,
         "options": options.to_json(),
         "echo": echo,
         "seconds": {"parse": t1 - t0, "validate": t2 - t1, "compute": t3 - t2},

@@ -179,7 +179,23 @@ _PREDICT_DOC: dict[str, Any] = {
             "description": (
                 "Per-cell models (JSON): up to this many cells per bag, drawn with a fixed "
                 "seed, as the model sees them (compensated, transformed, scaled), with "
-                "their labels: `plot` {markers, cells (row numbers), points, labels}."
+                "their labels: `plot` {markers, cells (row numbers), points, labels}. "
+                "Bag-level models with `explain=true`: the cells with their contributions."
+            ),
+        },
+        {
+            "name": "explain",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "boolean", "default": False},
+            "description": (
+                "Bag-level models (JSON; FHIR and HL7: one line of text): each prediction "
+                "gains `explanation` {method, outputs, n_cells, prediction, baseline, "
+                "total, by_marker, top_cells}, which cells moved it: `exact` per-cell "
+                "contributions summing to prediction - baseline where the model is linear "
+                "in the sample, else each cell's first-order `influence`. With `plot=N`, "
+                "`plot` {markers, cells, points, output, contributions} of up to N cells. "
+                "The audit trail keeps only its sha256."
             ),
         },
         {
@@ -450,6 +466,7 @@ async def _predict(
                 options,
                 inputs=outcome.inputs,
                 plots=outcome.plots,
+                explanations=outcome.explanations,
                 refs=refs,
                 acquired=outcome.acquired,
                 performer=svc.settings.fhir_performer,
