@@ -66,9 +66,11 @@ def _predict_local(
     compensated: bool,
     coverage: float | None,
     names: Sequence[str] | None,
-) -> tuple[Any, list[str], dict[str, Any], Any, list[str], list[str | None], float | None]:
+    explain: bool = False,
+) -> tuple[Any, list[str], dict[str, Any], Any, list[str], list[str | None], float | None, Any]:
     """A saved model's typed answer for files, with what every encoding of it needs:
-    (result, names, meta, info, file sha256s, acquisition times, coverage used)."""
+    (result, names, meta, info, file sha256s, acquisition times, coverage used, and
+    with ``explain`` each sample as read with its explanation, else None)."""
     from .core.blas import one_thread
     from .core.io import read_file
     from .core.policy import review_warnings
@@ -84,7 +86,9 @@ def _predict_local(
     # The service's workers compute with one BLAS thread; so does this, so that the
     # command's answer is the service's to the last bit (a multi-threaded sum is not).
     with one_thread():
-        result = runtime.predict(runtime.align(samples, compensated=compensated), coverage=coverage)
+        bags = runtime.align(samples, compensated=compensated)
+        result = runtime.predict(bags, coverage=coverage)
+        explained = list(zip(samples, runtime.explain(bags), strict=True)) if explain else None
     meta = {
         "model": {
             "name": info.metadata.get("name"),
@@ -95,7 +99,8 @@ def _predict_local(
         },
         "warnings": review_warnings(result, names),
     }
-    return result, names, meta, info, inputs, [s.acquired for s in samples], coverage
+    acquired = [s.acquired for s in samples]
+    return result, names, meta, info, inputs, acquired, coverage, explained
 
 
 def predict_files(
@@ -106,6 +111,8 @@ def predict_files(
     coverage: float | None = 0.9,
     cells: bool = False,
     names: Sequence[str] | None = None,
+    explain: bool = False,
+    fcs_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Predictions of a saved model for sample files, as the service answers them.
 
@@ -119,13 +126,32 @@ def predict_files(
     already; the model's own compensation (if it has one) is skipped. ``cells``: a
     per-cell model's label of every cell besides its population summary. ``names``:
     the bags' ids in the answer and its warnings (default: the paths as given).
+    ``explain``: bag-level models, each result's ``explanation`` as the service's
+    ``?explain=true`` gives it; ``fcs_dir`` (with ``explain``): each sample written
+    there as ``<name>.explained.fcs``, its channels as read plus ``contribution``, each
+    cell's contribution to the last output, for gating in FlowJo or FlowKit.
     """
     from .service.encoders import encode_document
+    from .service.explanations import TOP_CELLS
 
-    result, names, meta, info, inputs, _, _ = _predict_local(
-        model_path, files, compensated=compensated, coverage=coverage, names=names
+    if fcs_dir is not None and not explain:
+        raise ValueError("writing FCS files with contributions needs explain")
+    result, names, meta, info, inputs, _, _, explained = _predict_local(
+        model_path, files, compensated=compensated, coverage=coverage, names=names, explain=explain
     )
-    doc = encode_document(result, names, meta, info, inputs=inputs, cells=cells)
+    documents = None if explained is None else [e.to_dict(top=TOP_CELLS) for _, e in explained]
+    doc = encode_document(
+        result, names, meta, info, inputs=inputs, cells=cells, explanations=documents
+    )
+    if fcs_dir is not None and explained is not None:
+        from .core.atomic import atomic_write_bytes
+        from .core.io import fcs_with_channel
+
+        out = Path(fcs_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for f, (sample, e) in zip(files, explained, strict=True):
+            content = fcs_with_channel(sample, "contribution", e.contributions[:, -1])
+            atomic_write_bytes(out / f"{Path(f).name}.explained.fcs", content)
     return _as_results(doc, names)
 
 
@@ -148,7 +174,7 @@ def oru_for_files(
 
     check_orders((refs or {}).get("orders") or [], len(files))
 
-    result, names, meta, info, inputs, acquired, coverage = _predict_local(
+    result, names, meta, info, inputs, acquired, coverage, _ = _predict_local(
         model_path,
         files,
         compensated=compensated,
@@ -323,7 +349,7 @@ def table_for_files(
     from .service.tables import TableLayout
 
     names = [Path(f).name for f in files]
-    result, names, _, info, inputs, _, coverage = _predict_local(
+    result, names, _, info, inputs, _, coverage, _ = _predict_local(
         model_path, files, compensated=compensated, coverage=coverage, names=names
     )
     shape = info.answer_shape()
@@ -336,6 +362,10 @@ def table_for_files(
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
+    if (args.explain or args.fcs_dir) and (args.format != "json" or args.url):
+        raise SystemExit("--explain and --fcs-dir need --format json and a saved model")
+    if args.fcs_dir and not args.explain:
+        raise SystemExit("--fcs-dir needs --explain")
     plan = _hl7_plan(args) if args.hl7 else None
     if args.format == "json":
         result = (
@@ -347,6 +377,8 @@ def _cmd_predict(args: argparse.Namespace) -> int:
                 compensated=args.compensated,
                 coverage=args.interval,
                 cells=args.cells,
+                explain=args.explain,
+                fcs_dir=args.fcs_dir,
             )
         )
         text = json.dumps(result, default=str)
@@ -798,6 +830,18 @@ def _parser() -> argparse.ArgumentParser:
         "--cells",
         action="store_true",
         help="per-cell models: every cell's label (default: the population summary)",
+    )
+    pr.add_argument(
+        "--explain",
+        action="store_true",
+        help="bag-level models: which cells moved each prediction (an explanation per "
+        "result: baseline, total, by marker, top cells)",
+    )
+    pr.add_argument(
+        "--fcs-dir",
+        metavar="DIR",
+        help="with --explain: write each sample to DIR as NAME.explained.fcs, its channels "
+        "plus 'contribution', for gating on the cells that moved the prediction",
     )
     pr.add_argument("--output", help="write here instead of stdout")
     pr.add_argument(
