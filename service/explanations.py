@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 from bagserve.core.hashing import json_sha256
 
+from .errors import Problem
+
 __all__ = ["TOP_CELLS", "explanation_documents", "explanations_sha256", "summary_text"]
 
 #: Cells listed with their marker values in each explanation.
@@ -27,7 +29,10 @@ def explanation_documents(
     """Per bag, the explanation document; with ``plot`` > 0 also up to that many cells
     per bag (the seeded draw of the per-cell plots), as the model sees them, with their
     contributions to the last output: ``{markers, cells, points, contributions}``."""
-    explanations = runtime.explain(bags)
+    try:
+        explanations = runtime.explain(bags)
+    except TypeError as exc:  # a representation without an explanation (histograms)
+        raise Problem(422, str(exc), errors=[str(exc)], slug="invalid-request") from None
     documents = [e.to_dict(top=TOP_CELLS) for e in explanations]
     if not plot:
         return documents, None
