@@ -38,7 +38,7 @@ from numpy.typing import NDArray
 from ..bags import Bags, subsample_rows
 from ..kernels import point_kernel
 from ..representations.base import Embedding, FeatureEmbedding
-from ..representations.density import DensityFeatures, cosine_basis
+from ..representations.density import DensityFeatures, binned_kde, cosine_basis
 from ..representations.mean import MeanEmbedding, SetKernelEmbedding
 from ..representations.sliced import SlicedWasserstein, _sorted_with_cumweights, _work_units
 from .head import Head
@@ -156,22 +156,37 @@ def _sliced(
     features = np.empty((1, rep.n_output_features_))
     q = np.empty(t.shape)
     inv_density = np.empty(t.shape)
+    L = t.shape[1]
+    # below[m, x]: how many of direction m's quantiles lie strictly below cell x, all a
+    # cell's influence depends on (one byte per cell and direction for L < 256).
+    below = np.empty((M, n), dtype=np.uint8 if L < 256 else np.uint16)
+    levels = np.arange(L + 1, dtype=below.dtype)
     # Pass 1: the embedding, block by block as SlicedWasserstein.transform computes it
-    # (the same products and the same quantile rule, so the features are its features),
-    # and the quantile function at t ± δ.
+    # (the same products, the same sorted values and the same quantile rule, so the
+    # features are its features), the quantile function at t ± δ, and each cell's place
+    # among the quantiles: in sorted order the cells above q_ℓ are a suffix, so the
+    # counts are a step function of the rank, laid out by np.repeat and put back.
     for _, m0, m1 in _work_units(bag, M):
         proj = theta[m0:m1] @ pts.T
         if weights is None:
-            proj.sort(axis=1)
-            s, cum = proj, None
+            # Sorting again is cheaper than gathering the sorted values by the order.
+            order = np.argsort(proj, axis=1)
+            s, cum = np.sort(proj, axis=1), None
         else:
+            order = None
             s, cum = _sorted_with_cumweights(proj, weights)
         rows = np.arange(m1 - m0)[:, None]
         q[m0:m1] = s[rows, _quantile_index(cum, n, np.ascontiguousarray(t[m0:m1]))]
         upper = s[rows, _quantile_index(cum, n, t_hi[m0:m1])]
         lower = s[rows, _quantile_index(cum, n, t_lo[m0:m1])]
         inv_density[m0:m1] = (upper - lower) / (t_hi[m0:m1] - t_lo[m0:m1])
-        features[0, m0 * q.shape[1] : m1 * q.shape[1]] = q[m0:m1].ravel()
+        features[0, m0 * L : m1 * L] = q[m0:m1].ravel()
+        for m in range(m0, m1):  # one direction at a time; vectorised over the cells
+            if order is None:
+                below[m] = np.searchsorted(q[m], proj[m - m0], side="left")
+                continue
+            edges = np.searchsorted(s[m - m0], q[m], side="right")  # ranks above q_ℓ
+            below[m, order[m - m0]] = np.repeat(levels, np.diff(edges, prepend=0, append=n))
     features *= float(rep.n_output_features_) ** (-1.0 / rep.p)
     head = head_at(FeatureEmbedding(features, "euclidean" if rep.p == 2 else "l1"))
     G = head.gradient
@@ -185,12 +200,8 @@ def _sliced(
     suffix = np.zeros((M, a.shape[1] + 1, k))
     suffix[:, :-1] = np.cumsum(a[:, ::-1], axis=1)[:, ::-1]
     influence = np.tile(const, (n, 1))
-    # Pass 2: each cell's place among the quantiles, from projections computed by the
-    # very products of pass 1 (a cell that is a quantile must compare equal to it).
-    for _, m0, m1 in _work_units(bag, M):
-        proj = theta[m0:m1] @ pts.T
-        for m in range(m0, m1):  # one direction at a time; vectorised over the cells
-            influence -= suffix[m, np.searchsorted(q[m], proj[m - m0], side="left")]
+    for m in range(M):  # pass 2: one gather per direction
+        influence -= suffix[m, below[m]]
     return w[:, None] * influence, False, head
 
 
@@ -244,9 +255,17 @@ def _density(
             Gc = (Gg[:half] - 1j * Gg[half:]).reshape(M, Bw, k) / math.sqrt(M)
             proj = np.einsum("eb,mbk->emk", phi, Gc)  # (n_e, M, k)
             psi = np.real(np.einsum("em,emk->ek", dg, proj)) / n_e
-        # IF(x) = Σ_u ψ(u) (K_h(u - x) - p(u))
-        norm = (2.0 * math.pi * h * h) ** (-len(cols) / 2.0)
+        # IF(x) = Σ_u ψ(u) (K_h(u - x) - p(u)): a Gaussian smoothing of the signed
+        # measure ψ on the integration points, read at the cells; binned as the
+        # model's own KDE is where its grid allows (linear in the cells).
         base = dens @ psi
+        nodes = rep._grid_nodes(len(cols))
+        if nodes is not None:
+            for c in range(k):
+                smooth = binned_kde(u, psi[:, c], np.array([0, n_e]), pts[:, cols], h, nodes)
+                values[:, c] += smooth[0] - base[c]
+            continue
+        norm = (2.0 * math.pi * h * h) ** (-len(cols) / 2.0)
         for lo in _chunks(rows.size, n_e):
             hi = min(rows.size, lo + max(1, _BLOCK // n_e))
             sq = ((pts[lo:hi, None, cols] - u[None, :, :]) ** 2).sum(axis=2)
