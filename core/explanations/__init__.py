@@ -35,14 +35,13 @@ __all__ = [
 
 
 def _one_bag(bag: Any) -> Bags:
-    if isinstance(bag, Bags):
-        bags = bag
-    else:
-        arr = np.asarray(bag, dtype=np.float64) if not isinstance(bag, list) else None
-        bags = as_bags([arr]) if arr is not None and arr.ndim == 2 else as_bags(bag)
-    if len(bags) != 1:
-        raise BagValidationError([f"explain takes one bag, got {len(bags)}"])
-    return bags
+    """A :class:`Bags` of one bag, or a 2-D array of cells as one."""
+    if not isinstance(bag, Bags):
+        arr = np.asarray(bag, dtype=np.float64)
+        bag = as_bags([arr]) if arr.ndim == 2 else as_bags(bag)
+    if len(bag) != 1:
+        raise BagValidationError([f"explain takes one bag, got {len(bag)}"])
+    return bag
 
 
 def _output_names(model: Any, k: int) -> list[str]:
