@@ -61,6 +61,9 @@ class _Fitted:
     calibration: dict[str, Any] | None = None
     #: How the folds were grouped (:func:`_grouping`).
     grouping: dict[str, Any] = field(default_factory=dict)
+    #: Bag-level models trained in memory: where the model looks
+    #: (:func:`.regions.held_out_regions`).
+    regions: dict[str, Any] | None = None
 
 
 def _save(
@@ -106,6 +109,8 @@ def _save(
     }
     if fitted.calibration is not None:
         metrics["probability_calibration"] = fitted.calibration
+    if fitted.regions is not None:
+        metrics["explained_regions"] = fitted.regions
     files = report.render(
         fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
     )
