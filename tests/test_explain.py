@@ -225,6 +225,31 @@ def test_explaining_a_large_bag_in_chunks_changes_nothing(data, monkeypatch):
         np.testing.assert_allclose(chunked, whole, rtol=1e-10, atol=1e-15)
 
 
+def test_cells_are_placed_among_the_quantiles_exactly():
+    """The binned count of quantiles below each cell is np.searchsorted's, ties and
+    cells beyond the quantiles included, on grids coarse enough to put many cells in
+    the bins that hold a quantile."""
+    rng = np.random.default_rng(3)
+    cases = []
+    for n, L in ((5000, 100), (300, 7), (1000, 1)):
+        u = np.round(rng.standard_t(2, n), 2)  # heavy tails and many ties
+        q = np.sort(rng.choice(u, L))  # quantiles are cell values
+        cases.append((u, q))
+    u = rng.normal(size=400)
+    cases.append((u, np.full(5, u[0])))  # one value repeated
+    cases.append((u * 1e-300, np.sort(rng.choice(u * 1e-300, 30))))  # spans underflow
+    cases.append((u + 1e12, np.sort(rng.choice(u + 1e12, 30))))  # far from zero
+    tiny = np.array([0.0, 5e-324, 1e-323, 2e-323, -5e-324])  # a subnormal spread
+    cases.append((tiny, np.sort(tiny[[0, 1, 2]])))
+    for bins in (2, 64, 1 << 14):
+        for u, q in cases:
+            out = np.empty(u.size, dtype=np.min_scalar_type(q.size + 1))
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(cells_module, "_BINS", bins)
+                cells_module._count_below(u, q, out)
+            np.testing.assert_array_equal(out, np.searchsorted(q, u, side="left"))
+
+
 def test_conditional_mean_embedding_is_explained(data):
     bags, y, _ = data
     with warnings.catch_warnings():

@@ -47,6 +47,15 @@ __all__ = ["cell_contributions"]
 
 # Temporaries of one chunk hold at most this many float64 entries (8 MiB).
 _BLOCK = 1 << 20
+# Bins of the grid on which cells are placed among a direction's quantiles: about 10^3
+# of 10^5 cells share a bin with a quantile (and are searched) at 2^14.
+_BINS = 1 << 14
+# Grid weights of the cells kept from the density features' KDEs, at most (64 MiB):
+# 10^5 cells in six pairs of markers take 38 MiB.
+_BIN_BYTES = 1 << 26
+# The gathers of the sliced-Wasserstein influence work on chunks of this many entries
+# (2 MiB), which stay in the cache.
+_PASS2_ENTRIES = 1 << 18
 
 HeadAt = Callable[[Embedding], Head]
 
@@ -138,6 +147,44 @@ def _quantile_index(
     return np.clip(out, 0, n - 1)
 
 
+def _count_below(u: NDArray[np.float64], q: NDArray[np.float64], out: NDArray[Any]) -> None:
+    """``out[x] = #{ℓ: q_ℓ < u_x}`` for every cell, exactly; ``q`` sorted (a direction's
+    quantiles), ``out`` of an unsigned type that holds ``q.size + 1``.
+
+    ``np.searchsorted`` of 10^5 unsorted cells costs several sorts (a mispredicted
+    branch per step); instead each value gets a bin on a fine uniform grid over
+    ``[q_0, q_last]`` by a monotone map (a multiply-add, a clip, a truncation: each
+    step is monotone in floating point), so ``bin(u) < bin(q_ℓ)`` implies ``u < q_ℓ``
+    and ``bin(u) > bin(q_ℓ)`` implies ``u > q_ℓ``: a table per bin gives the count of
+    every cell outside the few bins holding a quantile, and those few cells are
+    searched exactly.
+    """
+    lo, hi = float(q[0]), float(q[-1])
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        scale = _BINS / (hi - lo) if hi > lo else math.inf
+        shift = 1.0 - lo * scale  # q_0 falls in bin 1; bins 0 and _BINS + 2 the rest
+    if not (math.isfinite(scale) and math.isfinite(shift)):
+        # One value, or a spread too small for a grid (subnormal): search them all.
+        out[:] = np.searchsorted(q, u, side="left")
+        return
+
+    def bins(x: NDArray[np.float64]) -> NDArray[np.intp]:
+        z = x * scale
+        z += shift
+        np.clip(z, 0.0, _BINS + 2.0, out=z)
+        return z.astype(np.intp)
+
+    bq = bins(q)  # sorted, as q is
+    # table[b] = #{ℓ: bq_ℓ < b}: j on the bins (bq_{j-1}, bq_j].
+    runs = np.diff(bq, prepend=-1, append=_BINS + 2)
+    table = np.repeat(np.arange(q.size + 1, dtype=out.dtype), runs)
+    tie = q.size + 1  # a bin holding a quantile: its cells are searched
+    table[bq] = tie
+    np.take(table, bins(u), out=out, mode="clip")  # in range: "clip" spares a buffer
+    tied = np.flatnonzero(out == tie)
+    out[tied] = np.searchsorted(q, u[tied], side="left")
+
+
 def _sliced(
     rep: SlicedWasserstein, bag: Bags, head_at: HeadAt
 ) -> tuple[NDArray[np.float64], bool, Head]:
@@ -158,22 +205,17 @@ def _sliced(
     inv_density = np.empty(t.shape)
     L = t.shape[1]
     # below[m, x]: how many of direction m's quantiles lie strictly below cell x, all a
-    # cell's influence depends on (one byte per cell and direction for L < 256).
-    below = np.empty((M, n), dtype=np.uint8 if L < 256 else np.uint16)
-    levels = np.arange(L + 1, dtype=below.dtype)
+    # cell's influence depends on (one byte per cell and direction for L < 255).
+    below = np.empty((M, n), dtype=np.min_scalar_type(L + 1))
     # Pass 1: the embedding, block by block as SlicedWasserstein.transform computes it
     # (the same products, the same sorted values and the same quantile rule, so the
     # features are its features), the quantile function at t ± δ, and each cell's place
-    # among the quantiles: in sorted order the cells above q_ℓ are a suffix, so the
-    # counts are a step function of the rank, laid out by np.repeat and put back.
+    # among the quantiles (_count_below: no argsort, which costs three sorts).
     for _, m0, m1 in _work_units(bag, M):
         proj = theta[m0:m1] @ pts.T
         if weights is None:
-            # Sorting again is cheaper than gathering the sorted values by the order.
-            order = np.argsort(proj, axis=1)
             s, cum = np.sort(proj, axis=1), None
         else:
-            order = None
             s, cum = _sorted_with_cumweights(proj, weights)
         rows = np.arange(m1 - m0)[:, None]
         q[m0:m1] = s[rows, _quantile_index(cum, n, np.ascontiguousarray(t[m0:m1]))]
@@ -182,11 +224,7 @@ def _sliced(
         inv_density[m0:m1] = (upper - lower) / (t_hi[m0:m1] - t_lo[m0:m1])
         features[0, m0 * L : m1 * L] = q[m0:m1].ravel()
         for m in range(m0, m1):  # one direction at a time; vectorised over the cells
-            if order is None:
-                below[m] = np.searchsorted(q[m], proj[m - m0], side="left")
-                continue
-            edges = np.searchsorted(s[m - m0], q[m], side="right")  # ranks above q_ℓ
-            below[m, order[m - m0]] = np.repeat(levels, np.diff(edges, prepend=0, append=n))
+            _count_below(proj[m - m0], q[m], below[m])
     features *= float(rep.n_output_features_) ** (-1.0 / rep.p)
     head = head_at(FeatureEmbedding(features, "euclidean" if rep.p == 2 else "l1"))
     G = head.gradient
@@ -199,9 +237,16 @@ def _sliced(
     # suffix[m, j] = Σ_{ℓ ≥ j} a[m, ℓ], with a zero row at j = L.
     suffix = np.zeros((M, a.shape[1] + 1, k))
     suffix[:, :-1] = np.cumsum(a[:, ::-1], axis=1)[:, ::-1]
-    influence = np.tile(const, (n, 1))
-    for m in range(M):  # pass 2: one gather per direction
-        influence -= suffix[m, below[m]]
+    # Pass 2: IF(x) = const - Σ_m suffix[m, below[m, x]], by chunks of cells small
+    # enough for the cache (a gather per direction and cell from the flat table).
+    flat = suffix.reshape(-1, k)
+    first = (np.arange(M) * (L + 1))[:, None]
+    influence = np.empty((n, k))
+    step = max(1, _PASS2_ENTRIES // (M * k))
+    for lo in range(0, n, step):
+        idx = below[:, lo : lo + step].astype(np.intp)
+        idx += first
+        influence[lo : lo + step] = const - np.take(flat, idx, axis=0).sum(axis=0)
     return w[:, None] * influence, False, head
 
 
@@ -209,16 +254,26 @@ def _sliced(
 def _density(
     rep: DensityFeatures, bag: Bags, head_at: HeadAt
 ) -> tuple[NDArray[np.float64], bool, Head]:
-    emb = rep.embed(bag)
-    head = head_at(emb)
+    rows = subsample_rows(bag, rep.max_points, 0)  # the cells the features are made of
+    # The bag subsample_bags makes of those rows, embedded as transform embeds it; the
+    # KDEs of that embedding are the densities the influence is taken at.
+    kept = Bags(
+        bag.points[rows],
+        np.array([0, rows.size]),
+        None if bag.weights is None else bag.weights[rows],
+        validate=False,
+    )
+    # The cells' grid weights of the binned KDEs are read again below (the smoothed
+    # influence at each cell): kept when they fit _BIN_BYTES, computed twice otherwise.
+    n_corners = sum(2 ** len(g) for g in rep.groups_)
+    keep_bins = rep.divergence != "l2" and rows.size * n_corners * 16 <= _BIN_BYTES
+    features, densities, cell_bins = rep.features_with_densities(kept, keep_bins=keep_bins)
+    head = head_at(FeatureEmbedding(features, "euclidean"))
     G = head.gradient
     assert G is not None
     k = G.shape[1]
-    rows = subsample_rows(bag, rep.max_points, 0)  # the cells the features were made of
-    pts_all = np.clip(rep._scale(bag.points), 0.0, 1.0)
-    pts = pts_all[rows]
-    kept_w = bag.point_weights()[rows]
-    kept_w = kept_w / kept_w.sum()
+    pts = np.clip(rep._scale(kept.points), 0.0, 1.0)
+    kept_w = kept.point_weights()
     n_groups = len(rep.groups_)
     values = np.zeros((rows.size, k))
     offset = 0
@@ -236,7 +291,9 @@ def _density(
         u = rep.points_[gi]
         n_e = u.shape[0]
         phi = cosine_basis(u, int(rep.n_basis))  # (n_e, B)
-        dens = rep._kde(pts[:, cols], kept_w, np.array([0, rows.size]), u)[0]
+        dens = densities[gi]
+        assert dens is not None
+        dens = dens[0]
         # The square-root derivative is unbounded where the estimate is 0: floor it.
         p = np.maximum(dens, 1e-3)
         if rep.divergence == "hellinger":
@@ -262,7 +319,9 @@ def _density(
         nodes = rep._grid_nodes(len(cols))
         if nodes is not None:
             for c in range(k):
-                smooth = binned_kde(u, psi[:, c], np.array([0, n_e]), pts[:, cols], h, nodes)
+                smooth = binned_kde(
+                    u, psi[:, c], np.array([0, n_e]), pts[:, cols], h, nodes, at_bins=cell_bins[gi]
+                )
                 values[:, c] += smooth[0] - base[c]
             continue
         norm = (2.0 * math.pi * h * h) ** (-len(cols) / 2.0)
