@@ -21,7 +21,7 @@ from bagserve.core.runtime import (
     Prediction,
 )
 
-from .codecs import JSON, NPY, media_type, npy_bytes
+from .codecs import FCS, JSON, NPY, media_type, npy_bytes
 from .errors import Problem
 from .fhir import FHIR_JSON, bundle
 from .hl7 import HL7_V2, Parties, oru_r01
@@ -40,8 +40,9 @@ __all__ = [
 ]
 
 CSV_OUT = "text/csv"
-#: What predict can answer, in the order offered.
-FORMATS = (JSON, CSV_OUT, NPY, FHIR_JSON, HL7_V2)
+#: What predict can answer, in the order offered (FCS: one bag's cells with their
+#: contributions, with ``?explain=true``; :func:`.explanations.explained_fcs`).
+FORMATS = (JSON, CSV_OUT, NPY, FHIR_JSON, HL7_V2, FCS)
 #: Answers of per-cell models for more cells than this are encoded in a thread: a
 #: label per cell of 10^6 cells takes a CSV writer seconds, which the event loop must
 #: not wait for; smaller answers are encoded at once (a thread hop costs more).
@@ -84,6 +85,8 @@ def negotiate(accept: str | None) -> str:
             return FHIR_JSON
         if t in (HL7_V2, "x-application/hl7-v2+er7"):
             return HL7_V2
+        if t == FCS:
+            return FCS
     raise Problem(406, f"cannot answer {accept!r}; available: {', '.join(FORMATS)}")
 
 

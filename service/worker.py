@@ -72,12 +72,14 @@ def predict_message(
 
     Returns the answer's header (``kind``, bag ``ids``, each bag's ``inputs`` hash,
     ``notes``, ``plots``, ``explanations``, the options applied, ``/v2``'s ``echo``,
-    seconds per stage) and the runtime's arrays.
+    seconds per stage) and the runtime's arrays; with ``header["fcs"]`` (and the
+    option ``explain``) also ``fcs``, the one bag's cells with their contributions as
+    an FCS file (:func:`.explanations.explained_fcs`).
     """
     from bagserve.core.bags import Bags
 
     from .codecs import BodySpec, decode_body
-    from .explanations import explanation_documents
+    from .explanations import explained_fcs, explanation_documents
     from .options import PredictOptions
     from .tensors import decode_inference
     from .validation import plot_samples, validate_bags
@@ -112,9 +114,13 @@ def predict_message(
         probabilities=options.probabilities,
         unassigned=options.unassigned,
     )
-    explanations = None
+    explanations, extra = None, {}
     if options.explain:
-        explanations, plots = explanation_documents(runtime, incoming, options.plot)
+        explanations, plots, explained = explanation_documents(runtime, incoming, options.plot)
+        if header.get("fcs"):
+            # Built here, where the cells are: only the file crosses the pipe.
+            fcs = explained_fcs(bags, explained)
+            extra["fcs"] = np.frombuffer(fcs, dtype=np.uint8)
     else:
         plots = plot_samples(entry, points, result, options.plot) if options.plot else None
     t3 = time.perf_counter()
@@ -130,7 +136,7 @@ def predict_message(
         "echo": echo,
         "seconds": {"parse": t1 - t0, "validate": t2 - t1, "compute": t3 - t2},
     }
-    return answer, result.to_arrays()
+    return answer, {**result.to_arrays(), **extra}
 
 
 def _error(exc: Exception) -> dict[str, Any]:

@@ -866,3 +866,62 @@ def test_explanations_on_every_door_match_the_library(http, service, models):
         "/v1/models/demo-gating/predict", params={"explain": "true"}, files=files[:1]
     )
     assert refused.status_code == 422 and "bag-level" in refused.text
+
+
+def test_explained_sample_comes_back_as_fcs_with_a_contribution_channel(http):
+    import flowio
+
+    path = sorted(YEAST.glob("Yeast_B*.fcs"))[0]
+    raw = read_sample(path)
+    fcs = http.post(
+        "/v1/models/yeast/predict",
+        params={"explain": "true"},
+        content=path.read_bytes(),
+        headers={"content-type": "application/vnd.isac.fcs", "accept": "application/vnd.isac.fcs"},
+    )
+    assert fcs.status_code == 200, fcs.text
+    assert fcs.headers["content-type"] == "application/vnd.isac.fcs"
+    assert fcs.headers["x-model-sha256"] and fcs.headers["x-input-sha256"]
+    back = flowio.FlowData(io.BytesIO(fcs.content))
+    assert back.pnn_labels[-1] == "contribution"
+    cells = back.as_array(preprocess=False)
+    assert cells.shape == (raw.points.shape[0], raw.points.shape[1] + 1)
+    # The cells as sent, every channel in its order, then the contributions.
+    np.testing.assert_array_equal(cells[:, :-1], raw.points.astype(np.float32))
+    # The JSON answer's explanation of the same sample: every cell is plotted (1000).
+    doc = http.post(
+        "/v1/models/yeast/predict",
+        params={"explain": "true", "plot": str(raw.points.shape[0])},
+        content=path.read_bytes(),
+        headers={"content-type": "application/vnd.isac.fcs"},
+    )
+    assert doc.status_code == 200, doc.text
+    answer = doc.json()["predictions"][0]
+    assert answer["plot"]["cells"] == list(range(raw.points.shape[0]))
+    expected = np.asarray(answer["plot"]["contributions"], dtype=np.float32)
+    np.testing.assert_array_equal(cells[:, -1], expected)
+    for top in answer["explanation"]["top_cells"]:
+        assert cells[top["index"], -1] == np.float32(top["contribution"])
+    # Refused, naming the problem: without explain, several bags, per-cell models.
+    asked = {"accept": "application/vnd.isac.fcs"}
+    plain = http.post(
+        "/v1/models/yeast/predict",
+        content=path.read_bytes(),
+        headers={**asked, "content-type": "application/vnd.isac.fcs"},
+    )
+    assert plain.status_code == 406 and "explain=true" in plain.text
+    files = [
+        ("files", (f.name, f.read_bytes(), "application/octet-stream"))
+        for f in sorted(YEAST.glob("Yeast_B*.fcs"))[:2]
+    ]
+    several = http.post(
+        "/v1/models/yeast/predict", params={"explain": "true"}, files=files, headers=asked
+    )
+    assert several.status_code == 422 and "one bag per request" in several.text
+    gating = http.post(
+        "/v1/models/demo-gating/predict",
+        params={"explain": "true"},
+        files=files[:1],
+        headers=asked,
+    )
+    assert gating.status_code == 422 and "bag-level" in gating.text
