@@ -140,6 +140,7 @@ bench: $(BIN)/.dev-installed
 	$(BENCH_ENV) $(BIN)/python bench/bench_scale.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_conformal.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_intervals.py
+	$(BENCH_ENV) $(BIN)/python bench/bench_explain.py
 	$(BENCH_ENV) $(BIN)/python bench/reproduce_density.py
 	$(BENCH_ENV) $(BIN)/python bench/reproduce_dg.py
 	$(BENCH_ENV) $(BIN)/python bench/reproduce_cme.py

@@ -82,9 +82,11 @@ def _predict_local(
     coverage: float | None,
     names: Sequence[str] | None,
     control: str | Path | None = None,
-) -> tuple[Any, list[str], dict[str, Any], Any, list[str], list[str | None], float | None]:
+    explain: bool = False,
+) -> tuple[Any, list[str], dict[str, Any], Any, list[str], list[str | None], float | None, Any]:
     """A saved model's typed answer for files, with what every encoding of it needs:
-    (result, names, meta, info, file sha256s, acquisition times, coverage used).
+    (result, names, meta, info, file sha256s, acquisition times, coverage used, and
+    with ``explain`` each sample as read with its explanation, else None).
     ``control``: the file of the batch's reference control (per-cell models fitted
     with one), which maps every sample first; named with its sha256 in ``meta``."""
     from .core.blas import one_thread
@@ -106,9 +108,9 @@ def _predict_local(
     # The service's workers compute with one BLAS thread; so does this, so that the
     # command's answer is the service's to the last bit (a multi-threaded sum is not).
     with one_thread():
-        result = runtime.predict(
-            runtime.align(samples, compensated=compensated), coverage=coverage, control=reference
-        )
+        bags = runtime.align(samples, compensated=compensated)
+        result = runtime.predict(bags, coverage=coverage, control=reference)
+        explained = list(zip(samples, runtime.explain(bags), strict=True)) if explain else None
     meta = {
         "model": {
             "name": info.metadata.get("name"),
@@ -121,7 +123,8 @@ def _predict_local(
     }
     if control is not None:
         meta["control"] = {"file": str(control), "sha256": digest}
-    return result, names, meta, info, inputs, [s.acquired for s in samples], coverage
+    acquired = [s.acquired for s in samples]
+    return result, names, meta, info, inputs, acquired, coverage, explained
 
 
 def predict_files(
@@ -133,6 +136,8 @@ def predict_files(
     cells: bool = False,
     names: Sequence[str] | None = None,
     control: str | Path | None = None,
+    explain: bool = False,
+    fcs_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Predictions of a saved model for sample files, as the service answers them.
 
@@ -147,13 +152,38 @@ def predict_files(
     per-cell model's label of every cell besides its population summary. ``names``:
     the bags' ids in the answer and its warnings (default: the paths as given).
     ``control``: the batch's reference control file (:func:`_predict_local`).
+    ``explain``: bag-level models, each result's ``explanation`` as the service's
+    ``?explain=true`` gives it; ``fcs_dir`` (with ``explain``): each sample written
+    there as ``<name>.explained.fcs``, its channels as read plus ``contribution``, each
+    cell's contribution to the last output, for gating in FlowJo or FlowKit.
     """
     from .service.encoders import encode_document
+    from .service.explanations import TOP_CELLS
 
-    result, names, meta, info, inputs, _, _ = _predict_local(
-        model_path, files, compensated=compensated, coverage=coverage, names=names, control=control
+    if fcs_dir is not None and not explain:
+        raise ValueError("writing FCS files with contributions needs explain")
+    result, names, meta, info, inputs, _, _, explained = _predict_local(
+        model_path,
+        files,
+        compensated=compensated,
+        coverage=coverage,
+        names=names,
+        control=control,
+        explain=explain,
     )
-    doc = encode_document(result, names, meta, info, inputs=inputs, cells=cells)
+    documents = None if explained is None else [e.to_dict(top=TOP_CELLS) for _, e in explained]
+    doc = encode_document(
+        result, names, meta, info, inputs=inputs, cells=cells, explanations=documents
+    )
+    if fcs_dir is not None and explained is not None:
+        from .core.atomic import atomic_write_bytes
+        from .core.io import fcs_with_channel
+
+        out = Path(fcs_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for f, (sample, e) in zip(files, explained, strict=True):
+            content = fcs_with_channel(sample, "contribution", e.contributions[:, -1])
+            atomic_write_bytes(out / f"{Path(f).name}.explained.fcs", content)
     return _as_results(doc, names)
 
 
@@ -177,7 +207,7 @@ def oru_for_files(
 
     check_orders((refs or {}).get("orders") or [], len(files))
 
-    result, names, meta, info, inputs, acquired, coverage = _predict_local(
+    result, names, meta, info, inputs, acquired, coverage, _ = _predict_local(
         model_path,
         files,
         compensated=compensated,
@@ -354,7 +384,7 @@ def table_for_files(
     from .service.tables import TableLayout
 
     names = [Path(f).name for f in files]
-    result, names, _, info, inputs, _, coverage = _predict_local(
+    result, names, _, info, inputs, _, coverage, _ = _predict_local(
         model_path, files, compensated=compensated, coverage=coverage, names=names, control=control
     )
     shape = info.answer_shape()
@@ -369,9 +399,13 @@ def table_for_files(
 def _cmd_predict(args: argparse.Namespace) -> int:
     if args.control and args.url:
         raise ValueError(
-            "--control maps samples with a model on this machine: the service takes no "
-            "batch control yet (drop --url, or the control)"
+            "--control maps samples with a model on this machine; through a service, send "
+            "the control as one of the request's bags and name it with ?control=ID"
         )
+    if (args.explain or args.fcs_dir) and (args.format != "json" or args.url):
+        raise SystemExit("--explain and --fcs-dir need --format json and a saved model")
+    if args.fcs_dir and not args.explain:
+        raise SystemExit("--fcs-dir needs --explain")
     plan = _hl7_plan(args) if args.hl7 else None
     if args.format == "json":
         result = (
@@ -384,6 +418,8 @@ def _cmd_predict(args: argparse.Namespace) -> int:
                 coverage=args.interval,
                 cells=args.cells,
                 control=args.control,
+                explain=args.explain,
+                fcs_dir=args.fcs_dir,
             )
         )
         text = json.dumps(result, default=str)
@@ -855,6 +891,18 @@ def _parser() -> argparse.ArgumentParser:
         "--cells",
         action="store_true",
         help="per-cell models: every cell's label (default: the population summary)",
+    )
+    pr.add_argument(
+        "--explain",
+        action="store_true",
+        help="bag-level models: which cells moved each prediction (an explanation per "
+        "result: baseline, total, by marker, top cells)",
+    )
+    pr.add_argument(
+        "--fcs-dir",
+        metavar="DIR",
+        help="with --explain: write each sample to DIR as NAME.explained.fcs, its channels "
+        "plus 'contribution', for gating on the cells that moved the prediction",
     )
     pr.add_argument("--output", help="write here instead of stdout")
     pr.add_argument(

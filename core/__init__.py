@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the eager imports, for type checkers and IDEs only
         TaskPrediction,
         TaskReport,
     )
+    from .explanations import Explanation, explain
     from .kernels import DistanceKernel, get_kernel
     from .representations import (
         DensityFeatures,
@@ -63,6 +64,8 @@ _EXPORTS: dict[str, str] = {
     "MarginalTransferRegressor": ".estimators",
     "TaskPrediction": ".estimators",
     "TaskReport": ".estimators",
+    "Explanation": ".explanations",
+    "explain": ".explanations",
     "DistanceKernel": ".kernels",
     "get_kernel": ".kernels",
     "DensityFeatures": ".representations",
@@ -83,6 +86,7 @@ __all__ = [
     "DistanceKernel",
     "DistributionRidge",
     "DistributionRidgeClassifier",
+    "Explanation",
     "HistogramEmbedding",
     "MarginalTransferClassifier",
     "MarginalTransferRegressor",
@@ -92,6 +96,7 @@ __all__ = [
     "TaskReport",
     "__version__",
     "as_bags",
+    "explain",
     "get_kernel",
     "load",
     "read_manifest",

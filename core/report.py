@@ -467,6 +467,22 @@ def html(
             )
             + "</ul>"
         )
+    regions = summary.get("explained_regions")
+    if regions:
+        parts.append(
+            "<h2>Where the model looks</h2><p>Each training sample explained by the model of "
+            "its cross-validation fold (core.explain, "
+            f"{esc.escape(regions['method'])}), each cell's contribution added to the fifth "
+            "of each marker's range it lies in; the mean over the "
+            f"{regions['n_samples']} samples. Large entries are the regions that carry the "
+            "model: debris sits in the lowest scatter, doublets in the highest.</p>"
+        )
+        for k, output in enumerate(regions["outputs"]):
+            rows = [
+                {"marker": m, **{r: v[k] for r, v in zip(regions["regions"], per, strict=True)}}
+                for m, per in zip(regions["markers"], regions["mean_contribution"], strict=True)
+            ]
+            parts.append(table(rows, f"Mean contribution to {output}, by marker region"))
     grouping = summary.get("grouping")
     if grouping:
         row = {k: v for k, v in grouping.items() if not isinstance(v, dict)}

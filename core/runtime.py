@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -50,6 +50,9 @@ from .fhir_coding import OutputCoding
 from .hashing import bytes_sha256
 from .io import Panel, Preprocessing, Sample
 from .policy import DEFAULT_POLICY, FINAL, POLICIES, WITHHELD, statuses, withheld_reason
+
+if TYPE_CHECKING:
+    from .explanations import Explanation
 
 __all__ = [
     "ArtifactInfo",
@@ -843,6 +846,26 @@ class ModelRuntime:
             result.n_bags,
         )
         return dataclasses.replace(result, status=status)
+
+    def explain(self, bags: Bags, *, preprocessed: bool = False) -> list[Explanation]:
+        """Per-cell contributions to each bag's prediction (:func:`core.explain`), the
+        cells as the model sees them (after its preprocessing) and named by its panel.
+
+        Raises
+        ------
+        ValueError
+            A per-cell model (its sample-context part is not a door's answer).
+        """
+        if self.kind is ModelKind.CELL:
+            raise ValueError("explanations apply to bag-level models, not per-cell ones")
+        from .explanations import explain
+
+        if not preprocessed:
+            bags = self.preprocess(bags)
+        markers = self.info.markers or None
+        return [
+            explain(self.model, bags.take(np.array([i])), markers=markers) for i in range(len(bags))
+        ]
 
     def _predict(
         self,

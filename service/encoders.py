@@ -21,7 +21,7 @@ from bagserve.core.runtime import (
     Prediction,
 )
 
-from .codecs import JSON, NPY, media_type, npy_bytes
+from .codecs import FCS, JSON, NPY, media_type, npy_bytes
 from .errors import Problem
 from .fhir import FHIR_JSON, bundle
 from .hl7 import HL7_V2, Parties, oru_r01
@@ -40,8 +40,9 @@ __all__ = [
 ]
 
 CSV_OUT = "text/csv"
-#: What predict can answer, in the order offered.
-FORMATS = (JSON, CSV_OUT, NPY, FHIR_JSON, HL7_V2)
+#: What predict can answer, in the order offered (FCS: one bag's cells with their
+#: contributions, with ``?explain=true``; :func:`.explanations.explained_fcs`).
+FORMATS = (JSON, CSV_OUT, NPY, FHIR_JSON, HL7_V2, FCS)
 #: Answers of per-cell models for more cells than this are encoded in a thread: a
 #: label per cell of 10^6 cells takes a CSV writer seconds, which the event loop must
 #: not wait for; smaller answers are encoded at once (a thread hop costs more).
@@ -84,6 +85,8 @@ def negotiate(accept: str | None) -> str:
             return FHIR_JSON
         if t in (HL7_V2, "x-application/hl7-v2+er7"):
             return HL7_V2
+        if t == FCS:
+            return FCS
     raise Problem(406, f"cannot answer {accept!r}; available: {', '.join(FORMATS)}")
 
 
@@ -102,6 +105,7 @@ def encode(
     performer: str | None = None,
     timezone: str | None = None,
     parties: Parties | None = None,
+    explanations: list[dict[str, Any]] | None = None,
 ) -> bytes:
     """The answer in ``fmt`` (one of :data:`FORMATS`); ``meta`` heads a JSON answer.
 
@@ -118,7 +122,9 @@ def encode(
     subject, specimen and effective time,
     ``acquired`` each bag's acquisition time, ``performer`` and ``timezone`` the
     service's settings (:func:`.fhir.bundle`). HL7 (:func:`.hl7.oru_r01`): ``refs``
-    the patient and placer order numbers, ``parties`` MSH-3..6.
+    the patient and placer order numbers, ``parties`` MSH-3..6. ``explanations``: per
+    bag, its explanation (``?explain=true``): in JSON whole, in FHIR and HL7 as one line
+    of text (:func:`.explanations.summary_text`), not in CSV or NPY.
     """
     cells, coverage = options.cells, options.coverage
     if fmt == FHIR_JSON:
@@ -134,6 +140,7 @@ def encode(
                 acquired=acquired,
                 performer=performer,
                 timezone=timezone,
+                explanations=explanations,
             )
         )
     if fmt == HL7_V2:
@@ -147,6 +154,7 @@ def encode(
             refs=refs,
             acquired=acquired,
             parties=parties,
+            explanations=explanations,
         )
         return message.encode("utf-8")
     if fmt == NPY:
@@ -155,7 +163,16 @@ def encode(
         layout = TableLayout.of(info.answer_shape(), options)
         return csv_bytes(layout.columns, layout.rows(result, ids, info, inputs=inputs))
     return orjson.dumps(
-        encode_document(result, ids, meta, info, inputs=inputs, cells=cells, plots=plots)
+        encode_document(
+            result,
+            ids,
+            meta,
+            info,
+            inputs=inputs,
+            cells=cells,
+            plots=plots,
+            explanations=explanations,
+        )
     )
 
 
@@ -168,10 +185,12 @@ def encode_document(
     inputs: list[str] | None = None,
     cells: bool = True,
     plots: list[dict[str, Any]] | None = None,
+    explanations: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The JSON answer as a document: ``meta`` and one entry per bag under
     ``predictions`` (stored as such for jobs); ``plots``: per bag, cells for a
-    scatter plot (``?plot=N``)."""
+    scatter plot (``?plot=N``); ``explanations``: per bag, its ``explanation``
+    (``?explain=true``, :mod:`.explanations`). A withheld bag gets neither."""
     answers = []
     for i, bag_id in enumerate(ids):
         answer: dict[str, Any] = {"id": bag_id}
@@ -187,6 +206,9 @@ def encode_document(
     for answer, plot, i in zip(answers, plots or [], range(len(ids)), strict=False):
         if result.released(i):
             answer["plot"] = plot
+    for answer, explanation, i in zip(answers, explanations or [], range(len(ids)), strict=False):
+        if result.released(i):
+            answer["explanation"] = explanation
     return {**meta, "predictions": answers}
 
 

@@ -65,6 +65,7 @@ from bagserve.core.runtime import (
 from bagserve import __version__
 
 from .errors import Problem
+from .explanations import summary_text
 
 __all__ = ["FHIR_JSON", "bundle", "references"]
 
@@ -148,6 +149,7 @@ def bundle(
     acquired: Sequence[str | None] | None = None,
     performer: str | None = None,
     timezone: str | None = None,
+    explanations: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The answer as a FHIR R4 ``transaction`` Bundle (see the module docstring).
 
@@ -185,6 +187,9 @@ def bundle(
         Who performs the test (``Organization/lab-1``).
     timezone : str, optional
         The instruments' IANA time zone, for acquisition times written without one.
+    explanations : sequence of mapping, optional
+        Per bag, its explanation document (``?explain=true``): a released bag's
+        Observation gains its one-line text as a note (no cell data).
     """
     when = _instant(issued or datetime.now(UTC))
     request_id = str(provenance["request_id"])
@@ -204,6 +209,9 @@ def bundle(
         (f"urn:uuid:{uuid.uuid5(space, str(i))}", builder.of(i, bag, effective[i]))
         for i, bag in enumerate(ids)
     ]
+    for i, (_, obs) in enumerate(observations):
+        if explanations is not None and result.released(i):
+            obs.setdefault("note", []).append({"text": summary_text(explanations[i])})
     report_url = f"urn:uuid:{uuid.uuid5(space, 'report')}"
     report = _report(result, ids, builder, [u for u, _ in observations], effective)
     provenance_id = str(uuid.uuid5(space, "provenance"))

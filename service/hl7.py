@@ -66,6 +66,7 @@ from bagserve.core.runtime import (
 )
 
 from .errors import Problem
+from .explanations import summary_text
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -233,6 +234,7 @@ def oru_r01(
     when: datetime | None = None,
     parties: Parties | None = None,
     control_id: str | None = None,
+    explanations: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """The answer as one HL7 v2.5.1 ``ORU^R01`` message (see the module docstring),
     segments ended by carriage returns, validated by hl7apy.
@@ -245,6 +247,9 @@ def oru_r01(
         MSH-3..6 (bagserve as the sending application by default).
     control_id : str, optional
         MSH-10 (:func:`new_control_id` by default).
+    explanations : sequence of mapping, optional
+        Per bag, its explanation document (``?explain=true``): a released bag's
+        answer gains its one-line text (no cell data) as the last NTE.
 
     Raises
     ------
@@ -312,6 +317,8 @@ def oru_r01(
         obr.obr_25 = _RESULT_STATUS[status]
         rows = _observations(result, i, info, str(model["name"]), code)
         notes = _notes(result, i, info, coverage)
+        if explanations is not None and result.released(i):
+            notes.append(summary_text(explanations[i]))
         for k, (kind, identifier, value, unit, extra) in enumerate(rows, start=1):
             obs = order.add_group("ORU_R01_OBSERVATION")
             obx = obs.obx

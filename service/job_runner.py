@@ -107,6 +107,7 @@ class JobRunner:
             inputs=outcome.inputs,
             cells=options.cells,
             plots=outcome.plots,
+            explanations=outcome.explanations,
         )
         settings, deliveries = self.predictor.settings, self.deliveries
         also = None
@@ -126,6 +127,7 @@ class JobRunner:
                     acquired=outcome.acquired,
                     parties=Parties.from_settings(settings),
                     control_id=control_id,
+                    explanations=outcome.explanations,
                 )
             except Problem as exc:  # placer order numbers that are not one per bag
                 problem = {"status": exc.status, "detail": exc.detail, "errors": exc.errors}

@@ -63,6 +63,10 @@ class PredictOptions:
         Per-cell models fitted with a reference control: ``?control=ID`` names the bag
         of the request that is the batch's reference control; it maps every other bag
         onto the training batch first and gets no answer of its own.
+    explain : bool
+        Bag-level models: ``?explain=true`` adds each bag's ``explanation``
+        (:func:`bagserve.core.explain`: baseline, total, by marker, top cells); with
+        ``plot=N`` the plotted cells carry their contributions.
     """
 
     quantiles: tuple[float, ...] = ()
@@ -74,6 +78,7 @@ class PredictOptions:
     plot: int = 0
     unassigned: float | None = None
     control: str | None = None
+    explain: bool = False
 
     @classmethod
     def asked_of(
@@ -97,14 +102,14 @@ class PredictOptions:
     @classmethod
     def parse(cls, entry: ModelEntry, params: Mapping[str, Any]) -> PredictOptions:
         """The query (or ``/v2`` request) parameters ``quantiles``, ``exceed``,
-        ``interval``, ``compensated``, ``cells`` and ``probabilities``, checked against
-        the model (422)."""
+        ``interval``, ``compensated``, ``cells``, ``probabilities``, ``plot``,
+        ``unassigned`` and ``explain``, checked against the model (422)."""
         quantiles, exceed = params.get("quantiles"), params.get("exceed")
         interval = params.get("interval")
         interval = None if interval is None else str(interval)
         parsed: dict[str, Any] = {}
         problems = []
-        for name in ("compensated", "cells", "probabilities"):
+        for name in ("compensated", "cells", "probabilities", "explain"):
             if params.get(name) is None:
                 continue
             flag = _flag(params[name])
@@ -129,8 +134,12 @@ class PredictOptions:
             for n in ("cells", "probabilities", "plot")
             if n in parsed and parsed[n] != getattr(cls, n)
         ]
+        if parsed.get("explain") and "plot" in cell_only and entry.kind is not ModelKind.CELL:
+            cell_only.remove("plot")  # a bag model's plot: its cells with their contributions
         if cell_only and entry.kind is not ModelKind.CELL:
             problems.append(f"{entry.key}: {cell_only[0]} applies to per-cell models only")
+        if parsed.get("explain") and entry.kind is ModelKind.CELL:
+            problems.append(f"{entry.key}: explain applies to bag-level models only")
         if parsed.get("probabilities"):
             unavailable = entry.info.probability_problem()
             if unavailable is not None:
@@ -199,7 +208,15 @@ class PredictOptions:
         out: dict[str, Any] = {k: list(v) for k, v in asked if v}
         if self.coverage is not None:
             out["coverage"] = self.coverage
-        for name in ("compensated", "cells", "probabilities", "plot", "unassigned", "control"):
+        for name in (
+            "compensated",
+            "cells",
+            "probabilities",
+            "plot",
+            "unassigned",
+            "control",
+            "explain",
+        ):
             if getattr(self, name) != getattr(PredictOptions, name):
                 out[name] = getattr(self, name)
         return out

@@ -33,6 +33,7 @@ from bagserve.core.runtime import CellPrediction, ModelKind, Prediction, predict
 from .audit import AuditLog
 from .codecs import MULTIPART, BodySpec, media_type
 from .errors import Problem
+from .explanations import explanations_sha256
 from .metrics import Metrics
 from .model_stats import ModelStats
 from .options import PredictOptions
@@ -92,7 +93,7 @@ class Outcome:
         The options the prediction was made with (``/v2``: from its document).
     plots : list of dict, optional
         Per bag, with ``?plot=N``: cells for a scatter plot
-        (:func:`~.validation.plot_samples`).
+        (:func:`~.validation.plot_samples`; with ``explain``, their contributions).
     echo : dict, optional
         ``/v2``: what the answer needs of the request (:mod:`.tensors`).
     inputs : list of str
@@ -116,6 +117,10 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     #: Per bag, when its instrument acquired it (FCS keywords), or None.
     acquired: list[str | None] = field(default_factory=list)
+    #: Per bag, with ``explain``: its explanation (:mod:`.explanations`).
+    explanations: list[dict[str, Any]] | None = None
+    #: Asked with ``fcs``: the one bag's cells with their contributions, an FCS file.
+    fcs: bytes | None = None
 
     @property
     def sizes(self) -> list[int]:
@@ -154,6 +159,9 @@ class Outcome:
         if r.domain is not None:
             out["out_of_range"] = [bool(v) for v in r.domain.out_of_range.tolist()]
             out["domain_score"] = [round(float(v), 6) for v in r.domain.score.tolist()]
+        if self.explanations is not None:
+            # The explanations hold cell values: the trail keeps their hash only.
+            out["explanations_sha256"] = explanations_sha256(self.explanations)
         if not values:
             return out
         if isinstance(r, CellPrediction):
@@ -223,6 +231,7 @@ class Predictor:
         lent: SharedBuffer | None = None,
         request_sha256: str | None = None,
         timings: dict[str, float] | None = None,
+        fcs: bool = False,
     ) -> Outcome:
         """Decode, validate and compute on a worker, and audit, one prediction.
 
@@ -243,6 +252,9 @@ class Predictor:
             The body's sha256 when already known (a stored job).
         timings : dict, optional
             Stages timed so far (``read``); the others are added.
+        fcs : bool, default=False
+            With ``options.explain``: the answer is the one bag's cells with their
+            contributions as FCS (:attr:`Outcome.fcs`; 422 for several bags).
 
         Raises
         ------
@@ -263,7 +275,7 @@ class Predictor:
         status, outcome, used = 500, None, options
         try:
             outcome = await self.compute(
-                entry, body, spec, options, timings, lent, None if digest else hash_input
+                entry, body, spec, options, timings, lent, None if digest else hash_input, fcs
             )
             outcome.request_sha256 = await input_hash()
             # A bag whose file is the body itself has the body's hash.
@@ -305,6 +317,7 @@ class Predictor:
         timings: dict[str, float],
         lent: SharedBuffer | None = None,
         meanwhile: Callable[[], object] | None = None,
+        fcs: bool = False,
     ) -> Outcome:
         """Run one request on a worker (decode, validate, predict) and map the pool's
         failures to problems; the outcome's input hash is left for the caller.
@@ -325,6 +338,8 @@ class Predictor:
             "body": spec.to_json(),
             "options": None if options is None else options.to_json(),
         }
+        if fcs:
+            header["fcs"] = True
         try:
             t1 = time.perf_counter()
             out_header, out_arrays, queued, _ = await self.pool.submit(
@@ -358,6 +373,7 @@ class Predictor:
             ) from None
         except InputRejected as exc:
             raise Problem(422, str(exc), errors=[str(exc)], slug="invalid-bags") from None
+        fcs_file = out_arrays.pop("fcs", None)
         result = prediction_from_arrays(out_header["kind"], out_arrays)
         ids = list(out_header["ids"])
         for n in result.sizes.tolist():
@@ -377,6 +393,8 @@ class Predictor:
             list(out_header["inputs"]),
             list(out_header["notes"]),
             list(out_header.get("acquired") or [None] * len(ids)),
+            out_header.get("explanations"),
+            None if fcs_file is None else fcs_file.tobytes(),
         )
 
     def _observe_domain(self, entry: ModelEntry, result: Prediction) -> None:

@@ -4,7 +4,7 @@ A bag is an ``[n, d]`` tensor named ``points`` (FP64 or FP32); several bags are 
 points concatenated plus an INT64 ``bag_sizes`` tensor; marker names may be given as the
 ``markers`` parameter (of the request or of the ``points`` input). The binary tensor
 extension (``Inference-Header-Content-Length``) is read in place. The request's own
-parameters (``interval``, ``compensated``, ``cells``, ``probabilities``) become
+parameters (``interval``, ``compensated``, ``cells``, ``probabilities``, ``explain``) become
 :class:`~.options.PredictOptions`, and what the answer needs of the request (its ``id``,
 the outputs asked for and whether in binary) is handed back with the prediction.
 
@@ -426,7 +426,7 @@ def _options(doc: dict[str, Any], entry: ModelEntry) -> tuple[PredictOptions, di
         entry,
         {
             k: params.get(k)
-            for k in ("interval", "compensated", "cells", "probabilities", "control")
+            for k in ("interval", "compensated", "cells", "probabilities", "control", "explain")
         },
     )
     echo = {

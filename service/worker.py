@@ -71,12 +71,15 @@ def predict_message(
     """One request: its body decoded and validated, the typed prediction out as arrays.
 
     Returns the answer's header (``kind``, bag ``ids``, each bag's ``inputs`` hash,
-    ``notes``, ``plots``, the options applied, ``/v2``'s ``echo``, seconds per stage)
-    and the runtime's arrays.
+    ``notes``, ``plots``, ``explanations``, the options applied, ``/v2``'s ``echo``,
+    seconds per stage) and the runtime's arrays; with ``header["fcs"]`` (and the
+    option ``explain``) also ``fcs``, the one bag's cells with their contributions as
+    an FCS file (:func:`.explanations.explained_fcs`).
     """
     from bagserve.core.bags import Bags
 
     from .codecs import BodySpec, decode_body
+    from .explanations import explained_fcs, explanation_documents
     from .options import PredictOptions
     from .tensors import decode_inference
     from .validation import plot_samples, split_control, validate_bags
@@ -106,8 +109,9 @@ def predict_message(
             [np.ones(s) if w is None else w for w, s in zip(weights, sizes, strict=True)]
         )
     t2 = time.perf_counter()
+    incoming = Bags(stacked, offsets, cell_weights, validate=False)
     result = runtime.predict(
-        Bags(stacked, offsets, cell_weights, validate=False),
+        incoming,
         quantiles=options.quantiles,
         exceed=options.exceed,
         coverage=options.coverage,
@@ -115,7 +119,15 @@ def predict_message(
         unassigned=options.unassigned,
         control=control,
     )
-    plots = plot_samples(entry, points, result, options.plot) if options.plot else None
+    explanations, extra = None, {}
+    if options.explain:
+        explanations, plots, explained = explanation_documents(runtime, incoming, options.plot)
+        if header.get("fcs"):
+            # Built here, where the cells are: only the file crosses the pipe.
+            fcs = explained_fcs(bags, explained)
+            extra["fcs"] = np.frombuffer(fcs, dtype=np.uint8)
+    else:
+        plots = plot_samples(entry, points, result, options.plot) if options.plot else None
     t3 = time.perf_counter()
     answer = {
         "kind": str(result.kind),
@@ -124,11 +136,12 @@ def predict_message(
         "acquired": [b.acquired for b in bags],
         "notes": notes,
         "plots": plots,
+        "explanations": explanations,
         "options": options.to_json(),
         "echo": echo,
         "seconds": {"parse": t1 - t0, "validate": t2 - t1, "compute": t3 - t2},
     }
-    return answer, result.to_arrays()
+    return answer, {**result.to_arrays(), **extra}
 
 
 def _error(exc: Exception) -> dict[str, Any]:

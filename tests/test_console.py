@@ -128,6 +128,25 @@ def test_the_console_predicts_a_sample_in_a_real_browser(url, browser, shots):
     text = browser.evaluate("document.querySelector('#results').textContent")
     assert "90 % interval" in text and "within the applicability domain" in text
     assert_not_blank(browser.screenshot(shots / "console-prediction.png"))
+    # Why this prediction: the explanation's baseline and markers, and the sample's cells
+    # coloured by their contribution (red raises the answer, blue lowers it).
+    browser.wait_for("document.querySelector('#results .explanation')")
+    browser.wait_for("document.querySelector('#results canvas')")
+    why = browser.evaluate("document.querySelector('#results .explanation').textContent")
+    assert "Why this prediction" in why and "baseline" in why
+    hues = browser.evaluate(
+        """(() => { const c = document.querySelector('#results canvas');
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let red = 0, blue = 0;
+        for (let i = 0; i < d.length; i += 4) {
+          if (d[i + 3] === 0) continue;
+          if (d[i] > d[i + 2] + 60) red++; else if (d[i + 2] > d[i] + 60) blue++;
+        }
+        return [red, blue]; })()"""
+    )
+    assert hues[0] > 0 and hues[1] > 0, hues
+    browser.evaluate("document.querySelector('#results .bag').scrollIntoView()")
+    assert_not_blank(browser.screenshot(shots / "console-explanation.png"))
     status = browser.evaluate("document.querySelector('#results .status').textContent")
     assert status == api["status"] == "final"
     assert f"file sha256 {api['input_sha256'][:16]}" in text

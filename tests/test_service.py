@@ -780,3 +780,148 @@ def test_request_timeout_answers_504_and_replaces_the_worker(models):
             timeout=60,
         )
         assert ok.status_code == 200
+
+
+def test_explanations_on_every_door_match_the_library(http, service, models):
+    from bagserve.core.runtime import ModelRuntime
+
+    from .service_harness import audit_log
+
+    samples = [read_sample(f) for f in sorted(YEAST.glob("Yeast_B*.fcs"))[:2]]
+    runtime = ModelRuntime.open(models / "yeast" / "1")
+    expected = [e.to_dict(top=10) for e in runtime.explain(runtime.align(samples))]
+    files = [
+        ("files", (f.name, f.read_bytes(), "application/octet-stream"))
+        for f in sorted(YEAST.glob("Yeast_B*.fcs"))[:2]
+    ]
+    r = http.post(
+        "/v1/models/yeast/predict",
+        params={"explain": "true", "plot": "50"},
+        files=files,
+        headers={"x-request-id": "explain-1"},
+    )
+    assert r.status_code == 200, r.text
+    answers = r.json()["predictions"]
+    assert [a["explanation"] for a in answers] == expected
+    for a in answers:  # the numbers add up: baseline + cells = the prediction
+        e = a["explanation"]
+        assert e["prediction"] == [a["prediction"]]
+        assert abs(e["baseline"][0] + e["total"][0] - a["prediction"]) < 1e-9
+        assert len(a["plot"]["contributions"]) == len(a["plot"]["points"]) == 50
+    # The audit trail keeps the explanations' hash, not their cells.
+    port = int(service.rsplit(":", 1)[1])
+    log = audit_log(models.parent / f"data-{port}")
+    record = next(x for x in log.recent(20) if x["request_id"] == "explain-1")
+    assert len(record["output"]["explanations_sha256"]) == 64
+    assert "top_cells" not in json.dumps(record)
+    # FHIR and HL7: one line of text each, no cell data.
+    fhir = http.post(
+        "/v1/models/yeast/predict",
+        params={"explain": "true"},
+        files=files,
+        headers={"accept": "application/fhir+json"},
+    )
+    notes = [
+        n["text"]
+        for e in fhir.json()["entry"]
+        for n in e["resource"].get("note", [])
+        if n["text"].startswith("Why this prediction")
+    ]
+    assert len(notes) == 2 and "top_cells" not in fhir.text
+    hl7 = http.post(
+        "/v1/models/yeast/predict",
+        params={"explain": "true"},
+        files=files,
+        headers={"accept": "application/hl7-v2"},
+    )
+    assert hl7.status_code == 200 and hl7.text.count("Why this prediction") == 2
+    # Jobs store the same document; /v2 takes it as a parameter.
+    job = http.post("/v1/jobs", params={"model": "yeast", "explain": "true"}, files=files)
+    assert job.status_code == 202, job.text
+    for _ in range(600):
+        state = http.get(job.headers["location"]).json()
+        if state["status"] in ("succeeded", "failed"):
+            break
+        time.sleep(0.1)
+    assert [p["explanation"] for p in state["result"]["predictions"]] == expected
+    points = runtime.align(samples[:1]).points
+    v2 = http.post(
+        "/v2/models/yeast/infer",
+        json={
+            "inputs": [
+                {
+                    "name": "points",
+                    "datatype": "FP64",
+                    "shape": list(points.shape),
+                    "data": points.ravel().tolist(),
+                }
+            ],
+            "parameters": {"explain": True, "markers": ["FSC-A", "SSC-A", "GFP"]},
+        },
+    )
+    assert v2.status_code == 200, v2.text
+    assert v2.json()["parameters"]["explanations"] == expected[:1]
+    # Per-cell models have no bag-level explanation: a clear 422.
+    refused = http.post(
+        "/v1/models/demo-gating/predict", params={"explain": "true"}, files=files[:1]
+    )
+    assert refused.status_code == 422 and "bag-level" in refused.text
+
+
+def test_explained_sample_comes_back_as_fcs_with_a_contribution_channel(http):
+    import flowio
+
+    path = sorted(YEAST.glob("Yeast_B*.fcs"))[0]
+    raw = read_sample(path)
+    fcs = http.post(
+        "/v1/models/yeast/predict",
+        params={"explain": "true"},
+        content=path.read_bytes(),
+        headers={"content-type": "application/vnd.isac.fcs", "accept": "application/vnd.isac.fcs"},
+    )
+    assert fcs.status_code == 200, fcs.text
+    assert fcs.headers["content-type"] == "application/vnd.isac.fcs"
+    assert fcs.headers["x-model-sha256"] and fcs.headers["x-input-sha256"]
+    back = flowio.FlowData(io.BytesIO(fcs.content))
+    assert back.pnn_labels[-1] == "contribution"
+    cells = back.as_array(preprocess=False)
+    assert cells.shape == (raw.points.shape[0], raw.points.shape[1] + 1)
+    # The cells as sent, every channel in its order, then the contributions.
+    np.testing.assert_array_equal(cells[:, :-1], raw.points.astype(np.float32))
+    # The JSON answer's explanation of the same sample: every cell is plotted (1000).
+    doc = http.post(
+        "/v1/models/yeast/predict",
+        params={"explain": "true", "plot": str(raw.points.shape[0])},
+        content=path.read_bytes(),
+        headers={"content-type": "application/vnd.isac.fcs"},
+    )
+    assert doc.status_code == 200, doc.text
+    answer = doc.json()["predictions"][0]
+    assert answer["plot"]["cells"] == list(range(raw.points.shape[0]))
+    expected = np.asarray(answer["plot"]["contributions"], dtype=np.float32)
+    np.testing.assert_array_equal(cells[:, -1], expected)
+    for top in answer["explanation"]["top_cells"]:
+        assert cells[top["index"], -1] == np.float32(top["contribution"])
+    # Refused, naming the problem: without explain, several bags, per-cell models.
+    asked = {"accept": "application/vnd.isac.fcs"}
+    plain = http.post(
+        "/v1/models/yeast/predict",
+        content=path.read_bytes(),
+        headers={**asked, "content-type": "application/vnd.isac.fcs"},
+    )
+    assert plain.status_code == 406 and "explain=true" in plain.text
+    files = [
+        ("files", (f.name, f.read_bytes(), "application/octet-stream"))
+        for f in sorted(YEAST.glob("Yeast_B*.fcs"))[:2]
+    ]
+    several = http.post(
+        "/v1/models/yeast/predict", params={"explain": "true"}, files=files, headers=asked
+    )
+    assert several.status_code == 422 and "one bag per request" in several.text
+    gating = http.post(
+        "/v1/models/demo-gating/predict",
+        params={"explain": "true"},
+        files=files[:1],
+        headers=asked,
+    )
+    assert gating.status_code == 422 and "bag-level" in gating.text

@@ -612,3 +612,14 @@ def test_yeast_example_edges_and_evaluation(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["n_overlapping"] == out["n_bags"] == 21
     assert out["r2"] > 0.99 and out["unseen_only"] is None
+
+
+def test_the_report_shows_where_the_model_looks(synthetic, tmp_path):
+    root, *_ = synthetic
+    cfg = _config(root, estimator="alpha = 1e-3\ngamma = 10.0", name="regions")
+    result, _ = _train(cfg, output=tmp_path)
+    regions = result.metrics["explained_regions"]
+    assert regions["markers"] == ["A", "B"] and regions["n_samples"] > 0
+    assert np.array(regions["mean_contribution"]).shape == (2, 5, 1)
+    page = (result.path / "report" / "report.html").read_text()
+    assert "Where the model looks" in page

@@ -170,7 +170,7 @@ def test_the_command_maps_by_the_control_file_and_names_it(cohort, model, tmp_pa
     assert plain["results"][0]["labels"] != answer["results"][0]["labels"]
     url = ["--url", "http://127.0.0.1:9"]
     assert main(["predict", "m", str(files[0]), "--control", str(tube), *url]) == 1
-    assert "the service takes no batch control" in capsys.readouterr().err
+    assert "name it with ?control=ID" in capsys.readouterr().err
     plain_model = MarginalTransferClassifier(**FIXED).fit(*cohort(0, False))
     other = save(
         plain_model,

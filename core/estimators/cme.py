@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import scipy.linalg
@@ -47,6 +47,9 @@ from ..representations.sliced import _rowwise_searchsorted
 from ..selection import as_grid, group_folds, median_heuristic_gamma
 from ._domain import DomainCheckMixin
 from ._grid_choices import GridChoice, cme_choices, warn_grid_edges
+
+if TYPE_CHECKING:
+    from ..explanations import Explanation
 
 __all__ = ["ConditionalMeanEmbedding", "incomplete_cholesky"]
 
@@ -321,6 +324,13 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
         if self.kernel_.uses_inner_product:
             return self.kernel_(emb.inner(train), self.gamma_)
         return self.kernel_(self._sq_to_training(emb, train), self.gamma_)
+
+    def explain(self, bag: Any, *, markers: ArrayLike | None = None) -> Explanation:
+        """Per-cell contributions to the conditional mean ``E[Y | P]`` for one bag
+        (:func:`core.explanations.explain`; the model needs a bag ``representation``)."""
+        from ..explanations import explain
+
+        return explain(self, bag, markers=markers)
 
     def weights(self, X: Any) -> NDArray[np.float64]:
         """``β(x)`` for every query, shape ``(q, n)``: ``μ̂(x) = Σ_i β_i(x) L(y_i, ·)``."""

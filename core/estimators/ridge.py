@@ -22,7 +22,7 @@ residuals scaled by the distance to the training bags (:mod:`._ridge_calibration
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -52,6 +52,9 @@ from ._ridge_calibration import (
     interval_scales,
 )
 from ._ridge_fit import RidgeDesign
+
+if TYPE_CHECKING:
+    from ..explanations import Explanation
 
 __all__ = ["DistributionRidge", "DistributionRidgeClassifier"]
 
@@ -385,6 +388,13 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
         if self.primal_:
             return batch_invariant_matmul(self._primal_features(emb), self.coef_) + self.intercept_
         return batch_invariant_matmul(self.kernel_matrix(emb), self.dual_coef_) + self.intercept_
+
+    def explain(self, bag: Any, *, markers: ArrayLike | None = None) -> Explanation:
+        """Per-cell contributions to this model's prediction for one bag
+        (:func:`core.explanations.explain`)."""
+        from ..explanations import explain
+
+        return explain(self, bag, markers=markers)
 
     def kernel_matrix(self, X: Any | Embedding) -> NDArray[np.float64]:
         """Kernel values between bags ``X`` and the training bags, ``(n_bags, T)``."""

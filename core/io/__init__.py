@@ -16,6 +16,8 @@ here, as it was when this was one module:
   compensation, a per-marker transform (``arcsinh``, ``log``, ``logicle``,
   ``hyperlog``), per-marker standard scaling learned on the training cells, and a
   seeded subsample of huge bags that does not depend on cell order.
+* :mod:`.fcs_writer`: :func:`fcs_with_channel` writes a sample back as FCS with one
+  more channel (an explanation's contribution of each cell).
 * :mod:`.labelled`: :func:`load_dataset` reads many files and their labels into a
   :class:`Dataset` with a fingerprint of both (:func:`dataset_fingerprint`).
 
@@ -26,6 +28,7 @@ and the row or column when there is one.
 from ..errors import DataError
 from ..hashing import file_sha256
 from .compensation import Compensation, Spillover, read_spillover_csv
+from .fcs_writer import fcs_with_channel
 from .labelled import Dataset, dataset_fingerprint, labelled_files, load_dataset, read_file_table
 from .panel import Panel, normalise_marker
 from .preprocessing import BagMoments, Preprocessing
@@ -43,6 +46,7 @@ __all__ = [
     "Sample",
     "Spillover",
     "dataset_fingerprint",
+    "fcs_with_channel",
     "file_sha256",
     "labelled_files",
     "load_dataset",

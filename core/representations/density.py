@@ -118,9 +118,11 @@ def cosine_basis(u: NDArray[np.float64], n_basis: int) -> NDArray[np.float64]:
     return out
 
 
-def _linear_weights(
-    x: NDArray[np.float64], n_nodes: int
-) -> tuple[list[NDArray[np.int64]], list[NDArray[np.float64]]]:
+#: Per corner of the grid cell around each point, the node and its weight.
+LinearBins = tuple[list[NDArray[np.int64]], list[NDArray[np.float64]]]
+
+
+def linear_bins(x: NDArray[np.float64], n_nodes: int) -> LinearBins:
     """Cells and weights of the ``2^k`` grid nodes around each point of ``x`` (n, k) in [0,1]^k.
 
     The nodes are ``j / (n_nodes - 1)``; the weights are the multilinear (tensor hat)
@@ -146,6 +148,9 @@ def binned_kde(
     at: NDArray[np.float64],
     bandwidth: float,
     n_nodes: int,
+    *,
+    point_bins: LinearBins | None = None,
+    at_bins: LinearBins | None = None,
 ) -> NDArray[np.float64]:
     """Gaussian KDEs of several bags at the points ``at``, by linear binning (Wand 1994).
 
@@ -161,6 +166,8 @@ def binned_kde(
     bandwidth : float
     n_nodes : int
         Grid nodes per axis (spacing ``1 / (n_nodes - 1)``).
+    point_bins, at_bins : LinearBins, optional
+        :func:`linear_bins` of ``points`` / ``at`` on this grid, when already known.
 
     Returns
     -------
@@ -172,14 +179,18 @@ def binned_kde(
     nodes = np.linspace(0.0, 1.0, n_nodes)
     smooth = np.exp(-((nodes[:, None] - nodes[None, :]) ** 2) / (2.0 * bandwidth**2))
     smooth *= (2.0 * math.pi * bandwidth**2) ** -0.5
-    at_cells, at_weights = _linear_weights(at, n_nodes)
+    at_cells, at_weights = linear_bins(at, n_nodes) if at_bins is None else at_bins
     bag_of_point = np.repeat(np.arange(B), np.diff(offsets))
     out = np.empty((B, at.shape[0]))
     step = max(1, BLOCK_FLOATS // n_cells)
     for b0 in range(0, B, step):
         b1 = min(B, b0 + step)
         lo, hi = int(offsets[b0]), int(offsets[b1])
-        cells, cw = _linear_weights(points[lo:hi], n_nodes)
+        if point_bins is None:
+            cells, cw = linear_bins(points[lo:hi], n_nodes)
+        else:
+            cells = [c[lo:hi] for c in point_bins[0]]
+            cw = [w[lo:hi] for w in point_bins[1]]
         rows = (bag_of_point[lo:hi] - b0) * n_cells
         grid = np.zeros((b1 - b0) * n_cells)
         for c, w in zip(cells, cw, strict=True):
@@ -423,20 +434,38 @@ class DensityFeatures(BagRepresentation):
     def transform(self, X: Any) -> NDArray[np.float64]:
         """Features of every bag, shape ``(n_bags, n_output_features_)``."""
         bags = self._validated_bags(X)
-        bags = subsample_bags(bags, self.max_points, 0)
+        return self.features_with_densities(subsample_bags(bags, self.max_points, 0))[0]
+
+    def features_with_densities(
+        self, bags: Bags, *, keep_bins: bool = False
+    ) -> tuple[NDArray[np.float64], list[NDArray[np.float64] | None], list[LinearBins | None]]:
+        """Features of bags already subsampled to ``max_points``, and per group the
+        KDEs at its integration points they were made of (``None`` for ``l2``), so
+        that an explanation reuses them instead of estimating them again; with
+        ``keep_bins``, also the points' :func:`linear_bins` of each binned KDE
+        (``None`` where the KDE is exact), which reading a smoothed grid at the points
+        needs again."""
         scaled = np.clip(self._scale(bags.points), 0.0, 1.0)
         w = bags.point_weights()
         parts = []
+        densities: list[NDArray[np.float64] | None] = []
+        kept: list[LinearBins | None] = []
         for gi, group in enumerate(self.groups_):
             cols = list(group)
             if self.divergence == "l2":
                 basis = cosine_basis(scaled[:, cols], int(self.n_basis)) * w[:, None]
                 parts.append(np.add.reduceat(basis, bags.offsets[:-1], axis=0))
+                densities.append(None)
+                kept.append(None)
                 continue
-            dens = self._kde(scaled[:, cols], w, bags.offsets, self.points_[gi])
+            nodes = self._grid_nodes(len(cols))
+            bins = linear_bins(scaled[:, cols], nodes) if keep_bins and nodes else None
+            dens = self._kde(scaled[:, cols], w, bags.offsets, self.points_[gi], bins)
             parts.append(self.features_from_densities(dens, gi))
+            densities.append(dens)
+            kept.append(bins)
         out = np.concatenate(parts, axis=1)
-        return out / math.sqrt(len(self.groups_))
+        return out / math.sqrt(len(self.groups_)), densities, kept
 
     def _grid_nodes(self, k: int) -> int | None:
         """Nodes per axis of the binned KDE for a group of ``k`` markers, or None (exact)."""
@@ -453,12 +482,14 @@ class DensityFeatures(BagRepresentation):
         w: NDArray[np.float64],
         offsets: NDArray[np.int64],
         u: NDArray[np.float64],
+        point_bins: LinearBins | None = None,
     ) -> NDArray[np.float64]:
-        """KDE of every bag at the integration points ``u``, shape (B, n_e)."""
+        """KDE of every bag at the integration points ``u``, shape (B, n_e)
+        (``point_bins``: the points' :func:`linear_bins`, when known)."""
         h = self.bandwidth_
         nodes = self._grid_nodes(pts.shape[1])
         if nodes is not None:
-            return binned_kde(pts, w, offsets, u, h, nodes)
+            return binned_kde(pts, w, offsets, u, h, nodes, point_bins=point_bins)
         B = offsets.size - 1
         dens = np.empty((B, u.shape[0]))
         norm = (2.0 * math.pi * h * h) ** (-pts.shape[1] / 2.0)

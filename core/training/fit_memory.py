@@ -24,6 +24,7 @@ from .config import CELL_LEVEL
 from .data import _bag_names, bag_fingerprints, read_control, read_data
 from .folds import FoldCache, _cv_predictions, _folds, _params_key
 from .groups import _grouping, _groups_kw, config_batches
+from .regions import held_out_regions
 from .saving import _Fitted
 from .search import Candidate, _run_search
 
@@ -172,6 +173,12 @@ def _train_in_memory(
     oof = searcher.oof_scores.get(_params_key(outcome.final))
     if oof is not None:
         calibration = fit_temperature(oof, y, outcome.final.classes_)
+    # Where the model looks, from held-out explanations (bag-level models).
+    regions = (
+        None
+        if cell_level
+        else held_out_regions(outcome.final, data.bags, y, folds, pre_spec, markers)
+    )
     # The file digests are not kept by load_dataset; reading the files' bytes once more
     # costs far less than parsing them did.
     training_bags = bag_fingerprints(
@@ -202,4 +209,5 @@ def _train_in_memory(
         calibration,
         grouping,
         control_file,
+        regions=regions,
     )

@@ -63,6 +63,9 @@ class _Fitted:
     grouping: dict[str, Any] = field(default_factory=dict)
     #: Per-cell models: the training batch's reference control (file, sha256).
     control: dict[str, str] | None = None
+    #: Bag-level models trained in memory: where the model looks
+    #: (:func:`.regions.held_out_regions`).
+    regions: dict[str, Any] | None = None
 
 
 def _save(
@@ -110,6 +113,8 @@ def _save(
         metrics["probability_calibration"] = fitted.calibration
     if fitted.control is not None:
         metrics["reference_control"] = fitted.control
+    if fitted.regions is not None:
+        metrics["explained_regions"] = fitted.regions
     files = report.render(
         fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
     )

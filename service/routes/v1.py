@@ -17,7 +17,7 @@ from fastapi.responses import PlainTextResponse
 from starlette.responses import Response
 
 from .. import fhir
-from ..codecs import NPY
+from ..codecs import FCS, NPY
 from ..deps import (
     FORBIDDEN,
     CallerDep,
@@ -30,6 +30,7 @@ from ..deps import (
     require,
 )
 from ..encoders import CSV_OUT, encode, encode_off_loop, negotiate, server_timing
+from ..errors import Problem
 from ..hl7 import HL7_V2, ID_PATTERN, Parties, hl7_references
 from ..idempotency import fingerprint
 from ..options import PredictOptions
@@ -179,7 +180,25 @@ _PREDICT_DOC: dict[str, Any] = {
             "description": (
                 "Per-cell models (JSON): up to this many cells per bag, drawn with a fixed "
                 "seed, as the model sees them (compensated, transformed, scaled), with "
-                "their labels: `plot` {markers, cells (row numbers), points, labels}."
+                "their labels: `plot` {markers, cells (row numbers), points, labels}. "
+                "Bag-level models with `explain=true`: the cells with their contributions."
+            ),
+        },
+        {
+            "name": "explain",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "boolean", "default": False},
+            "description": (
+                "Bag-level models (JSON; FHIR and HL7: one line of text): each prediction "
+                "gains `explanation` {method, outputs, n_cells, prediction, baseline, "
+                "total, by_marker, top_cells}, which cells moved it: `exact` per-cell "
+                "contributions summing to prediction - baseline where the model is linear "
+                "in the sample, else each cell's first-order `influence`. With `plot=N`, "
+                "`plot` {markers, cells, points, output, contributions} of up to N cells. "
+                "With `Accept: application/vnd.isac.fcs` and one bag: that sample's cells "
+                "as sent plus a `contribution` channel, as FCS. "
+                "The audit trail keeps only its sha256."
             ),
         },
         {
@@ -345,13 +364,27 @@ _PREDICT_RESPONSES: dict[int | str, dict[str, Any]] = {
                     "description": "one HL7 v2.5.1 ORU^R01 message, segments ended by CR",
                 }
             },
+            "application/vnd.isac.fcs": {
+                "schema": {
+                    "type": "string",
+                    "format": "binary",
+                    "description": (
+                        "With explain=true and one bag (bag-level models): an FCS 3.1 file "
+                        "of that bag's cells as sent (every column in its order, before "
+                        "compensation and transforms, 32-bit floats) plus the channel "
+                        "`contribution`, each cell's contribution to the last output, for "
+                        "gating in FlowJo or FlowKit; the file `bagserve predict --explain "
+                        "--fcs-dir` writes. 406 without explain=true, 422 for several bags."
+                    ),
+                }
+            },
         },
     },
     400: {"description": "a body that cannot be parsed (JSON, multipart, Content-Length)"},
     401: {"description": "missing or invalid API key"},
     **FORBIDDEN,
     404: {"description": "unknown model or version"},
-    406: {"description": "unsupported Accept"},
+    406: {"description": "unsupported Accept (FCS without explain=true)"},
     413: {
         "description": (
             "the body is over the size limit, or decodes (inflates, or holds cells) beyond "
@@ -433,6 +466,12 @@ async def _predict(
     qp = request.query_params
     # Bad query parameters are refused before the body is read.
     options = PredictOptions.parse(entry, qp)
+    if fmt == FCS and not options.explain:
+        raise Problem(
+            406,
+            "an FCS answer is a sample's cells with their contributions: add ?explain=true "
+            "(and send one bag), or accept application/json",
+        )
     refs = (
         fhir.references(qp)
         if fmt == fhir.FHIR_JSON
@@ -453,25 +492,30 @@ async def _predict(
                 options,
                 lent=received.lent,
                 timings={"read": received.seconds},
+                fcs=fmt == FCS,
             )
             t1 = time.perf_counter()
-            content = await encode_off_loop(
-                outcome.result,
-                encode,
-                outcome.result,
-                outcome.ids,
-                fmt,
-                outcome.provenance(caller.request_id),
-                entry.info,
-                options,
-                inputs=outcome.inputs,
-                plots=outcome.plots,
-                refs=refs,
-                acquired=outcome.acquired,
-                performer=svc.settings.fhir_performer,
-                timezone=svc.settings.fhir_timezone,
-                parties=Parties.from_settings(svc.settings),
-            )
+            if outcome.fcs is not None:  # written by the worker, where the cells are
+                content = outcome.fcs
+            else:
+                content = await encode_off_loop(
+                    outcome.result,
+                    encode,
+                    outcome.result,
+                    outcome.ids,
+                    fmt,
+                    outcome.provenance(caller.request_id),
+                    entry.info,
+                    options,
+                    inputs=outcome.inputs,
+                    plots=outcome.plots,
+                    explanations=outcome.explanations,
+                    refs=refs,
+                    acquired=outcome.acquired,
+                    performer=svc.settings.fhir_performer,
+                    timezone=svc.settings.fhir_timezone,
+                    parties=Parties.from_settings(svc.settings),
+                )
             timings = {**outcome.timings, "encode": time.perf_counter() - t1}
             svc.metrics.observe_stages({"encode": timings["encode"]})
             headers = provenance_headers(entry, outcome)

@@ -113,8 +113,9 @@ def _produced(result: Prediction) -> dict[str, np.ndarray]:
 
 def _trust(outcome: Outcome, entry: ModelEntry) -> dict[str, Any]:
     """The domain report of every bag, as request-level parameters (the tensors carry
-    scores and flags; names of the nearest training bags only fit here), and the
-    classes that name the columns of the per-class tensors."""
+    scores and flags; names of the nearest training bags only fit here), the classes
+    that name the columns of the per-class tensors, and with the request parameter
+    ``explain`` each bag's explanation."""
     out: dict[str, Any] = {}
     classes = getattr(outcome.result, "classes", None)
     if classes is not None:
@@ -122,6 +123,12 @@ def _trust(outcome: Outcome, entry: ModelEntry) -> dict[str, Any]:
     domain = outcome.result.domain
     if domain is not None:
         out["domain"] = [entry.info.domain_of(domain, i) for i in range(outcome.result.n_bags)]
+    if outcome.explanations is not None:
+        # With the parameter explain: each bag's explanation (none for a withheld bag).
+        released = outcome.result.released
+        out["explanations"] = [
+            e if released(i) else None for i, e in enumerate(outcome.explanations)
+        ]
     return out
 
 

@@ -143,10 +143,10 @@ async function predictFiles(files) {
   const form = new FormData();
   for (const file of files) form.append("files", file, file.name);
   const params = new URLSearchParams();
-  if (info.kind === "cell") {
-    params.set("plot", "3000");
-  } else {
+  params.set("plot", "3000");
+  if (info.kind !== "cell") {
     params.set("interval", $("interval").value);
+    params.set("explain", "true");
   }
   $("predict-status").textContent = "predicting…";
   $("predict-status").className = "muted";
@@ -157,9 +157,10 @@ async function predictFiles(files) {
       answer = await api(`/v1/models/${encodeURIComponent(name)}/predict?${params}`,
         { method: "POST", body: form });
     } catch (error) {
-      // A model without intervals: ask again without one.
-      if (!params.has("interval") || !/interval|per-cell/.test(error.message)) throw error;
-      params.delete("interval");
+      // A model without intervals, or without explanations: ask again without them.
+      if (/interval/.test(error.message)) params.delete("interval");
+      else if (params.has("explain")) { params.delete("explain"); params.delete("plot"); }
+      else throw error;
       answer = await api(`/v1/models/${encodeURIComponent(name)}/predict?${params}`,
         { method: "POST", body: form });
     }
@@ -228,9 +229,35 @@ function renderAnswer(answer, info) {
         box.append(domainBadge(bag.domain.out_of_range, bag.domain.score));
         box.append(el("p", { class: "muted" }, `nearest training samples: ${bag.domain.nearest.join(", ")}`));
       }
+      if (bag.explanation) box.append(explanation(bag.explanation));
+      if (bag.plot && bag.plot.contributions) box.append(scatter(bag.plot, []));
     }
     results.append(box);
   }
+}
+
+// Why this prediction: the explanation's numbers, for the last output (a classifier's
+// last class).
+function explanation(e) {
+  const k = e.outputs.length - 1;
+  const wrap = el("div", { class: "explanation" }, el("h5", {}, "Why this prediction"));
+  wrap.append(el("p", {}, `${e.method === "exact" ? "exact contributions" : "first-order influence"}`
+    + ` of ${e.n_cells} cells to ${e.outputs[k]}: baseline ${fmt(e.baseline[k])},`
+    + ` cells ${e.total[k] >= 0 ? "+" : ""}${fmt(e.total[k])}`));
+  const table = el("table", {}, el("tr", {},
+    ...["marker", "effect (high cells push up if +)"].map((h) => el("th", {}, h))));
+  for (const m of e.by_marker.slice(0, 5)) {
+    table.append(el("tr", {}, el("td", {}, m.marker), el("td", {}, fmt(m.effect[k]))));
+  }
+  wrap.append(table);
+  return wrap;
+}
+
+// A diverging colour for a contribution: blue lowers the answer, red raises it.
+function diverging(v, scale) {
+  const t = Math.max(-1, Math.min(1, v / (scale || 1)));
+  const a = Math.round(255 * (1 - Math.abs(t)));
+  return t >= 0 ? `rgb(255,${a},${a})` : `rgb(${a},${a},255)`;
 }
 
 const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
@@ -238,7 +265,8 @@ const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b
 
 function scatter(plot, classes) {
   const wrap = el("div", { class: "plot" });
-  const canvas = el("canvas", { width: 420, height: 420, "aria-label": "cells coloured by label" });
+  const canvas = el("canvas", { width: 420, height: 420,
+    "aria-label": plot.contributions ? "cells coloured by contribution" : "cells coloured by label" });
   const xs = el("select");
   const ys = el("select");
   plot.markers.forEach((m, j) => {
@@ -260,6 +288,20 @@ function scatter(plot, classes) {
     const sy = (v) => canvas.height - pad - ((v - y0) / (y1 - y0 || 1)) * (canvas.height - 2 * pad);
     ctx.clearRect(0, 0, canvas.width, canvas.height);
     ctx.globalAlpha = 0.6;
+    if (plot.contributions) {
+      // Largest contributions drawn last, on top; the scale is their 99th percentile.
+      const order = plot.contributions.map((c, k) => k)
+        .sort((a, b) => Math.abs(plot.contributions[a]) - Math.abs(plot.contributions[b]));
+      const sorted = plot.contributions.map(Math.abs).sort((a, b) => a - b);
+      const scale = sorted[Math.floor(0.99 * (sorted.length - 1))];
+      ctx.fillStyle = "#ddd";
+      ctx.globalAlpha = 0.9;
+      for (const k of order) {
+        ctx.fillStyle = diverging(plot.contributions[k], scale);
+        ctx.fillRect(sx(x[k]) - 1.5, sy(y[k]) - 1.5, 3, 3);
+      }
+      return;
+    }
     plot.labels.forEach((label, k) => {
       ctx.fillStyle = colour.get(String(label)) || "#000";
       ctx.fillRect(sx(x[k]) - 1.5, sy(y[k]) - 1.5, 3, 3);
@@ -267,9 +309,12 @@ function scatter(plot, classes) {
   };
   xs.addEventListener("change", draw);
   ys.addEventListener("change", draw);
+  const keys = plot.contributions
+    ? [["rgb(255,0,0)", `raises ${plot.output}`], ["rgb(0,0,255)", `lowers ${plot.output}`]]
+    : classes.map((c) => [colour.get(String(c)), c]);
   const legend = el("div", { class: "legend" },
     el("p", {}, el("label", {}, "x ", xs), " ", el("label", {}, "y ", ys)),
-    ...classes.map((c) => el("div", {}, el("span", { style: `background:${colour.get(String(c))}` }), c)),
+    ...keys.map(([c, text]) => el("div", {}, el("span", { style: `background:${c}` }), text)),
     el("p", { class: "muted" }, `${plot.points.length} cells shown, as the model sees them`));
   wrap.append(canvas, legend);
   requestAnimationFrame(draw);

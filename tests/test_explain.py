@@ -1,0 +1,360 @@
+"""Per-cell explanations (core.explain): exact sums against naive double sums, and the
+first-order influence against removing the cells it ranks first."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+from bagserve.core import (
+    Bags,
+    ConditionalMeanEmbedding,
+    DensityFeatures,
+    DistributionRidge,
+    DistributionRidgeClassifier,
+    MeanEmbedding,
+    SlicedWasserstein,
+)
+from bagserve.core.explanations import cells as cells_module
+from bagserve.core.explanations import explain, task_embedding_contributions
+
+N_CELLS = 400
+
+
+def planted(seed: int, n_bags: int = 24, n: int = N_CELLS, d: int = 3):
+    """Bags whose target is the share (0-10 %) of a population shifted by +3 on every
+    marker, among standard normal background cells; also which cells were planted."""
+    rng = np.random.default_rng(seed)
+    bags, y, marks = [], [], []
+    for _ in range(n_bags):
+        share = rng.uniform(0.0, 0.1)
+        m = round(share * n)
+        cells = rng.normal(size=(n, d))
+        cells[:m] += 3.0
+        bags.append(cells)
+        y.append(m / n)
+        mark = np.zeros(n, dtype=bool)
+        mark[:m] = True
+        marks.append(mark)
+    return bags, np.array(y), marks
+
+
+@pytest.fixture(scope="module")
+def data():
+    return planted(7)
+
+
+def fit(rep, kernel, data, cls=DistributionRidge, **kw):
+    bags, y, _ = data
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # grid-edge warnings on toy data
+        return cls(representation=rep, kernel=kernel, random_state=0, **kw).fit(bags, y)
+
+
+def gaussian_point_kernel(A, B, sigma):
+    sq = ((A[:, None, :] - B[None, :, :]) ** 2).sum(axis=2)
+    return np.exp(-sq / (2.0 * sigma**2))
+
+
+def rff(X, W):
+    proj = X @ W.T
+    return np.hstack([np.cos(proj), np.sin(proj)]) / math.sqrt(W.shape[0])
+
+
+# ------------------------------------------------------------------ exact additivity
+def naive_dual_linear(model, bag, point_map):
+    """``c_x = w_x Σ_i a_i ⟨φ(x), μ_i⟩``, ``μ_i = mean_y φ(y)`` over training bag ``i``,
+    as a double sum over training bags and their cells (``point_map(X, Y)`` gives
+    ``⟨φ(x), φ(y)⟩`` for all pairs)."""
+    train = model.train_bags_
+    a = model.dual_coef_[:, 0]
+    n = bag.shape[0]
+    c = np.zeros(n)
+    for i, cells in enumerate(train):
+        c += a[i] * point_map(bag, cells).mean(axis=1)
+    return c / n
+
+
+@pytest.mark.parametrize("method", ["rff", "nystroem", "exact"])
+def test_mean_embedding_linear_kernel_is_an_exact_sum_of_cells(data, method):
+    bags, _, _ = data
+    rep = MeanEmbedding(method=method, bandwidth=1.0, random_state=0)
+    model = fit(rep, "linear", data)
+    assert not model.primal_
+    model.train_bags_ = bags  # the oracle's own copy of what the model was fitted on
+    bag = bags[0]
+    e = explain(model, bag)
+    fitted = model.representation_
+    if method == "rff":
+
+        def point_map(X, Y):
+            return rff(X, fitted.frequencies_) @ rff(Y, fitted.frequencies_).T
+    elif method == "nystroem":
+
+        def point_map(X, Y):
+            fx = gaussian_point_kernel(X, fitted.landmarks_, 1.0) @ fitted.normalization_
+            fy = gaussian_point_kernel(Y, fitted.landmarks_, 1.0) @ fitted.normalization_
+            return fx @ fy.T
+    else:
+
+        def point_map(X, Y):
+            return gaussian_point_kernel(X, Y, 1.0)
+
+    expected = naive_dual_linear(model, bag, point_map)
+    assert e.method == "exact"
+    np.testing.assert_allclose(e.contributions[:, 0], expected, rtol=1e-9, atol=1e-13)
+    np.testing.assert_allclose(e.baseline, model.intercept_, rtol=0, atol=0)
+    prediction = model.predict([bag])[0]
+    assert e.prediction[0] == prediction
+    assert abs(e.baseline[0] + e.contributions.sum() - prediction) < 1e-12
+
+
+def test_primal_linear_ridge_and_l2_density_are_exact(data):
+    bags, _, _ = data
+    # Density features with the L2 divergence are sample means of a cosine basis.
+    rep = DensityFeatures(divergence="l2", n_basis=2, random_state=0)
+    model = fit(rep, "linear", data)
+    assert model.primal_  # 8 features for 24 bags: solved in feature space
+    bag = bags[1]
+    e = explain(model, bag)
+    fitted = model.representation_
+    u = np.clip((bag - fitted.low_) / fitted.span_, 0.0, 1.0)
+    k = np.arange(2)
+    one_d = np.where(k == 0, 1.0, math.sqrt(2.0)) * np.cos(np.pi * u[:, :, None] * k)
+    basis = np.einsum("na,nb,nc->nabc", one_d[:, 0], one_d[:, 1], one_d[:, 2]).reshape(len(bag), -1)
+    expected = basis @ model.coef_[:, 0] / len(bag)
+    assert e.method == "exact"
+    np.testing.assert_allclose(e.contributions[:, 0], expected, rtol=1e-9, atol=1e-13)
+    assert abs(e.baseline[0] + e.total[0] - model.predict([bag])[0]) < 1e-12
+
+
+def test_classifier_scores_are_explained_per_class(data):
+    bags, y, _ = data
+    labels = np.where(y > 0.05, "high", "low")
+    rep = MeanEmbedding(method="rff", bandwidth=1.0, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = DistributionRidgeClassifier(representation=rep, kernel="linear", random_state=0)
+        model.fit(bags, labels)
+    e = explain(model, bags[2])
+    assert e.outputs == ["high", "low"]
+    scores = model._decision([bags[2]])[0]
+    np.testing.assert_allclose(e.baseline + e.total, scores, rtol=0, atol=1e-12)
+    assert e.contributions.shape == (len(bags[2]), 2)
+
+
+def test_weighted_cells_contribute_by_their_weight(data):
+    bags, _, _ = data
+    model = fit(MeanEmbedding(method="rff", bandwidth=1.0, random_state=0), "linear", data)
+    bag = bags[3]
+    w = np.random.default_rng(1).uniform(0.1, 1.0, len(bag))
+    e = explain(model, Bags.from_arrays([bag], weights=[w]))
+    fitted = model.representation_
+    z = rff(bag, fitted.frequencies_)
+    g = sum(
+        a * rff(c, fitted.frequencies_).mean(axis=0)
+        for a, c in zip(model.dual_coef_[:, 0], bags, strict=True)
+    )
+    np.testing.assert_allclose(e.contributions[:, 0], (w / w.sum()) * (z @ g), rtol=1e-9)
+    prediction = model.predict(Bags.from_arrays([bag], weights=[w]))[0]
+    assert abs(e.baseline[0] + e.total[0] - prediction) < 1e-12
+
+
+# ---------------------------------------------------------------------- influence
+# Removing the k = 1 % cells of largest contribution moves the prediction by about
+# -(n/(n-k)) Σ c_x over them (first order in k/n). Tolerances: the mean embeddings are
+# linear in the measure, so only the kernel's curvature over a 1 % move is left (10 %);
+# quantiles and density estimates are not smooth functionals of a sample (the quantile
+# density and the KDE are themselves estimated, and the planted cells sit where
+# they change fastest): a factor of 2, with the sign always right.
+INFLUENCE_CASES = [
+    (SlicedWasserstein(random_state=0), 2.0),
+    (SlicedWasserstein(p=1, random_state=0), 2.0),
+    (SlicedWasserstein(paired=True, n_directions=200, random_state=0), 2.0),
+    (MeanEmbedding(method="exact", bandwidth=1.0), 1.1),
+    (MeanEmbedding(method="rff", bandwidth=1.0, random_state=0), 1.1),
+    (MeanEmbedding(method="nystroem", bandwidth=1.0, random_state=0), 1.1),
+    (DensityFeatures(divergence="hellinger", n_basis=5, random_state=0), 2.0),
+    (DensityFeatures(divergence="js", n_basis=5, random_state=0), 2.0),
+    (DensityFeatures(divergence="tv", n_basis=5, random_state=0), 2.0),
+]
+
+
+@pytest.mark.parametrize(("rep", "factor"), INFLUENCE_CASES, ids=lambda v: repr(v)[:40])
+def test_removing_the_top_cells_moves_the_prediction_by_their_influence(data, rep, factor):
+    bags, _, marks = data
+    model = fit(rep, "gaussian", data)
+    for b in (4, 5):
+        bag = bags[b]
+        e = explain(model, bag)
+        assert e.method == "influence"
+        p = model.predict([bag])[0]
+        assert e.prediction[0] == p
+        # Influences sum to zero (exactly for the mean embeddings, up to one cell's
+        # weight per quantile level for the sliced embedding).
+        assert abs(e.total[0]) <= 0.02 * np.abs(e.contributions).sum()
+        c = e.contributions[:, 0]
+        n, k = len(bag), len(bag) // 100
+        for sign in (1, -1):
+            top = np.argsort(-sign * c)[:k]
+            predicted = -(n / (n - k)) * c[top].sum()
+            moved = model.predict([np.delete(bag, top, axis=0)])[0] - p
+            assert np.sign(moved) == np.sign(predicted) == -sign
+            assert predicted / factor <= moved * 1.0 <= predicted * factor or (
+                predicted * factor <= moved <= predicted / factor
+            ), (moved, predicted)
+        if marks[b].sum() >= 10:  # the planted cells are the ones found
+            from sklearn.metrics import roc_auc_score
+
+            assert roc_auc_score(marks[b], c) > 0.95
+
+
+def test_explaining_a_large_bag_in_chunks_changes_nothing(data, monkeypatch):
+    bags, _, _ = data
+    for rep in (
+        MeanEmbedding(method="rff", bandwidth=1.0, random_state=0),
+        MeanEmbedding(method="exact", bandwidth=1.0),
+    ):
+        model = fit(rep, "gaussian", data)
+        whole = explain(model, bags[6]).contributions
+        monkeypatch.setattr(cells_module, "_BLOCK", 64)
+        chunked = explain(model, bags[6]).contributions
+        monkeypatch.undo()
+        np.testing.assert_allclose(chunked, whole, rtol=1e-10, atol=1e-15)
+
+
+def test_cells_are_placed_among_the_quantiles_exactly():
+    """The binned count of quantiles below each cell is np.searchsorted's, ties and
+    cells beyond the quantiles included, on grids coarse enough to put many cells in
+    the bins that hold a quantile."""
+    rng = np.random.default_rng(3)
+    cases = []
+    for n, L in ((5000, 100), (300, 7), (1000, 1)):
+        u = np.round(rng.standard_t(2, n), 2)  # heavy tails and many ties
+        q = np.sort(rng.choice(u, L))  # quantiles are cell values
+        cases.append((u, q))
+    u = rng.normal(size=400)
+    cases.append((u, np.full(5, u[0])))  # one value repeated
+    cases.append((u * 1e-300, np.sort(rng.choice(u * 1e-300, 30))))  # spans underflow
+    cases.append((u + 1e12, np.sort(rng.choice(u + 1e12, 30))))  # far from zero
+    tiny = np.array([0.0, 5e-324, 1e-323, 2e-323, -5e-324])  # a subnormal spread
+    cases.append((tiny, np.sort(tiny[[0, 1, 2]])))
+    for bins in (2, 64, 1 << 14):
+        for u, q in cases:
+            out = np.empty(u.size, dtype=np.min_scalar_type(q.size + 1))
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(cells_module, "_BINS", bins)
+                cells_module._count_below(u, q, out)
+            np.testing.assert_array_equal(out, np.searchsorted(q, u, side="left"))
+
+
+def test_conditional_mean_embedding_is_explained(data):
+    bags, y, _ = data
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lin = ConditionalMeanEmbedding(
+            representation=MeanEmbedding(method="rff", bandwidth=1.0, random_state=0),
+            kernel="linear",
+            alpha=1e-3,
+        ).fit(bags, y)
+        gau = ConditionalMeanEmbedding(
+            representation=SlicedWasserstein(random_state=0), alpha=1e-3
+        ).fit(bags, y)
+    e = lin.explain(bags[0])
+    assert e.method == "exact"
+    assert abs(e.baseline[0] + e.total[0] - lin.predict(bags[:1])[0]) < 1e-12
+    np.testing.assert_array_equal(e.baseline, [0.0])
+    g = gau.explain(bags[4])
+    assert g.method == "influence"
+    # E[Y|P] = (k_P (K + λn)⁻¹) y, here k_P ((K + λn)⁻¹ y): the same to rounding.
+    np.testing.assert_allclose(g.prediction[0], gau.predict(bags[4:5])[0], rtol=1e-12)
+    top = np.argsort(-g.contributions[:, 0])[:4]
+    moved = gau.predict([np.delete(bags[4], top, axis=0)])[0] - g.prediction[0]
+    assert moved < 0
+
+
+def test_summaries(data):
+    bags, _, marks = data
+    model = fit(MeanEmbedding(method="rff", bandwidth=1.0, random_state=0), "linear", data)
+    bag = bags[5]
+    e = model.explain(bag, markers=["CD3", "CD19", "CD45"])
+    pops = e.by_population(np.where(marks[5], "planted", "background"))
+    assert sum(p.n_cells for p in pops) == len(bag)
+    np.testing.assert_allclose(sum(p.contribution for p in pops), e.total, rtol=1e-12)
+    share = {p.label: p for p in pops}
+    assert share["planted"].contribution[0] > 0
+    # The planted cells are high on every marker: each marker's position matters upwards.
+    assert all(m.effect[0] > 0 for m in e.by_marker())
+    top = e.top_cells(5, sign=1)
+    assert [t.contribution for t in top] == sorted((t.contribution for t in top), reverse=True)
+    assert all(marks[5][t.index] for t in top)
+    np.testing.assert_array_equal(top[0].values, bag[top[0].index])
+    summary = e.to_dict(top=3, labels=np.where(marks[5], "planted", "background"))
+    assert summary["method"] == "exact" and len(summary["top_cells"]) == 3
+    assert set(summary["top_cells"][0]["values"]) == {"CD3", "CD19", "CD45"}
+
+
+def test_bad_inputs_are_named():
+    rng = np.random.default_rng(0)
+    bags = [rng.normal(size=(30, 2)) for _ in range(6)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = DistributionRidge(representation=SlicedWasserstein(random_state=0)).fit(
+            bags, np.arange(6.0)
+        )
+    with pytest.raises(ValueError, match="marker"):
+        explain(model, rng.normal(size=(30, 3)))
+    with pytest.raises(ValueError, match="one bag"):
+        explain(model, Bags.from_arrays(bags[:2]))
+
+
+def test_task_embedding_part_of_a_per_cell_model(data):
+    bags, _, _ = data
+    rep = MeanEmbedding(method="rff", bandwidth=1.0, random_state=0).fit(bags)
+    train = rep.embed(bags)
+    a = np.random.default_rng(3).normal(size=len(bags))
+    # Linear task kernel: s(P) = Σ_j a_j ⟨Φ(P), Φ_j⟩ is a sum over the task's cells.
+    e = task_embedding_contributions(rep, bags[0], train, a, kernel="linear")
+    z = rff(bags[0], rep.frequencies_)
+    means = np.array([rff(c, rep.frequencies_).mean(axis=0) for c in bags])
+    np.testing.assert_allclose(e.contributions[:, 0], z @ (means.T @ a) / len(bags[0]), rtol=1e-9)
+    assert e.method == "exact" and abs(e.total[0] - e.prediction[0]) < 1e-12
+    # Gaussian task kernel: removing the cells that raise s lowers it.
+    g = task_embedding_contributions(rep, bags[4], train, a, kernel="gaussian", gamma=1.0)
+    top = np.argsort(-g.contributions[:, 0])[:4]
+    moved = np.exp(-rep.embed([np.delete(bags[4], top, axis=0)]).sq_distances(train)[0]) @ a
+    assert moved - g.prediction[0] < 0
+    np.testing.assert_allclose(
+        g.prediction[0], np.exp(-rep.embed([bags[4]]).sq_distances(train)[0]) @ a, rtol=1e-12
+    )
+
+
+def test_the_public_name_is_the_function():
+    import bagserve.core as core
+    import bagserve.core.explanations  # noqa: F401  (the package must not shadow it)
+
+    assert core.explain is explain
+
+
+def test_training_regions_show_where_the_model_looks(data):
+    from bagserve.core.training.regions import BINS, held_out_regions
+
+    bags, y, _ = data
+    folds = [(np.setdiff1d(np.arange(24), v), v) for v in np.array_split(np.arange(24), 4)]
+    final = fit(MeanEmbedding(method="rff", bandwidth=1.0, random_state=0), "gaussian", data)
+    regions = held_out_regions(
+        final,
+        Bags.from_arrays(bags),
+        y,
+        folds,
+        {"transform": "none", "scale": "none"},
+        ["A", "B", "C"],
+    )
+    assert regions["n_samples"] == 24 and regions["regions"] == list(BINS)
+    table = np.array(regions["mean_contribution"])  # marker x region x output
+    # The planted cells (+3 on every marker) are in each marker's highest fifth: it
+    # carries the model, upwards, more than any other region.
+    assert np.all(np.argmax(table[:, :, 0], axis=1) == len(BINS) - 1)
+    assert np.all(table[:, -1, 0] > 0)

@@ -1,0 +1,72 @@
+"""bagserve predict --explain: the explanation per result, and FCS files with a
+contribution channel that FlowJo or FlowKit can gate on."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+from bagserve.core import Bags, DistributionRidge, MeanEmbedding, explain, save
+from bagserve.core.io import Panel, Preprocessing, read_sample
+
+from bagserve.cli import main
+
+from .conftest import SHARED_DATA
+
+YEAST = SHARED_DATA / "cytoflow_yeast" / "dose_response"
+
+
+@pytest.fixture(scope="module")
+def yeast_model(tmp_path_factory):
+    files = sorted(YEAST.glob("Yeast_B*.fcs"))
+    panel = Panel(("FSC-A", "SSC-A", "FITC-A"), {"FITC-A": ("GFP",)})
+    pre = Preprocessing(transform="arcsinh", cofactor=150.0)
+    bags = pre.apply(
+        Bags.from_arrays([panel.select(read_sample(f)) for f in files]), list(panel.markers)
+    )
+    rep = MeanEmbedding(method="rff", n_components=100, bandwidth=1.0, random_state=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = DistributionRidge(rep, kernel="linear").fit(
+            bags, np.arange(len(files), dtype=float)
+        )
+    path = tmp_path_factory.mktemp("explain-cli") / "yeast" / "1"
+    save(model, path, name="yeast", version="1", panel=panel.to_json(), preprocessing=pre.to_json())
+    return path, model, panel, pre, files
+
+
+def test_predict_explain_writes_explanations_and_fcs_with_contributions(
+    yeast_model, tmp_path, capsys
+):
+    path, model, panel, pre, files = yeast_model
+    out_dir = tmp_path / "fcs"
+    chosen = files[:2]
+    assert (
+        main(["predict", str(path), *map(str, chosen), "--explain", "--fcs-dir", str(out_dir)]) == 0
+    )
+    answer = json.loads(capsys.readouterr().out)
+    for f, result in zip(chosen, answer["results"], strict=True):
+        sample = read_sample(f)
+        cells = pre.apply(Bags.from_arrays([panel.select(sample)]), list(panel.markers))
+        expected = explain(model, cells, markers=["FSC-A", "SSC-A", "FITC-A"])
+        e = result["explanation"]
+        assert e["method"] == "exact"
+        assert abs(e["baseline"][0] + e["total"][0] - result["prediction"]) < 1e-9
+        np.testing.assert_allclose(e["total"], expected.total, rtol=1e-12)
+        written = read_sample(out_dir / f"{f.name}.explained.fcs")
+        assert written.alt_names[-1] == "contribution"
+        assert written.points.shape == (sample.points.shape[0], sample.points.shape[1] + 1)
+        np.testing.assert_array_equal(
+            written.points[:, :-1], sample.points.astype(np.float32).astype(np.float64)
+        )
+        np.testing.assert_allclose(
+            written.points[:, -1], expected.contributions[:, 0], rtol=1e-6, atol=1e-12
+        )
+
+
+def test_fcs_dir_without_explain_is_refused(yeast_model, tmp_path):
+    path, *_, files = yeast_model
+    with pytest.raises(SystemExit, match="--explain"):
+        main(["predict", str(path), str(files[0]), "--fcs-dir", str(tmp_path)])
