@@ -99,16 +99,6 @@ class MarkerQuality:
     after: NDArray[np.float64]
     worse: NDArray[np.bool_]
 
-    def as_dict(self, markers: list[str] | None = None) -> dict[str, object]:
-        """JSON-ready: per marker, under its name where ``markers`` are given."""
-        names = markers or [str(j) for j in range(self.moved.size)]
-        return {
-            "moved": dict(zip(names, np.round(self.moved, 4).tolist(), strict=True)),
-            "before": dict(zip(names, np.round(self.before, 4).tolist(), strict=True)),
-            "after": dict(zip(names, np.round(self.after, 4).tolist(), strict=True)),
-            "worse": [n for n, w in zip(names, self.worse.tolist(), strict=True) if w],
-        }
-
 
 def control_map(
     control: NDArray[np.float64],

@@ -63,8 +63,6 @@ def test_the_control_undoes_the_batch_and_keeps_each_samples_proportions():
     # map was not fitted on.
     assert np.all(quality.moved > 0.1)
     assert np.all(quality.after < 0.5 * quality.before) and not quality.worse.any()
-    report = quality.as_dict(["CD3", "CD4", "CD8"])
-    assert set(report["moved"]) == {"CD3", "CD4", "CD8"} and report["worse"] == []
 
 
 def test_a_control_of_the_wrong_shape_or_too_few_cells_is_refused():

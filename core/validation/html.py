@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .acceptance import NOT_SHOWN
+from .study import PER_SAMPLE_COLUMNS
 from .svg import scatter
 
 __all__ = ["render_html"]
@@ -432,26 +433,16 @@ def _precision(doc: Mapping[str, Any]) -> str:
     return "<section><h2>Precision (CLSI EP05)</h2>" + text + "</section>"
 
 
+#: Per-sample fields the page leaves to the CSV: the provenance section lists the files
+#: with their sha256, and declined rows are highlighted instead.
+_OFF_THE_PAGE = ("file", "sha256", "declined")
+
+
 def _per_sample(doc: Mapping[str, Any]) -> str:
     rows = doc["per_sample"]
     if not rows:
         return ""
-    keys = [
-        k
-        for k in (
-            "sample",
-            "measurand",
-            "reference",
-            "model",
-            "difference",
-            "agrees",
-            "cell_concordance",
-            "status",
-            "out_of_domain",
-            "domain_score",
-        )
-        if k in rows[0]
-    ]
+    keys = [k for k in PER_SAMPLE_COLUMNS if k in rows[0] and k not in _OFF_THE_PAGE]
     return (
         "<section><h2>Per-sample results</h2>"
         + _table(

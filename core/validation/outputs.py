@@ -16,25 +16,12 @@ from typing import Any
 from ..atomic import atomic_write_text
 from ..io.spreadsheet import SafeWriter
 from .html import render_html
+from .study import PER_SAMPLE_COLUMNS
 
 __all__ = ["CSV_COLUMNS", "per_sample_csv", "study_json", "write_study"]
 
 #: The columns of per_sample.csv, in order; a model's kind fills some of them.
-CSV_COLUMNS = (
-    "sample",
-    "file",
-    "sha256",
-    "measurand",
-    "reference",
-    "model",
-    "difference",
-    "agrees",
-    "cell_concordance",
-    "status",
-    "out_of_domain",
-    "domain_score",
-    "declined",
-)
+CSV_COLUMNS = PER_SAMPLE_COLUMNS
 
 
 def study_json(doc: Mapping[str, Any]) -> str:

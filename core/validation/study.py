@@ -44,9 +44,26 @@ from .precision import MISSING_REPLICATES, precision
 from .qualitative import qualitative_agreement
 from .regression import correlation, deming, passing_bablok
 
-__all__ = ["SCHEMA", "TrainingSampleError", "validate"]
+__all__ = ["PER_SAMPLE_COLUMNS", "SCHEMA", "TrainingSampleError", "validate"]
 
 SCHEMA = "bagserve-validation/1"
+#: The fields of a per-sample row, in the order every output shows them (a model's
+#: kind fills some of them).
+PER_SAMPLE_COLUMNS = (
+    "sample",
+    "file",
+    "sha256",
+    "measurand",
+    "reference",
+    "model",
+    "difference",
+    "agrees",
+    "cell_concordance",
+    "status",
+    "out_of_domain",
+    "domain_score",
+    "declined",
+)
 #: The two analysis sets every statistic is given for.
 SETS = ("all", "without_declined")
 
