@@ -127,6 +127,14 @@ def _predict_local(
     return result, names, meta, info, inputs, acquired, coverage, explained
 
 
+def _explanation_documents(explained: list[tuple[Any, Any]] | None) -> list[Any] | None:
+    """Each explained sample's explanation as every door carries it (the service's
+    ``?explain=true``), or None without ``explain``."""
+    from .service.explanations import TOP_CELLS
+
+    return None if explained is None else [e.to_dict(top=TOP_CELLS) for _, e in explained]
+
+
 def predict_files(
     model_path: str | Path | Any,
     files: Sequence[str | Path],
@@ -158,7 +166,6 @@ def predict_files(
     cell's contribution to the last output, for gating in FlowJo or FlowKit.
     """
     from .service.encoders import encode_document
-    from .service.explanations import TOP_CELLS
 
     if fcs_dir is not None and not explain:
         raise ValueError("writing FCS files with contributions needs explain")
@@ -171,7 +178,7 @@ def predict_files(
         control=control,
         explain=explain,
     )
-    documents = None if explained is None else [e.to_dict(top=TOP_CELLS) for _, e in explained]
+    documents = _explanation_documents(explained)
     doc = encode_document(
         result, names, meta, info, inputs=inputs, cells=cells, explanations=documents
     )
@@ -196,6 +203,7 @@ def oru_for_files(
     refs: dict[str, Any] | None = None,
     parties: Any = None,
     control: str | Path | None = None,
+    explain: bool = False,
 ) -> str:
     """The HL7 v2.5.1 ORU^R01 message of a saved model's answer for files (the same
     message ``Accept: application/hl7-v2`` gets from the service), bags named by
@@ -207,13 +215,14 @@ def oru_for_files(
 
     check_orders((refs or {}).get("orders") or [], len(files))
 
-    result, names, meta, info, inputs, acquired, coverage, _ = _predict_local(
+    result, names, meta, info, inputs, acquired, coverage, explained = _predict_local(
         model_path,
         files,
         compensated=compensated,
         coverage=coverage,
         names=[Path(f).name for f in files],
         control=control,
+        explain=explain,
     )
     meta = {**meta, "request_id": uuid.uuid4().hex}
     return oru_r01(
@@ -226,6 +235,7 @@ def oru_for_files(
         refs=refs,
         acquired=acquired,
         parties=parties,
+        explanations=_explanation_documents(explained),
     )
 
 
@@ -501,6 +511,7 @@ def _send_hl7(args: argparse.Namespace, plan: tuple[dict[str, Any], Any, float])
             refs=refs,
             parties=parties,
             control=args.control,
+            explain=args.explain,
         )
     try:
         ack = send(message, args.hl7, timeout=timeout)

@@ -70,3 +70,23 @@ def test_fcs_dir_without_explain_is_refused(yeast_model, tmp_path):
     path, *_, files = yeast_model
     with pytest.raises(SystemExit, match="--explain"):
         main(["predict", str(path), str(files[0]), "--fcs-dir", str(tmp_path)])
+
+
+def test_the_commands_hl7_message_carries_the_summary_the_service_adds(yeast_model):
+    """``predict --explain --hl7``: the ORU^R01 the command sends carries each bag's
+    one-line summary, as the service's ``?explain=true`` message does (one builder,
+    ``oru_r01``, given the same explanation documents); without ``explain``, none."""
+    from bagserve.service.explanations import summary_text
+
+    from bagserve.cli import _explanation_documents, _predict_local, oru_for_files
+
+    path, _, _, _, files = yeast_model
+    refs = {"patient": "p-1", "orders": ["o-1"]}
+    with_summary = oru_for_files(path, files[:1], refs=refs, explain=True)
+    plain = oru_for_files(path, files[:1], refs=refs)
+    *_, explained = _predict_local(
+        path, files[:1], compensated=False, coverage=0.9, names=None, explain=True
+    )
+    (document,) = _explanation_documents(explained)
+    line = summary_text(document)
+    assert line in with_summary and line not in plain
