@@ -91,21 +91,17 @@ REST = object()
 #: The bagserve rows: name -> ``MarginalTransferClassifier`` parameters (``random_state``
 #: is the seed). Add rows here; one whose parameters ``get_params()`` lacks is skipped.
 MTL_VARIANTS: dict[str, dict[str, Any]] = {
-    # With one training batch the default calibrates by landmarks (the stated rule).
+    # Calibration and cell model chosen by the instrument-perturbed folds.
     "MTL (defaults)": {},
-    "MTL, not calibrated": {"calibrate": "none"},
     "MTL, rest label named": {"unassigned": REST},
-    # Quantile calibration of out-of-range tasks, fixed on.
-    "MTL, calibrated (quantile)": {"calibrate": "quantile"},
     # Each batch's reference control maps its samples first (data sets with controls).
     "MTL, batch control": {},
-    # "MTL, calibrated (mmd)": {"calibrate": "mmd"},  # ~35 s per 8 predicted samples
 }
 #: Rows given each batch's reference control (fit: the training batch's; predict: the
 #: test batch's); run only where the data set has controls.
 WITH_CONTROL = {"MTL, batch control"}
-#: Rows run in the ``all`` scoring only (to keep the full run near 10 minutes).
-ALL_CELLS_ONLY = {"MTL, calibrated (quantile)", "MTL, calibrated (mmd)", "MTL, not calibrated"}
+#: Rows run in the ``all`` scoring only.
+ALL_CELLS_ONLY: set[str] = set()
 #: FlowSOM example channels: the logicle-transformed fluorescence markers ($PnS) and the
 #: linear scatter areas; "Qdot 605-A" (no marker) and the H/W scatter are left out.
 FLOWSOM_MARKERS = ("GFP", "CD8", "l/d", "TCRyd", "CD45", "TCRb", "NK1/1", "CD4", "CD19", "CD3")
@@ -213,20 +209,14 @@ def mtl_rows(rest: Any, scoring: str = "all") -> dict[str, dict[str, Any]]:
 
 
 def _chosen(model: Any, answers: list[Any]) -> str:
-    """What the default model chose (for the reading); empty where attributes moved."""
-    try:
-        text = f"{model.normalise_}, tau {model.tau_:.3g}"
-        refine = (getattr(model, "selection_", {}) or {}).get("refine") or {}
-        if refine.get("chosen"):
-            text += f", refine {refine['chosen']}"
-        if getattr(model, "fallback_", None) is not None:
-            used = sum(bool(a.report.fallback) for a in answers)
-            record = model.selection_.get("normalisation") or {}
-            kind = record.get("fallback_model", "?")
-            text += f"; fallback ({kind}) answered {used}/{len(answers)}"
-        return text
-    except (AttributeError, TypeError, KeyError):
-        return ""
+    """What the default model chose (for the reading): cell model and calibration as
+    fitted, and the calibrations the test samples were answered with."""
+    used = sorted({str(a.report.calibrated) for a in answers})
+    threshold = model.reject_threshold_
+    return (
+        f"{model.selection_['cell_model']}/{model.calibration_}; answered {', '.join(used)}"
+        + ("" if threshold is None else f"; reject below {threshold:g}")
+    )
 
 
 def _figures(test_y, predictions, fit: float, rest: Any) -> dict[str, Any]:
