@@ -561,8 +561,8 @@ def _cmd_batch(args: argparse.Namespace) -> int:
 
 def list_models(directory: str | Path) -> list[dict[str, Any]]:
     """Every artifact under ``directory`` (``<name>/<version>/manifest.json``), verified."""
+    from .core.artifact_info import ArtifactInfo
     from .core.artifacts import ArtifactError
-    from .core.runtime import ArtifactInfo
 
     rows = []
     for mpath in sorted(Path(directory).glob("*/*/manifest.json")):

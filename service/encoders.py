@@ -1,7 +1,7 @@
 """Typed predictions out: the native API's JSON, CSV, NPY and FHIR answers.
 
 One function per answer format, each taking the runtime's typed result
-(:mod:`bagserve.core.runtime`) and the ids and provenance of the request. The shape of
+(:mod:`bagserve.core.results`) and the ids and provenance of the request. The shape of
 each answer follows the kind of the result, never the estimator's class.
 """
 
@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 import orjson
-from bagserve.core.runtime import (
-    ArtifactInfo,
+from bagserve.core.artifact_info import ArtifactInfo
+from bagserve.core.results import (
     CellPrediction,
     ClassificationPrediction,
     ConditionalPrediction,

@@ -53,9 +53,9 @@ from typing import Any
 from urllib.parse import quote
 
 import numpy as np
+from bagserve.core.artifact_info import ArtifactInfo
 from bagserve.core.fhir_coding import CATEGORIES, UCUM, Coding, OutputCoding
-from bagserve.core.runtime import (
-    ArtifactInfo,
+from bagserve.core.results import (
     CellPrediction,
     ClassificationPrediction,
     ConditionalPrediction,

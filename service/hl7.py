@@ -58,12 +58,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from bagserve.core.runtime import (
-    ArtifactInfo,
-    CellPrediction,
-    ClassificationPrediction,
-    Prediction,
-)
+from bagserve.core.artifact_info import ArtifactInfo
+from bagserve.core.results import CellPrediction, ClassificationPrediction, Prediction
 
 from .errors import Problem
 from .explanations import summary_text

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from bagserve.core.bags import Bags
 from bagserve.core.io import DataError, Sample
-from bagserve.core.runtime import CellPrediction, ModelKind
+from bagserve.core.results import CellPrediction, ModelKind
 
 from .codecs import IncomingBag, RequestLimits
 from .errors import Problem

@@ -129,7 +129,7 @@ class LocalPredictor:
     """
 
     def __init__(self, model: str | Path, options: PredictOptions, limits: Any, timeout: float):
-        from ..core.runtime import ArtifactInfo
+        from ..core.artifact_info import ArtifactInfo
 
         self.model = str(model)
         self.info = ArtifactInfo.read(model)

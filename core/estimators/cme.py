@@ -44,7 +44,7 @@ from ..bags import as_bags
 from ..kernels import get_kernel
 from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
 from ..representations.sliced import _rowwise_searchsorted
-from ..selection import as_grid, group_folds, median_heuristic_gamma
+from ..selection import CME_ALPHA_GRID, as_grid, group_folds, median_heuristic_gamma
 from ._domain import DomainCheckMixin
 from ._grid_choices import GridChoice, cme_choices, warn_grid_edges
 
@@ -52,9 +52,6 @@ if TYPE_CHECKING:
     from ..explanations import Explanation
 
 __all__ = ["ConditionalMeanEmbedding", "incomplete_cholesky"]
-
-#: Default ``λ`` grid of the cross-validation (in the ``(K + λ n I)`` scaling).
-CME_ALPHA_GRID = np.logspace(-7, 1, 17)
 
 
 def _positive_part(B: NDArray[np.float64]) -> NDArray[np.float64]:

@@ -179,7 +179,7 @@ def _save(
         "metrics": json.loads(json.dumps(metrics["cv"], default=str)),
         "config": {k: v for k, v in config.items() if not k.startswith("_")},
     }
-    from ..runtime import kind_of
+    from ..artifact_info import kind_of
 
     # The card is part of the artifact (hashed with it); created and the manifest's
     # sha256 are added where it is served (ArtifactInfo.card).
@@ -225,7 +225,8 @@ def _chosen_values(best_params: Mapping[str, Any], model: Any) -> dict[str, Any]
 
 def _calibration_record(model: Any) -> dict[str, Any] | None:
     """How the model's intervals were calibrated (for the card), or None without."""
-    from ..runtime import ModelKind, kind_of
+    from ..artifact_info import kind_of
+    from ..results import ModelKind
 
     method = getattr(model, "calibration_", None)
     # A per-cell model's calibration_ is that of new batches (_new_batch_record).
@@ -243,7 +244,8 @@ def _new_batch_record(model: Any) -> dict[str, Any] | None:
     which invariant fallback, chosen on which folds, and the calibration of such
     samples, and what its own capacity choice made of the model itself (``primary``);
     None for other models."""
-    from ..runtime import ModelKind, kind_of
+    from ..artifact_info import kind_of
+    from ..results import ModelKind
 
     if kind_of(type(model)) is not ModelKind.CELL:
         return None

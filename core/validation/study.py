@@ -9,7 +9,7 @@ are the ones a laboratory would receive. It returns the study as one JSON-able
 document; :mod:`.outputs` writes it as ``validation.json``, ``validation.html`` and
 ``per_sample.csv``, each built from that document alone.
 
-What is compared depends on the model (:class:`~core.runtime.ModelKind`):
+What is compared depends on the model (:class:`~core.results.ModelKind`):
 
 * regressors and conditional models: the value of each sample against its reference
   value (quantitative: Bland–Altman, Deming, Passing–Bablok, correlation);
@@ -102,7 +102,8 @@ def validate(model: str | Path | Any, data: str | Path | ValidationConfig) -> di
     from .. import __version__
     from ..blas import one_thread
     from ..io import read_file
-    from ..runtime import ModelKind, ModelRuntime
+    from ..results import ModelKind
+    from ..runtime import ModelRuntime
     from ..signing import signature_key_sha256
     from ..training.data import _bag_names, _overlap, bag_fingerprints, read_data
 

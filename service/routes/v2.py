@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import orjson
-from bagserve.core.runtime import CellPrediction, ClassificationPrediction, Prediction
+from bagserve.core.results import CellPrediction, ClassificationPrediction, Prediction
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
