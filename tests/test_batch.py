@@ -29,7 +29,8 @@ from bagserve.service.options import PredictOptions
 from bagserve.service.tables import TRUST_COLUMNS
 
 from bagserve.batch import LocalPredictor, batch
-from bagserve.cli import main, predict_files
+from bagserve.cli import main
+from bagserve.cli.local import predict_files
 
 from .service_harness import running_service
 

@@ -36,7 +36,7 @@ from bagserve.core.fhir_coding import OutputCoding
 from bagserve.core.io import read_sample
 from bagserve.core.training import GridEdgeWarning, train
 
-from bagserve.cli import predict_files
+from bagserve.cli.local import predict_files
 
 from .conftest import SHARED_DATA
 from .service_harness import running_service

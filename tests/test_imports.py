@@ -4,7 +4,7 @@
 scipy and the artifact stack before parsing its arguments. Each test here runs one
 command (or one import) in a fresh interpreter and compares the heavy third-party
 packages left in ``sys.modules`` with exactly the set that command needs, so a
-top-level ``import sklearn`` in ``bagserve/cli.py`` (or an eager re-export in a
+top-level ``import sklearn`` in ``bagserve/cli/`` (or an eager re-export in a
 package ``__init__``) fails here by name.
 """
 

@@ -30,7 +30,7 @@ from ..service.options import PredictOptions
 from ..service.tables import TableLayout
 
 if TYPE_CHECKING:
-    from ..cli import RemoteModel
+    from ..cli.remote import RemoteModel
 
 __all__ = ["FileFailed", "LocalPredictor", "RemotePredictor", "Unavailable", "safe_error"]
 
@@ -212,7 +212,7 @@ class LocalPredictor:
 
 # ----------------------------------------------------------------------- remote
 class RemotePredictor:
-    """A served model (:class:`~bagserve.cli.RemoteModel`, its version pinned) that
+    """A served model (:class:`~bagserve.cli.remote.RemoteModel`, its version pinned) that
     answers each file with the rows of its ``text/csv`` answer."""
 
     def __init__(self, remote: RemoteModel) -> None:
