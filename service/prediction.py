@@ -37,10 +37,11 @@ from .explanations import explanations_sha256
 from .metrics import Metrics
 from .model_stats import ModelStats
 from .options import PredictOptions
-from .pool import InputRejected, QueueFull, WorkerLost, WorkerPool, WorkerTimeout
+from .pool import WorkerPool
 from .registry import ModelEntry
 from .settings import Settings
 from .wire import SharedBuffer
+from .worker_handle import InputRejected, QueueFull, WorkerLost, WorkerTimeout
 
 __all__ = ["Caller", "Outcome", "Predictor"]
 
