@@ -1,7 +1,7 @@
 """Saving a trained model: the artifact with its report, card and manifest.
 
 Either training path (:mod:`core.training.fit_memory`, :mod:`core.training.fit_streaming`)
-hands a :class:`_Fitted` to :func:`_save`, which renders the report (cross-validated
+hands a :class:`Fitted` to :func:`save_trained`, which renders the report (cross-validated
 metrics, per-fold and per-sample tables, plots, ``report/report.html``), the model card,
 and writes the artifact (:func:`core.artifacts.save`) whose manifest records the panel,
 the preprocessing, the training bags, the grid edges, the chosen hyperparameters and
@@ -23,9 +23,10 @@ from .. import report
 from ..artifacts import save
 from ..card import render_card
 from ..io import Panel, Preprocessing
-from .config import _output_coding
-from .data import _bag_names
+from .config import output_coding
+from .data import bag_names
 from .edges import estimator_grid_choices
+from .search import SearchOutcome
 
 
 @dataclass
@@ -34,9 +35,10 @@ class TrainingResult:
     metrics: dict[str, Any]
 
 
-@dataclass
-class _Fitted:
-    """What either training path hands to :func:`_save`."""
+@dataclass(kw_only=True)
+class Fitted:
+    """What either training path hands to :func:`save_trained`; built by
+    :meth:`from_search` (keywords only: 19 fields are not read by position)."""
 
     final: BaseEstimator
     preprocessing: Preprocessing
@@ -59,7 +61,7 @@ class _Fitted:
     sizes: np.ndarray | None = None
     #: Per-cell classifiers: the temperature of their class probabilities.
     calibration: dict[str, Any] | None = None
-    #: How the folds were grouped (:func:`_grouping`).
+    #: How the folds were grouped (:func:`grouping_of`).
     grouping: dict[str, Any] = field(default_factory=dict)
     #: Per-cell models: the training batch's reference control (file, sha256).
     control: dict[str, str] | None = None
@@ -67,9 +69,30 @@ class _Fitted:
     #: (:func:`.regions.held_out_regions`).
     regions: dict[str, Any] | None = None
 
+    @classmethod
+    def from_search(
+        cls,
+        outcome: SearchOutcome,
+        *,
+        folds: list[tuple[np.ndarray, np.ndarray]],
+        **fields: Any,
+    ) -> Fitted:
+        """The fitted result of a training path: the search's kept model, its scores
+        and grid records, the folds it ran on, and the path's own ``fields``."""
+        return cls(
+            final=outcome.final,
+            scores=outcome.scores,
+            best=outcome.best,
+            edges=outcome.edges,
+            widening=outcome.widening,
+            folds=folds,
+            n_folds=len(folds),
+            **fields,
+        )
 
-def _save(
-    fitted: _Fitted,
+
+def save_trained(
+    fitted: Fitted,
     config: Mapping[str, Any],
     path: Path,
     name: str,
@@ -119,7 +142,7 @@ def _save(
         fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
     )
     tables = report.tables(
-        _bag_names(config, fitted.files),
+        bag_names(config, fitted.files),
         fitted.y,
         best_pred,
         classifier,
@@ -170,7 +193,7 @@ def _save(
         "chosen_params": json.loads(json.dumps(metrics["chosen_params"], default=float)),
         "label_level": fitted.level,
         "probability_calibration": fitted.calibration,
-        "fhir": _output_coding(config, getattr(fitted.final, "classes_", None)),
+        "fhir": output_coding(config, getattr(fitted.final, "classes_", None)),
         "grouping": fitted.grouping,
         "serving": serving,
         "calibration": _calibration_record(fitted.final),

@@ -1,6 +1,6 @@
 """The hyperparameter search: candidates cross-validated, the best kept, edges widened.
 
-The ``[search]`` grid (:func:`_search_table`) gives the candidates; each is
+The ``[search]`` grid (:func:`search_table`) gives the candidates; each is
 cross-validated by the training path (a :class:`_Searcher`: in memory or streamed), the
 best by the cross-validated error (accuracy for a classifier) is fitted on every bag,
 and every grid whose edge was chosen, the ``[search]`` grid's and the estimator's own,
@@ -20,7 +20,7 @@ from sklearn.model_selection import ParameterGrid
 from .. import report
 from ..errors import ConfigError, CoreError
 from ..selection import grid_edge, widen_grid
-from .edges import WIDEN_EDGES_DEFAULT, _edge_record, estimator_grid_choices
+from .edges import WIDEN_EDGES_DEFAULT, edge_record, estimator_grid_choices
 
 Score = tuple[dict[str, Any], np.ndarray, dict[str, Any]]
 Candidate = tuple[BaseEstimator, dict[str, Any]]
@@ -45,7 +45,7 @@ class _Searcher(Protocol):
 
 
 @dataclass
-class _SearchOutcome:
+class SearchOutcome:
     """The search's result: every candidate's CV score, the one kept, its final fit,
     and the grid-edge records."""
 
@@ -57,7 +57,7 @@ class _SearchOutcome:
     widening: dict[str, Any] = field(default_factory=dict)
 
 
-def _search_table(config: Mapping[str, Any]) -> tuple[dict[str, list[Any]], bool]:
+def search_table(config: Mapping[str, Any]) -> tuple[dict[str, list[Any]], bool]:
     """``[search]``: the grid (parameter -> values) and the ``widen_edges`` switch."""
     search = dict(config.get("search", {}))
     widen = search.pop("widen_edges", WIDEN_EDGES_DEFAULT)
@@ -66,7 +66,7 @@ def _search_table(config: Mapping[str, Any]) -> tuple[dict[str, list[Any]], bool
     return {k: list(v) for k, v in search.items()}, widen
 
 
-def _candidates(estimator: BaseEstimator, grid: Sequence[dict[str, Any]]) -> list[Candidate]:
+def search_candidates(estimator: BaseEstimator, grid: Sequence[dict[str, Any]]) -> list[Candidate]:
     out = []
     for params in grid:
         try:
@@ -76,7 +76,7 @@ def _candidates(estimator: BaseEstimator, grid: Sequence[dict[str, Any]]) -> lis
     return out
 
 
-def _run_search(
+def run_search(
     candidates: list[Candidate],
     estimator: BaseEstimator,
     grid: dict[str, list[Any]],
@@ -84,7 +84,7 @@ def _run_search(
     searcher: _Searcher,
     y: np.ndarray,
     classifier: bool,
-) -> _SearchOutcome:
+) -> SearchOutcome:
     """Cross-validate the ``[search]`` candidates, fit the best on everything, then check
     (and, if ``widen``, widen once) every grid whose edge was chosen.
 
@@ -112,7 +112,7 @@ def _run_search(
         product = {name: wider.get(name) or values for name, values in grid.items()}
         new = [p for p in ParameterGrid(product) if p not in seen]
         try:
-            extra = _candidates(estimator, new)
+            extra = search_candidates(estimator, new)
             preds = searcher.cross_validate(extra, "widening")
         except _WIDENING_FAILURES as exc:
             failure = f"widening failed: {' '.join(str(exc).split())}"
@@ -130,7 +130,7 @@ def _run_search(
         else:
             note = failure or "no value fits past this edge"
         edges.append(
-            _edge_record(
+            edge_record(
                 name,
                 "search",
                 side,
@@ -197,7 +197,7 @@ def _run_search(
         reason, at_bound = stuck.get(c.parameter, (None, False))
         if a is None and reason is None:
             reason = _WIDENING_OFF if not widen else refit_failure
-        record = _edge_record(
+        record = edge_record(
             c.parameter,
             "estimator",
             side,
@@ -225,7 +225,7 @@ def _run_search(
         side = grid_edge(a.grid, a.chosen)
         if name not in hit and side is not None:
             edges.append(
-                _edge_record(
+                edge_record(
                     name,
                     "estimator",
                     side,
@@ -237,7 +237,7 @@ def _run_search(
                     "widened again (widening happens once)",
                 )
             )
-    return _SearchOutcome(candidates, scores, best, final, edges, widening)
+    return SearchOutcome(candidates, scores, best, final, edges, widening)
 
 
 def _scores(

@@ -105,7 +105,7 @@ def validate(model: str | Path | Any, data: str | Path | ValidationConfig) -> di
     from ..results import ModelKind
     from ..runtime import ModelRuntime
     from ..signing import signature_key_sha256
-    from ..training.data import _bag_names, _overlap, bag_fingerprints, read_data
+    from ..training.data import bag_fingerprints, bag_names, read_data, training_overlap
 
     runtime = model if isinstance(model, ModelRuntime) else ModelRuntime.open(model)
     config = data if isinstance(data, ValidationConfig) else load_validation_config(data)
@@ -127,7 +127,7 @@ def validate(model: str | Path | Any, data: str | Path | ValidationConfig) -> di
     missing = sorted({Path(f).name for f in configured} - {Path(f).name for f in files})
     if missing:
         raise DataError(f"[data] {len(missing)} file(s) have no reference result: {missing[:10]}")
-    names = _bag_names(cfg, files)
+    names = bag_names(cfg, files)
     samples, digests = map(list, zip(*(read_file(f) for f in files), strict=True))
     with one_thread():
         bags = runtime.align(samples)
@@ -136,7 +136,7 @@ def validate(model: str | Path | Any, data: str | Path | ValidationConfig) -> di
         raise DataError(
             "the reference labels do not match the cells of the files (row counts differ)"
         )
-    seen = _overlap(
+    seen = training_overlap(
         info.metadata, bag_fingerprints(names, digests, [bags[t] for t in range(len(bags))])
     )
     if seen is not None and seen.any():
@@ -261,9 +261,9 @@ def _json_values(value: Any) -> Any:
 
 
 def _configured_files(cfg: Mapping[str, Any]) -> list[Path]:
-    from ..training.config import _resolve
+    from ..training.config import resolve_path
 
-    return _resolve(Path(cfg["_base"]), cfg["data"]["files"])
+    return resolve_path(Path(cfg["_base"]), cfg["data"]["files"])
 
 
 def _tables(cfg: Mapping[str, Any], config: ValidationConfig) -> list[dict[str, str]]:
@@ -379,10 +379,10 @@ def _cell_results(
 def _label_keys(y: np.ndarray) -> np.ndarray:
     """Reference labels as the model's classes are written (``1.0`` reads ``"1"``),
     converted once per distinct label, not per cell."""
-    from ..training.data import _label_key
+    from ..training.data import label_key
 
     found, inverse = np.unique(np.asarray(y), return_inverse=True)
-    return np.array([_label_key(v) for v in found.tolist()], dtype=str)[inverse.reshape(-1)]
+    return np.array([label_key(v) for v in found.tolist()], dtype=str)[inverse.reshape(-1)]
 
 
 def _attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
