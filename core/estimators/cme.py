@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import scipy.linalg
@@ -47,6 +47,7 @@ from ..representations.sliced import _rowwise_searchsorted
 from ..selection import CME_ALPHA_GRID, as_grid, group_folds, median_heuristic_gamma
 from ._domain import DomainCheckMixin
 from ._grid_choices import GridChoice, cme_choices, warn_grid_edges
+from ._params import Constraint, OneOf, validate_params
 
 if TYPE_CHECKING:
     from ..explanations import Explanation
@@ -124,9 +125,15 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
     9, 16-17 and Algorithm 1 (with the corrections of digest 002 §2.4).
     """
 
+    #: What each hyperparameter may be, checked by ``fit`` (:mod:`._params`).
+    _parameter_constraints: ClassVar[dict[str, Constraint]] = {
+        "alpha_scaling": OneOf(("n", "sum"), "'n' or 'sum'"),
+    }
+
     def __init__(
         self,
         representation: BagRepresentation | None = None,
+        *,
         kernel: str = "gaussian",
         gamma: float | ArrayLike | None = None,
         output_kernel: str = "gaussian",
@@ -204,8 +211,7 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
         inputs in one cross-validation fold and leaves whole groups out of the domain
         check's calibration: a subject's other bags must not vouch for it.
         """
-        if self.alpha_scaling not in ("n", "sum"):
-            raise ValueError(f"alpha_scaling must be 'n' or 'sum', got {self.alpha_scaling!r}")
+        validate_params(self)
         self.kernel_ = get_kernel(self.kernel, self.kernel_params)
         self.output_kernel_ = get_kernel(self.output_kernel, self.output_kernel_params)
         emb = self._embed(X, fit=True)

@@ -22,7 +22,7 @@ residuals scaled by the distance to the training bags (:mod:`._ridge_calibration
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -44,6 +44,7 @@ from ..representations.sliced import SlicedWasserstein
 from ..selection import DEFAULT_ALPHA_GRID, GroupBlocks
 from ._domain import DomainCheckMixin
 from ._grid_choices import GridChoice, ridge_choices, warn_grid_edges
+from ._params import Constraint, IntegerAtLeast, OneOf, validate_params
 from ._ridge_calibration import (
     CALIBRATIONS,
     calibration_predictions,
@@ -73,9 +74,18 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
     returns them as a ``(T, n_outputs)`` float matrix.
     """
 
+    #: What each hyperparameter may be, checked by ``fit`` (:mod:`._params`).
+    _parameter_constraints: ClassVar[dict[str, Constraint]] = {
+        "selection": OneOf(("loo", "gcv"), "'loo' or 'gcv'"),
+        "calibration": OneOf(CALIBRATIONS, f"one of {CALIBRATIONS}"),
+        "interval_scaling": OneOf(("domain", "none"), "'domain' or 'none'"),
+        "calibration_folds": IntegerAtLeast(2),
+    }
+
     def __init__(
         self,
         representation: BagRepresentation | None = None,
+        *,
         kernel: str = "gaussian",
         gamma: float | ArrayLike | None = None,
         alpha: float | ArrayLike | None = None,
@@ -116,7 +126,7 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
         bags = as_bags(X)
         if len(bags) < 2:
             raise BagValidationError([f"need at least 2 training bags, got {len(bags)}"])
-        self._check_params()
+        validate_params(self)
         rep = self.unfitted_representation().fit(bags)
         return self._fit_embedded(rep, rep.embed(bags), y, groups)
 
@@ -136,22 +146,8 @@ class _DistributionKernelRidge(DomainCheckMixin, BaseEstimator):
         check_is_fitted(representation)
         if len(embedding) < 2:
             raise BagValidationError([f"need at least 2 training bags, got {len(embedding)}"])
-        self._check_params()
+        validate_params(self)
         return self._fit_embedded(representation, embedding, y, groups)
-
-    def _check_params(self) -> None:
-        if self.selection not in ("loo", "gcv"):
-            raise ValueError(f"selection must be 'loo' or 'gcv', got {self.selection!r}")
-        if self.calibration not in CALIBRATIONS:
-            raise ValueError(f"calibration must be one of {CALIBRATIONS}, got {self.calibration!r}")
-        if self.interval_scaling not in ("domain", "none"):
-            raise ValueError(
-                f"interval_scaling must be 'domain' or 'none', got {self.interval_scaling!r}"
-            )
-        if int(self.calibration_folds) != self.calibration_folds or self.calibration_folds < 2:
-            raise ValueError(
-                f"calibration_folds must be an integer >= 2, got {self.calibration_folds!r}"
-            )
 
     def _groups(self, groups: ArrayLike | None, T: int) -> GroupBlocks | None:
         """The groups as blocks (None without groups); 2 groups at least."""
