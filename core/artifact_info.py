@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from .artifacts import ARRAY_DIR, ArtifactError, estimator_class, read_manifest
+from .artifacts import ARRAY_DIR, ArtifactError, read_manifest
 from .bags import Bags
 from .domain import DomainReport
+from .estimator_state import estimator_class
 from .fhir_coding import OutputCoding
 from .hashing import bytes_sha256
 from .io import Panel, Preprocessing

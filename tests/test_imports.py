@@ -159,7 +159,7 @@ def test_the_manifest_kinds_table_agrees_with_the_class_hierarchy():
     """``ArtifactInfo.kind`` answers from a table of class names so that listing
     models imports no estimator; it must say what :func:`kind_of` says."""
     from bagserve.core.artifact_info import _KNOWN_KINDS, kind_of
-    from bagserve.core.artifacts import _registry
+    from bagserve.core.estimator_state import registry as _registry
 
     for name, kind in _KNOWN_KINDS.items():
         assert kind_of(_registry()[name]) is kind, name

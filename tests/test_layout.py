@@ -230,6 +230,48 @@ def test_the_cycle_check_finds_a_deferred_cycle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+def _function_lengths(tree: ast.AST) -> list[tuple[str, int, int]]:
+    """(name, first line, lines) of every function and method: from its first
+    decorator to its last line, its docstring aside (a numpydoc docstring is
+    documentation, not code a reader must hold in mind)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            length = node.end_lineno - first + 1
+            doc = node.body[0]
+            is_doc = isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+            if is_doc and isinstance(doc.value.value, str):
+                length -= doc.end_lineno - doc.lineno + 1
+            out.append((node.name, first, length))
+    return out
+
+
+def test_modules_and_functions_fit_in_a_readers_mind():
+    """No module over 600 lines, no function over 100 (docstring aside), in core,
+    service and bagserve: past that, split along the concepts (docs/development.md)."""
+    too_long = []
+    for rel, path in _sources().items():
+        if _rebuilt_elsewhere(rel):
+            continue
+        text = path.read_text()
+        n = len(text.splitlines())
+        if n > _MAX_MODULE_LINES:
+            too_long.append(f"{rel}: {n} lines")
+        too_long += [
+            f"{rel}:{line}: {name}() has {length} lines"
+            for name, line, length in _function_lengths(ast.parse(text))
+            if length > _MAX_FUNCTION_LINES
+        ]
+    assert not too_long, too_long
+
+
+def test_the_size_check_can_fail():
+    code = 'def f():\n    """Doc.\n\n    More."""\n' + "    x = 1\n" * 100
+    ((name, first, length),) = _function_lengths(ast.parse(code))
+    assert (name, first, length) == ("f", 1, 101)
+
+
 def _layout_entries() -> dict[str, str]:
     """docs/development.md's layout map: each entry's path (``core/io/``,
     ``core/bags.py``) -> its text (names and description, continuation lines

@@ -81,7 +81,8 @@ def _serve(conn: Any, model: str, options: dict[str, Any], limits: dict[str, Any
     ``("rows", rows)`` or ``("error", text)`` until the pipe closes."""
     from ..core.blas import one_thread
     from ..core.io import read_sample
-    from ..core.io.readers import ReadLimits, format_of
+    from ..core.io.readers import format_of
+    from ..core.io.sample import ReadLimits
     from ..core.runtime import ModelRuntime
 
     try:

@@ -45,6 +45,7 @@ from ..kernels import get_kernel
 from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
 from ..representations.sliced import _rowwise_searchsorted
 from ..selection import CME_ALPHA_GRID, as_grid, group_folds, median_heuristic_gamma
+from ._cholesky import incomplete_cholesky
 from ._domain import DomainCheckMixin
 from ._grid_choices import GridChoice, cme_choices, warn_grid_edges
 from ._params import Constraint, OneOf, validate_params
@@ -592,28 +593,3 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
         out._gram_cache = (K, L)
         out.dual_, out.support_, out.is_dense_ = M, S, False
         return out
-
-
-def incomplete_cholesky(K: ArrayLike, rank: int, tol: float = 1e-12) -> NDArray[np.int64]:
-    """Pivots of the pivoted incomplete Cholesky factorisation ``K ≈ G Gᵀ`` (greedy on
-    the largest residual diagonal; Shawe-Taylor & Cristianini 2004, §5.2).
-
-    Returns the chosen indices, in order, stopping early when the residual trace
-    falls below ``tol`` times the trace.
-    """
-    K = np.asarray(K, dtype=np.float64)
-    n = K.shape[0]
-    rank = min(int(rank), n)
-    G = np.zeros((n, rank))
-    diag = K.diagonal().copy()
-    total = float(diag.sum())
-    pivots: list[int] = []
-    for j in range(rank):
-        i = int(np.argmax(diag))
-        if diag[i] <= tol * total:
-            break
-        pivots.append(i)
-        G[:, j] = (K[:, i] - G[:, :j] @ G[i, :j]) / np.sqrt(diag[i])
-        diag -= G[:, j] ** 2
-        diag[pivots] = 0.0
-    return np.asarray(pivots, dtype=np.int64)

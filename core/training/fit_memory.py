@@ -99,6 +99,25 @@ class _InMemorySearch:
         return estimator.fit(bags, self.y, **groups)
 
 
+def _check_batches(has_control: bool, batches: np.ndarray | None, cell_level: bool) -> None:
+    """Refuse a reference control or batches given to a model that cannot use them."""
+    if has_control and not cell_level:
+        raise ConfigError(
+            "[data] control: a batch's reference control calibrates per-cell models "
+            "(MarginalTransferClassifier, MarginalTransferRegressor) only"
+        )
+    if has_control and batches is not None and np.unique(batches).size > 1:
+        raise ConfigError(
+            "[data] control: a reference control belongs to one batch, and [data] "
+            "batches names several"
+        )
+    if batches is not None and not cell_level:
+        raise ConfigError(
+            "[data] batches: batch-aware selection is for per-cell models "
+            "(MarginalTransferClassifier, MarginalTransferRegressor)"
+        )
+
+
 def train_in_memory(
     config: Mapping[str, Any],
     estimator: BaseEstimator,
@@ -108,6 +127,7 @@ def train_in_memory(
     pre_spec: dict[str, Any],
     progress: bool,
 ) -> Fitted:
+    """Train with every bag in memory: read, checked, folded, searched, calibrated."""
     cell_level = isinstance(estimator, CELL_LEVEL)
     classifier = is_classifier(estimator)
     data = read_data(config, progress=progress)
@@ -129,21 +149,7 @@ def train_in_memory(
         )
     batches = config_batches(config, data.files)
     control, control_file = read_control(config, data.panel) or (None, None)
-    if control is not None and not cell_level:
-        raise ConfigError(
-            "[data] control: a batch's reference control calibrates per-cell models "
-            "(MarginalTransferClassifier, MarginalTransferRegressor) only"
-        )
-    if control is not None and batches is not None and np.unique(batches).size > 1:
-        raise ConfigError(
-            "[data] control: a reference control belongs to one batch, and [data] "
-            "batches names several"
-        )
-    if batches is not None and not cell_level:
-        raise ConfigError(
-            "[data] batches: batch-aware selection is for per-cell models "
-            "(MarginalTransferClassifier, MarginalTransferRegressor)"
-        )
+    _check_batches(control is not None, batches, cell_level)
     subjects, grouping = grouping_of(config, data.files)
     folds = make_folds(
         config,

@@ -100,10 +100,74 @@ def save_trained(
     overwrite: bool,
     serving: dict[str, Any],
 ) -> TrainingResult:
+    """Save ``fitted`` at ``path`` with its report (metrics, tables, plots, HTML) and
+    model card, and the metadata the manifest keeps."""
     classifier = is_classifier(fitted.final)
     key = "accuracy" if classifier else "rmse"
     best_metrics, best_pred, best_params = fitted.scores[fitted.best]
     cell_level = fitted.level == "cell"
+    metrics = _metrics(fitted, best_metrics, best_params, cell_level)
+    files = report.render(
+        fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
+    )
+    tables = report.tables(
+        bag_names(config, fitted.files),
+        fitted.y,
+        best_pred,
+        classifier,
+        fitted.folds,
+        fitted.sizes if cell_level else None,
+    )
+    metrics["per_fold"] = tables["per_fold"]
+    if not classifier and not cell_level:
+        files.update(report.residual_plot(tables))
+    if "agreement" in tables:
+        files.update(report.bland_altman_plot(tables))
+        # With the cross-validated metrics: the card and the manifest keep those.
+        metrics["cv"]["frequency_agreement"] = _weak_spots(tables)
+    # The report's file keeps every sample's out-of-fold answer and fold (the manifest
+    # keeps the summary).
+    files["report/metrics.json"] = json.dumps(
+        {
+            **metrics,
+            "per_sample": tables.get("per_sample", []),
+            **({"frequencies": tables["frequencies"]} if "frequencies" in tables else {}),
+        },
+        indent=2,
+        default=str,
+    ).encode()
+    from datetime import UTC, datetime
+
+    from ..artifacts import library_versions
+
+    header = {
+        "trained": datetime.now(UTC).isoformat(timespec="seconds"),
+        "training data sha256": fitted.sha256,
+        "libraries": ", ".join(f"{k} {v}" for k, v in sorted(library_versions().items())),
+    }
+    files["report/report.html"] = report.html(
+        name, version, metrics, tables, files, header=header
+    ).encode()
+    metadata = _metadata(fitted, config, name, version, serving, metrics)
+    from ..artifact_info import kind_of
+
+    # The card is part of the artifact (hashed with it); created and the manifest's
+    # sha256 are added where it is served (ArtifactInfo.card).
+    files["card.md"] = render_card(
+        metadata, estimator=type(fitted.final).__name__, kind=str(kind_of(type(fitted.final)))
+    ).encode()
+    saved = save(fitted.final, path, overwrite=overwrite, extra_files=files, **metadata)
+    return TrainingResult(saved, metrics)
+
+
+def _metrics(
+    fitted: Fitted,
+    best_metrics: dict[str, Any],
+    best_params: dict[str, Any],
+    cell_level: bool,
+) -> dict[str, Any]:
+    """The training metrics: the kept candidate's cross-validation (and its scheme),
+    every candidate's, the choices, sizes, compute, grid edges and grouping."""
     grouped = fitted.grouping.get("by") == "groups"
     metrics = {
         "cv": {
@@ -138,47 +202,18 @@ def save_trained(
         metrics["reference_control"] = fitted.control
     if fitted.regions is not None:
         metrics["explained_regions"] = fitted.regions
-    files = report.render(
-        fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
-    )
-    tables = report.tables(
-        bag_names(config, fitted.files),
-        fitted.y,
-        best_pred,
-        classifier,
-        fitted.folds,
-        fitted.sizes if cell_level else None,
-    )
-    metrics["per_fold"] = tables["per_fold"]
-    if not classifier and not cell_level:
-        files.update(report.residual_plot(tables))
-    if "agreement" in tables:
-        files.update(report.bland_altman_plot(tables))
-        # With the cross-validated metrics: the card and the manifest keep those.
-        metrics["cv"]["frequency_agreement"] = _weak_spots(tables)
-    # The report's file keeps every sample's out-of-fold answer and fold (the manifest
-    # keeps the summary).
-    files["report/metrics.json"] = json.dumps(
-        {
-            **metrics,
-            "per_sample": tables.get("per_sample", []),
-            **({"frequencies": tables["frequencies"]} if "frequencies" in tables else {}),
-        },
-        indent=2,
-        default=str,
-    ).encode()
-    from datetime import UTC, datetime
+    return metrics
 
-    from ..artifacts import _libraries
 
-    header = {
-        "trained": datetime.now(UTC).isoformat(timespec="seconds"),
-        "training data sha256": fitted.sha256,
-        "libraries": ", ".join(f"{k} {v}" for k, v in sorted(_libraries().items())),
-    }
-    files["report/report.html"] = report.html(
-        name, version, metrics, tables, files, header=header
-    ).encode()
+def _metadata(
+    fitted: Fitted,
+    config: Mapping[str, Any],
+    name: str,
+    version: str,
+    serving: dict[str, Any],
+    metrics: dict[str, Any],
+) -> dict[str, Any]:
+    """What the manifest keeps of the training (and the card reads)."""
     model_cfg = config.get("model", {})
     metadata = {
         "name": name,
@@ -202,15 +237,7 @@ def save_trained(
         "metrics": json.loads(json.dumps(metrics["cv"], default=str)),
         "config": {k: v for k, v in config.items() if not k.startswith("_")},
     }
-    from ..artifact_info import kind_of
-
-    # The card is part of the artifact (hashed with it); created and the manifest's
-    # sha256 are added where it is served (ArtifactInfo.card).
-    files["card.md"] = render_card(
-        metadata, estimator=type(fitted.final).__name__, kind=str(kind_of(type(fitted.final)))
-    ).encode()
-    saved = save(fitted.final, path, overwrite=overwrite, extra_files=files, **metadata)
-    return TrainingResult(saved, metrics)
+    return metadata
 
 
 def _weak_spots(tables: Mapping[str, Any]) -> dict[str, Any]:

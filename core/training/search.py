@@ -97,8 +97,40 @@ def run_search(
     edges: list[dict[str, Any]] = []
     widening: dict[str, Any] = {"enabled": widen, "refits": 0}
 
-    # 1. The [search] grid: new candidates join the same cross-validation, and the best
-    #    of all candidates evaluated wins, as in the first round.
+    best = _widen_search_grid(
+        candidates, scores, best, grid, widen, estimator, searcher, y, classifier, edges, widening
+    )
+    final = searcher.fit_final(candidates[best][0])
+
+    # 2. The estimator's own grids: refit the kept candidate with the widened grids.
+    own, updates, stuck = _own_grid_edges(final)
+    refit_failure = None
+    if widen and updates:
+        refit_failure, best, final = _refit_widened(
+            candidates, scores, best, final, updates, searcher, y, classifier, widening
+        )
+    refitted = widen and bool(updates) and refit_failure is None
+    after = {c.parameter: c for c in estimator_grid_choices(final)} if refitted else {}
+    edges += _own_edge_records(own, updates, stuck, after, widen, refit_failure)
+    return SearchOutcome(candidates, scores, best, final, edges, widening)
+
+
+def _widen_search_grid(
+    candidates: list[Candidate],
+    scores: list[Score],
+    best: int,
+    grid: dict[str, list[Any]],
+    widen: bool,
+    estimator: BaseEstimator,
+    searcher: _Searcher,
+    y: np.ndarray,
+    classifier: bool,
+    edges: list[dict[str, Any]],
+    widening: dict[str, Any],
+) -> int:
+    """The ``[search]`` grid's edges: widened once (new candidates join the same
+    cross-validation; the best of all wins) and recorded in ``edges``. Extends
+    ``candidates`` and ``scores`` in place; returns the best candidate's index."""
     chosen = dict(scores[best][2])
     hits = {
         name: side
@@ -141,9 +173,15 @@ def run_search(
                 note=note,
             )
         )
-    final = searcher.fit_final(candidates[best][0])
+    return best
 
-    # 2. The estimator's own grids: refit the kept candidate with the widened grids.
+
+def _own_grid_edges(
+    final: BaseEstimator,
+) -> tuple[list[tuple[Any, str]], dict[str, list[Any]], dict[str, tuple[str, bool]]]:
+    """The grids the fitted estimator searched itself whose edge it chose: each with
+    its side, the widened grids by estimator parameter, and why the others cannot be
+    widened (and whether nothing lies beyond them)."""
     own = [
         (c, side)
         for c in estimator_grid_choices(final)
@@ -167,31 +205,57 @@ def run_search(
             )
         else:
             stuck[c.parameter] = ("no value fits past this edge", False)
+    return own, updates, stuck
+
+
+def _refit_widened(
+    candidates: list[Candidate],
+    scores: list[Score],
+    best: int,
+    final: BaseEstimator,
+    updates: dict[str, list[Any]],
+    searcher: _Searcher,
+    y: np.ndarray,
+    classifier: bool,
+    widening: dict[str, Any],
+) -> tuple[str | None, int, BaseEstimator]:
+    """The kept candidate refitted with its own grids widened: (why it failed or None,
+    the best index, the final model). Extends ``candidates`` and ``scores`` in place."""
     refit_failure = None
-    if widen and updates:
-        at_edge = candidates[best]
-        widened_est = clone(at_edge[0]).set_params(**updates)
-        params = {**at_edge[1], **updates}
-        try:
-            pred = searcher.cross_validate([(widened_est, params)], "widening")[0]
-            refit = searcher.fit_final(widened_est)
-        except _WIDENING_FAILURES as exc:
-            refit_failure = f"widening failed: {' '.join(str(exc).split())}"
-        else:
-            widening["cv_at_edge"] = _summary(scores[best][0])
-            widening["params_at_edge"] = at_edge[1]
-            candidates.append((widened_est, params))
-            scores += _scores([(widened_est, params)], [pred], y, classifier)
-            # The widened model replaces the edge one whatever the outer CV says: its
-            # grid holds the old choice, so the estimator's own criterion, which chose
-            # the edge, can only be better on it. The outer CV of both is reported,
-            # not used to pick between them.
-            best = len(scores) - 1
-            final = refit
-            widening["refits"] += 1
-            widening["cv_after_widening"] = _summary(scores[best][0])
-    refitted = widen and bool(updates) and refit_failure is None
-    after = {c.parameter: c for c in estimator_grid_choices(final)} if refitted else {}
+    at_edge = candidates[best]
+    widened_est = clone(at_edge[0]).set_params(**updates)
+    params = {**at_edge[1], **updates}
+    try:
+        pred = searcher.cross_validate([(widened_est, params)], "widening")[0]
+        refit = searcher.fit_final(widened_est)
+    except _WIDENING_FAILURES as exc:
+        refit_failure = f"widening failed: {' '.join(str(exc).split())}"
+    else:
+        widening["cv_at_edge"] = _summary(scores[best][0])
+        widening["params_at_edge"] = at_edge[1]
+        candidates.append((widened_est, params))
+        scores += _scores([(widened_est, params)], [pred], y, classifier)
+        # The widened model replaces the edge one whatever the outer CV says: its
+        # grid holds the old choice, so the estimator's own criterion, which chose
+        # the edge, can only be better on it. The outer CV of both is reported,
+        # not used to pick between them.
+        best = len(scores) - 1
+        final = refit
+        widening["refits"] += 1
+        widening["cv_after_widening"] = _summary(scores[best][0])
+    return refit_failure, best, final
+
+
+def _own_edge_records(
+    own: list[tuple[Any, str]],
+    updates: dict[str, list[Any]],
+    stuck: dict[str, tuple[str, bool]],
+    after: dict[str, Any],
+    widen: bool,
+    refit_failure: str | None,
+) -> list[dict[str, Any]]:
+    """The records of the estimator's own grid edges, before and after the refit."""
+    edges: list[dict[str, Any]] = []
     for c, side in own:
         a = after.get(c.parameter) if c.widen_as in updates else None
         reason, at_bound = stuck.get(c.parameter, (None, False))
@@ -237,7 +301,7 @@ def run_search(
                     "widened again (widening happens once)",
                 )
             )
-    return SearchOutcome(candidates, scores, best, final, edges, widening)
+    return edges
 
 
 def _scores(
