@@ -213,9 +213,8 @@ def _chosen(model: Any, answers: list[Any]) -> str:
     fitted, and the calibrations the test samples were answered with."""
     used = sorted({str(a.report.calibrated) for a in answers})
     threshold = model.reject_threshold_
-    return (
-        f"{model.selection_['cell_model']}/{model.calibration_}; answered {', '.join(used)}"
-        + ("" if threshold is None else f"; reject below {threshold:g}")
+    return f"{model.selection_['cell_model']}/{model.calibration_}; answered {', '.join(used)}" + (
+        "" if threshold is None else f"; reject below {threshold:g}"
     )
 
 

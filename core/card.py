@@ -67,6 +67,16 @@ def render_card(
     libraries : mapping, optional
         Library versions recorded at training.
     """
+    lines = _about(metadata, estimator, kind)
+    lines += _training_data(metadata)
+    lines += _evaluation(metadata)
+    lines += _provenance(created, sha256, libraries)
+    return "\n".join(lines) + "\n"
+
+
+def _about(metadata: Mapping[str, Any], estimator: str, kind: str) -> list[str]:
+    """The card's title, description, intended use, limitations, out-of-domain policy
+    and the model section (estimator, panel, preprocessing, coding)."""
     config = metadata.get("config") or {}
     model_cfg = config.get("model", {}) if isinstance(config, Mapping) else {}
     name = metadata.get("name") or model_cfg.get("name") or "model"
@@ -115,6 +125,12 @@ def render_card(
             + (f" ({coding['display']})" if coding.get("display") else "")
             + unit
         )
+    return lines
+
+
+def _training_data(metadata: Mapping[str, Any]) -> list[str]:
+    """The training data section: files or bags, labels, data sha256, subjects."""
+    lines: list[str] = []
     lines += ["", "## Training data", ""]
     files = metadata.get("training_files") or []
     bags = metadata.get("training_bags") or []
@@ -146,6 +162,13 @@ def render_card(
                 else ""
             )
         )
+    return lines
+
+
+def _evaluation(metadata: Mapping[str, Any]) -> list[str]:
+    """The cross-validated metrics, calibration, new batches, hyperparameters and the
+    grid edges still unresolved."""
+    lines: list[str] = []
     metrics = metadata.get("metrics") or {}
     shown = {k: metrics[k] for k in _SHOWN if k in metrics}
     if shown:
@@ -214,6 +237,14 @@ def render_card(
             f"- {len(edges)} hyperparameter(s) still at the edge of their grid (the best "
             "value may lie beyond it): " + ", ".join(str(e.get("parameter")) for e in edges)
         )
+    return lines
+
+
+def _provenance(
+    created: str | None, sha256: str | None, libraries: Mapping[str, str] | None
+) -> list[str]:
+    """When, which manifest, which libraries."""
+    lines: list[str] = []
     lines += ["", "## Provenance", ""]
     if created:
         lines.append(f"- Created: {created}")
@@ -221,7 +252,7 @@ def render_card(
         lines.append(f"- Manifest sha256: `{sha256}`")
     if libraries:
         lines.append("- Libraries: " + ", ".join(f"{k} {v}" for k, v in sorted(libraries.items())))
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 #: Each calibration and cell model of a per-cell model, as the card says them.

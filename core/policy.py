@@ -21,13 +21,14 @@ A bag inside the domain is always final.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-if TYPE_CHECKING:
-    from .runtime import Prediction
+# The status vocabulary belongs to the answers (core/results.py); the policy picks
+# among it.
+from .results import FINAL, PRELIMINARY, STATUSES, WITHHELD, Prediction
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -44,8 +45,6 @@ __all__ = [
 
 POLICIES = ("flag", "preliminary", "withhold")
 DEFAULT_POLICY = "preliminary"
-FINAL, PRELIMINARY, WITHHELD = "final", "preliminary", "withheld"
-STATUSES = (FINAL, PRELIMINARY, WITHHELD)
 _OUT_OF_RANGE = {"flag": FINAL, "preliminary": PRELIMINARY, "withhold": WITHHELD}
 
 

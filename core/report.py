@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
+from html import escape as _escape
 from typing import Any
 
 import numpy as np
@@ -407,32 +408,17 @@ def html(
 
     ``header``: what a reviewer signs against, shown first (when it was trained, the
     training data's sha256, the library versions)."""
-    import base64
-    import html as esc
-
-    def cell(v: Any) -> str:
-        return esc.escape(_number(v) if isinstance(v, float) else str(v))
-
-    def table(rows: Sequence[Mapping[str, Any]], title: str) -> str:
-        if not rows:
-            return ""
-        head = "".join(f"<th>{esc.escape(str(k))}</th>" for k in rows[0])
-        body = "".join(
-            "<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r.values()) + "</tr>" for r in rows
-        )
-        return f"<h2>{esc.escape(title)}</h2><table><tr>{head}</tr>{body}</table>"
-
     cv = summary["cv"]
     shown = {k: v for k, v in cv.items() if not isinstance(v, list | dict)}
     parts = [
-        f"<h1>{esc.escape(name)} / {esc.escape(version)}: training report</h1>",
+        f"<h1>{_escape(name)} / {_escape(version)}: training report</h1>",
         "<p class='header'>"
         + "<br>".join(
-            f"<b>{esc.escape(str(k))}</b>: {esc.escape(str(v))}" for k, v in (header or {}).items()
+            f"<b>{_escape(str(k))}</b>: {_escape(str(v))}" for k, v in (header or {}).items()
         )
         + "</p>",
-        table([shown], "Cross-validated metrics"),
-        table(
+        _html_table([shown], "Cross-validated metrics"),
+        _html_table(
             [
                 {
                     "parameter": k,
@@ -447,32 +433,98 @@ def html(
             "itself beside them)",
         ),
     ]
-    weak = cv.get("frequency_agreement")
+    parts += _weak_spots(cv.get("frequency_agreement"))
+    parts += _regions(summary.get("explained_regions"))
+    grouping = summary.get("grouping")
+    if grouping:
+        row = {k: v for k, v in grouping.items() if not isinstance(v, dict)}
+        if grouping.get("suspected_repeats"):
+            row["suspected_repeats"] = ", ".join(
+                f"{k} ({n})" for k, n in grouping["suspected_repeats"].items()
+            )
+        parts.append(
+            _html_table(
+                [row],
+                "How the folds were grouped (by groups: whole subjects left out; by bags: "
+                "every bag a subject of its own)",
+            )
+        )
+    edges = summary.get("grid_edges") or []
+    if edges:
+        items = "".join(f"<li>{_escape(describe_edge(e))}</li>" for e in edges)
+        parts.append(f"<h2>Hyperparameters at the edge of their grid</h2><ul>{items}</ul>")
+    calibration = summary.get("probability_calibration")
+    if calibration:
+        parts.append(
+            _html_table(
+                [calibration],
+                "Class probabilities (temperature scaling; nll: per-cell negative "
+                "log-likelihood out of fold, nll_at_1 before scaling)",
+            )
+        )
+    parts += _result_tables(tables)
+    parts += _figures(files)
+    style = (
+        "body{font-family:sans-serif;margin:2em;max-width:70em}"
+        "table{border-collapse:collapse;margin:0.5em 0}"
+        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+        "th{background:#f3f3f3}figure{display:inline-block;margin:1em}"
+    )
+    return (
+        "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
+        f"<title>{_escape(name)} {_escape(version)}</title><style>{style}</style>"
+        f"</head><body>{''.join(parts)}</body></html>"
+    )
+
+
+def _cell(v: Any) -> str:
+    return _escape(_number(v) if isinstance(v, float) else str(v))
+
+
+def _html_table(rows: Sequence[Mapping[str, Any]], title: str) -> str:
+    """A titled HTML table of ``rows`` (dicts sharing their keys); empty without rows."""
+    if not rows:
+        return ""
+    head = "".join(f"<th>{_escape(str(k))}</th>" for k in rows[0])
+    body = "".join(
+        "<tr>" + "".join(f"<td>{_cell(v)}</td>" for v in r.values()) + "</tr>" for r in rows
+    )
+    return f"<h2>{_escape(title)}</h2><table><tr>{head}</tr>{body}</table>"
+
+
+def _weak_spots(weak: Mapping[str, Any] | None) -> list[str]:
+    """The weakest class, sample and population frequency (per-cell classifiers)."""
+    parts: list[str] = []
     if weak:
         pair = weak["worst_pair"]
         parts.append(
             "<h2>Weak spots</h2><ul class='weak'>"
-            f"<li>class <b>{esc.escape(weak['weakest_class']['class'])}</b>: recall "
+            f"<li>class <b>{_escape(weak['weakest_class']['class'])}</b>: recall "
             f"{_number(weak['weakest_class']['recall'])}</li>"
-            f"<li>sample <b>{esc.escape(weak['weakest_sample']['file'])}</b>: accuracy "
+            f"<li>sample <b>{_escape(weak['weakest_sample']['file'])}</b>: accuracy "
             f"{_number(weak['weakest_sample']['accuracy'])}</li>"
-            f"<li>furthest population frequency: <b>{esc.escape(pair['file'])} / "
-            f"{esc.escape(pair['class'])}</b>, predicted {_number(pair['predicted_percent'])} % "
+            f"<li>furthest population frequency: <b>{_escape(pair['file'])} / "
+            f"{_escape(pair['class'])}</b>, predicted {_number(pair['predicted_percent'])} % "
             f"against {_number(pair['true_percent'])} %</li>"
             + "".join(
-                f"<li>{esc.escape(a['class'])}: predicted − true percent, bias "
+                f"<li>{_escape(a['class'])}: predicted − true percent, bias "
                 f"{_number(a['bias'])}, 95 % limits of agreement [{_number(a['lower'])}, "
                 f"{_number(a['upper'])}]</li>"
                 for a in weak["per_class"]
             )
             + "</ul>"
         )
-    regions = summary.get("explained_regions")
+    return parts
+
+
+def _regions(regions: Mapping[str, Any] | None) -> list[str]:
+    """Where the model looks: held-out contributions by marker region."""
+    parts: list[str] = []
     if regions:
         parts.append(
             "<h2>Where the model looks</h2><p>Each training sample explained by the model of "
             "its cross-validation fold (core.explain, "
-            f"{esc.escape(regions['method'])}), each cell's contribution added to the fifth "
+            f"{_escape(regions['method'])}), each cell's contribution added to the fifth "
             "of each marker's range it lies in; the mean over the "
             f"{regions['n_samples']} samples. Large entries are the regions that carry the "
             "model: debris sits in the lowest scatter, doublets in the highest.</p>"
@@ -482,72 +534,49 @@ def html(
                 {"marker": m, **{r: v[k] for r, v in zip(regions["regions"], per, strict=True)}}
                 for m, per in zip(regions["markers"], regions["mean_contribution"], strict=True)
             ]
-            parts.append(table(rows, f"Mean contribution to {output}, by marker region"))
-    grouping = summary.get("grouping")
-    if grouping:
-        row = {k: v for k, v in grouping.items() if not isinstance(v, dict)}
-        if grouping.get("suspected_repeats"):
-            row["suspected_repeats"] = ", ".join(
-                f"{k} ({n})" for k, n in grouping["suspected_repeats"].items()
-            )
-        parts.append(
-            table(
-                [row],
-                "How the folds were grouped (by groups: whole subjects left out; by bags: "
-                "every bag a subject of its own)",
-            )
-        )
-    edges = summary.get("grid_edges") or []
-    if edges:
-        items = "".join(f"<li>{esc.escape(describe_edge(e))}</li>" for e in edges)
-        parts.append(f"<h2>Hyperparameters at the edge of their grid</h2><ul>{items}</ul>")
-    calibration = summary.get("probability_calibration")
-    if calibration:
-        parts.append(
-            table(
-                [calibration],
-                "Class probabilities (temperature scaling; nll: per-cell negative "
-                "log-likelihood out of fold, nll_at_1 before scaling)",
-            )
-        )
-    parts.append(table(tables.get("per_fold", []), "Per fold (the last repeat's folds)"))
+            parts.append(_html_table(rows, f"Mean contribution to {output}, by marker region"))
+    return parts
+
+
+def _result_tables(tables: Mapping[str, Any]) -> list[str]:
+    """Per fold, per class, the confusion matrix, agreement, per sample, frequencies."""
+    parts: list[str] = []
+    parts.append(_html_table(tables.get("per_fold", []), "Per fold (the last repeat's folds)"))
     if tables.get("per_class"):
-        parts.append(table(tables["per_class"], "Per class"))
+        parts.append(_html_table(tables["per_class"], "Per class"))
         classes = tables["classes"]
         rows = [
             {"true \\ predicted": c, **dict(zip(classes, row, strict=True))}
             for c, row in zip(classes, tables["confusion"], strict=True)
         ]
-        parts.append(table(rows, "Confusion matrix, each row normalised to 1"))
+        parts.append(_html_table(rows, "Confusion matrix, each row normalised to 1"))
     agreement = tables.get("agreement")
     if agreement:
         parts.append(
-            table(
+            _html_table(
                 agreement["per_class"],
                 "Population frequencies: Bland–Altman agreement of predicted and true "
                 "percent per population, over the samples (bias, 95 % limits)",
             )
         )
         worst = sorted(tables["frequencies"], key=lambda r: -abs(r["difference"]))[:5]
-        parts.append(table(worst, "Furthest from agreement"))
-    parts.append(table(tables.get("per_sample", []), "Per sample"))
+        parts.append(_html_table(worst, "Furthest from agreement"))
+    parts.append(_html_table(tables.get("per_sample", []), "Per sample"))
     if tables.get("frequencies"):
-        parts.append(table(tables["frequencies"], "Population frequencies per sample"))
+        parts.append(_html_table(tables["frequencies"], "Population frequencies per sample"))
+    return parts
+
+
+def _figures(files: Mapping[str, bytes]) -> list[str]:
+    """Every PNG of the report embedded as a data URL."""
+    parts: list[str] = []
+    import base64
+
     for path, content in sorted(files.items()):
         if path.endswith(".png"):
             data = base64.b64encode(content).decode()
             parts.append(
-                f'<figure><img alt="{esc.escape(path)}" src="data:image/png;base64,{data}">'
-                f"<figcaption>{esc.escape(path)}</figcaption></figure>"
+                f'<figure><img alt="{_escape(path)}" src="data:image/png;base64,{data}">'
+                f"<figcaption>{_escape(path)}</figcaption></figure>"
             )
-    style = (
-        "body{font-family:sans-serif;margin:2em;max-width:70em}"
-        "table{border-collapse:collapse;margin:0.5em 0}"
-        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
-        "th{background:#f3f3f3}figure{display:inline-block;margin:1em}"
-    )
-    return (
-        "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
-        f"<title>{esc.escape(name)} {esc.escape(version)}</title><style>{style}</style>"
-        f"</head><body>{''.join(parts)}</body></html>"
-    )
+    return parts

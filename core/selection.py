@@ -20,6 +20,7 @@ from ._random import check_generator
 from .kernels import DistanceKernel
 
 __all__ = [
+    "CME_ALPHA_GRID",
     "DEFAULT_ALPHA_GRID",
     "GridEdgeWarning",
     "GroupBlocks",
@@ -46,6 +47,10 @@ class GridEdgeWarning(UserWarning):
 
 #: ``λ`` grid of paper 000 Appendix F: 25 log-spaced values from 1e-8 to 1e2.
 DEFAULT_ALPHA_GRID = np.logspace(-8, 2, 25)
+
+#: The conditional mean embedding's default ``λ`` grid of the cross-validation (in
+#: the ``(K + λ n I)`` scaling).
+CME_ALPHA_GRID = np.logspace(-7, 1, 17)
 
 #: The ``γ`` grid spans this many decades on each side of the median heuristic.
 GAMMA_GRID_DECADES = 3.0

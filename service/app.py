@@ -9,8 +9,9 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -136,84 +137,20 @@ async def _sweep_keys(idempotency: IdempotencyStore) -> None:
             log.exception("cannot sweep idempotency records")
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the app; models load and workers start in the lifespan."""
-    settings = settings or Settings()
-    configure_logging(settings.log_format, settings.log_level)
-
-    auth = ApiKeys(settings.api_keys)
-    app_metrics = Metrics()
-    # A key file that cannot be read stops the start-up here, naming it.
-    trusted = load_trusted_keys(settings.trusted_keys) if settings.trusted_keys else []
+def _lifespan(
+    settings: Settings, auth: ApiKeys, app_metrics: Metrics, trusted: list[Any]
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the services started, the jobs and the key sweeper run, the
+    models reloaded on SIGHUP; everything stopped in reverse at shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The workers start first (forked from the preloaded server, see
-        # WorkerPool), while the models are verified and the database opened; they load
-        # the models in the background (Repository.start), and the server answers
-        # meanwhile: /readyz says what is still loading.
-        pool = WorkerPool(
-            settings.workers, settings.queue_size, settings.request_limits().to_json()
-        )
-        await pool.start()
-        registry = await asyncio.to_thread(Registry, settings.models_dir, trusted)
-        for key, reason in registry.failures.items():
-            log.error("model not loaded", extra={"model": key, "reason": reason})
-        repository = Repository(registry, pool)
-        repository.start()
-        data = Path(settings.data_dir)
-        db = await asyncio.to_thread(
-            Database,
-            settings.database_url,
-            data,
-            pool_size=settings.database_pool,
-            timeout=settings.database_timeout,
-        )
-        imported = await asyncio.to_thread(import_files, db, data, settings.audit_log)
-        # One writer for the audit and idempotency records: the records of requests
-        # that finish together share a transaction and its fsync.
-        commits = GroupCommit(db, on_commit=app_metrics.observe_audit_commit)
-        audit = AuditLog(db, writer=commits)
-        stats = ModelStats()
-        predictor = Predictor(settings, pool, app_metrics, audit, stats)
-        owner = replica_id()
-        idempotency = IdempotencyStore(
-            db, settings.idempotency_ttl, lease=settings.lease, owner=owner, writer=commits
-        )
-        store = JobStore(
-            db, settings.jobs_ttl, lease=settings.lease, poll=settings.job_poll, owner=owner
-        )
-        deliveries = DeliveryQueue(
-            db,
-            owner=owner,
-            timeout=settings.hl7_timeout,
-            retries=settings.hl7_retries,
-            backoff=settings.hl7_backoff,
-            give_up=settings.hl7_give_up,
-            lease=settings.lease,
-            poll=settings.job_poll,
-            ttl=settings.jobs_ttl,
-            audit=audit,
-        )
-        # Messages given up before this start get a new round of tries; the sender runs
-        # whether or not forwarding is still configured: what was queued is sent.
-        requeued = await asyncio.to_thread(deliveries.requeue)
-        deliveries.start()
-        svc = Services(
-            settings=settings,
-            auth=auth,
-            metrics=app_metrics,
-            registry=registry,
-            pool=pool,
-            predictor=predictor,
-            audit=audit,
-            idempotency=idempotency,
-            jobs=store,
-            deliveries=deliveries,
-            repository=repository,
-            stats=stats,
-            intake=Intake(settings, pool),
-        )
+        started = await _start_services(settings, auth, app_metrics, trusted)
+        svc, db, commits, owner = started.svc, started.db, started.commits, started.owner
+        imported, requeued = started.imported, started.requeued
+        pool, registry, repository = svc.pool, svc.registry, svc.repository
+        store, deliveries, idempotency = svc.jobs, svc.deliveries, svc.idempotency
+        predictor = svc.predictor
 
         async def start_jobs() -> None:
             # A job computed before its model is loaded would fail (503): jobs wait.
@@ -267,6 +204,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # Records still queued are committed before the database closes.
             await asyncio.to_thread(commits.close)
             await asyncio.to_thread(db.close)
+
+    return lifespan
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app; models load and workers start in the lifespan."""
+    settings = settings or Settings()
+    configure_logging(settings.log_format, settings.log_level)
+
+    auth = ApiKeys(settings.api_keys)
+    app_metrics = Metrics()
+    # A key file that cannot be read stops the start-up here, naming it.
+    trusted = load_trusted_keys(settings.trusted_keys) if settings.trusted_keys else []
+
+    lifespan = _lifespan(settings, auth, app_metrics, trusted)
 
     app = FastAPI(
         title="bagserve",
@@ -329,3 +281,85 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(ui.router)
     return app
+
+
+@dataclass
+class _Started:
+    """What the lifespan started and must stop (the services hold the rest)."""
+
+    svc: Services
+    db: Database
+    commits: GroupCommit
+    owner: str
+    imported: Any
+    requeued: Any
+
+
+async def _start_services(
+    settings: Settings, auth: ApiKeys, app_metrics: Metrics, trusted: list[Any]
+) -> _Started:
+    """Everything the lifespan starts, in order: the workers (forked from the preloaded
+    server, see WorkerPool) while the models are verified and the database opened;
+    the models load in the background (Repository.start), and the server answers
+    meanwhile: /readyz says what is still loading."""
+    pool = WorkerPool(settings.workers, settings.queue_size, settings.request_limits().to_json())
+    await pool.start()
+    registry = await asyncio.to_thread(Registry, settings.models_dir, trusted)
+    for key, reason in registry.failures.items():
+        log.error("model not loaded", extra={"model": key, "reason": reason})
+    repository = Repository(registry, pool)
+    repository.start()
+    data = Path(settings.data_dir)
+    db = await asyncio.to_thread(
+        Database,
+        settings.database_url,
+        data,
+        pool_size=settings.database_pool,
+        timeout=settings.database_timeout,
+    )
+    imported = await asyncio.to_thread(import_files, db, data, settings.audit_log)
+    # One writer for the audit and idempotency records: the records of requests
+    # that finish together share a transaction and its fsync.
+    commits = GroupCommit(db, on_commit=app_metrics.observe_audit_commit)
+    audit = AuditLog(db, writer=commits)
+    stats = ModelStats()
+    predictor = Predictor(settings, pool, app_metrics, audit, stats)
+    owner = replica_id()
+    idempotency = IdempotencyStore(
+        db, settings.idempotency_ttl, lease=settings.lease, owner=owner, writer=commits
+    )
+    store = JobStore(
+        db, settings.jobs_ttl, lease=settings.lease, poll=settings.job_poll, owner=owner
+    )
+    deliveries = DeliveryQueue(
+        db,
+        owner=owner,
+        timeout=settings.hl7_timeout,
+        retries=settings.hl7_retries,
+        backoff=settings.hl7_backoff,
+        give_up=settings.hl7_give_up,
+        lease=settings.lease,
+        poll=settings.job_poll,
+        ttl=settings.jobs_ttl,
+        audit=audit,
+    )
+    # Messages given up before this start get a new round of tries; the sender runs
+    # whether or not forwarding is still configured: what was queued is sent.
+    requeued = await asyncio.to_thread(deliveries.requeue)
+    deliveries.start()
+    svc = Services(
+        settings=settings,
+        auth=auth,
+        metrics=app_metrics,
+        registry=registry,
+        pool=pool,
+        predictor=predictor,
+        audit=audit,
+        idempotency=idempotency,
+        jobs=store,
+        deliveries=deliveries,
+        repository=repository,
+        stats=stats,
+        intake=Intake(settings, pool),
+    )
+    return _Started(svc, db, commits, owner, imported, requeued)

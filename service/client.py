@@ -19,6 +19,7 @@ import asyncio
 import io
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,12 +104,110 @@ def _raise_for(response: httpx.Response) -> dict[str, Any]:
     raise BagserveError(message, response.status_code, problem)
 
 
+def _content(response: httpx.Response) -> bytes:
+    """A non-JSON answer's bytes, or its error raised."""
+    if response.status_code >= 400:
+        _raise_for(response)
+    return response.content
+
+
 def _delay(response: httpx.Response | None, attempt: int, backoff: float) -> float:
     if response is not None:
         retry_after = response.headers.get("retry-after", "")
         if retry_after.isdigit():
             return float(retry_after)
     return backoff * 2**attempt
+
+
+def _retry_delay(
+    attempt: int,
+    retries: int,
+    backoff: float,
+    response: httpx.Response | None,
+    error: httpx.TransportError | None,
+) -> float | None:
+    """Seconds to wait before trying again after ``attempt`` (0-based) gave
+    ``response`` or ``error``; None when ``response`` is the answer. Raises
+    :class:`BagserveError` when the last attempt got no answer."""
+    if error is not None:
+        if attempt == retries:
+            raise BagserveError(f"no answer from the service: {error}") from error
+        return _delay(None, attempt, backoff)
+    assert response is not None
+    if response.status_code not in RETRY_STATUS or attempt == retries:
+        return None
+    return _delay(response, attempt, backoff)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One request of the API, as both clients send it (``kwargs`` for httpx)."""
+
+    method: str
+    url: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class _Calls:
+    """The requests of the API, built once for :class:`Client` and :class:`AsyncClient`
+    (which differ only in how they send them)."""
+
+    @staticmethod
+    def models() -> _Call:
+        return _Call("GET", "/v1/models")
+
+    @staticmethod
+    def model(name: str) -> _Call:
+        return _Call("GET", f"/v1/models/{name}")
+
+    @staticmethod
+    def predict(
+        model: str,
+        bags: Sequence[np.ndarray],
+        markers: Sequence[str] | None,
+        ids: Sequence[str] | None,
+        version: str | None,
+    ) -> _Call:
+        return _Call(
+            "POST",
+            _path(model, version),
+            {
+                "content": _json_body(bags, markers, ids),
+                "headers": {"Content-Type": "application/json"},
+            },
+        )
+
+    @staticmethod
+    def predict_npy(
+        model: str, cells: np.ndarray, markers: Sequence[str] | None, version: str | None
+    ) -> _Call:
+        import numpy as np
+
+        buf = io.BytesIO()
+        np.save(buf, np.asarray(cells, dtype=np.float64), allow_pickle=False)
+        params = {"markers": ",".join(markers)} if markers else None
+        return _Call(
+            "POST",
+            _path(model, version),
+            {
+                "content": buf.getvalue(),
+                "params": params,
+                "headers": {"Content-Type": "application/x-npy"},
+            },
+        )
+
+    @staticmethod
+    def predict_files(
+        model: str,
+        paths: Sequence[str | Path | tuple[str, bytes]],
+        version: str | None,
+        params: Mapping[str, Any] | None,
+        accept: str | None = None,
+    ) -> _Call:
+        kwargs: dict[str, Any] = {"files": _files(paths), "params": params}
+        if accept is not None:
+            kwargs["headers"] = {"accept": accept}
+        return _Call("POST", _path(model, version), kwargs)
 
 
 class Client:
@@ -141,30 +240,29 @@ class Client:
         """Close the connection pool."""
         self._http.close()
 
-    def _send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        response = None
-        for attempt in range(self.retries + 1):
+    def _send(self, call: _Call) -> httpx.Response:
+        attempt = 0
+        while True:
+            response, error = None, None
             try:
-                response = self._http.request(method, url, **kwargs)
+                response = self._http.request(call.method, call.url, **call.kwargs)
             except httpx.TransportError as exc:
-                if attempt == self.retries:
-                    raise BagserveError(f"no answer from the service: {exc}") from exc
-                time.sleep(_delay(None, attempt, self.backoff))
-                continue
-            if response.status_code not in RETRY_STATUS or attempt == self.retries:
+                error = exc
+            delay = _retry_delay(attempt, self.retries, self.backoff, response, error)
+            if delay is None:
+                assert response is not None
                 return response
-            time.sleep(_delay(response, attempt, self.backoff))
-        assert response is not None
-        return response
+            time.sleep(delay)
+            attempt += 1
 
     def models(self) -> dict[str, Any]:
         """Every served model with its versions (``GET /v1/models``)."""
-        return _raise_for(self._send("GET", "/v1/models"))
+        return _raise_for(self._send(_Calls.models()))
 
     def model(self, name: str) -> dict[str, Any]:
         """One model: its latest version and every version's description
         (``GET /v1/models/{name}``)."""
-        return _raise_for(self._send("GET", f"/v1/models/{name}"))
+        return _raise_for(self._send(_Calls.model(name)))
 
     def predict(
         self,
@@ -176,14 +274,7 @@ class Client:
         version: str | None = None,
     ) -> dict[str, Any]:
         """Predict bags given as arrays (cells x markers), sent as JSON."""
-        return _raise_for(
-            self._send(
-                "POST",
-                _path(model, version),
-                content=_json_body(bags, markers, ids),
-                headers={"Content-Type": "application/json"},
-            )
-        )
+        return _raise_for(self._send(_Calls.predict(model, bags, markers, ids, version)))
 
     def predict_npy(
         self,
@@ -194,20 +285,7 @@ class Client:
         version: str | None = None,
     ) -> dict[str, Any]:
         """Predict one bag sent as NPY (the fastest encoding)."""
-        import numpy as np
-
-        buf = io.BytesIO()
-        np.save(buf, np.asarray(cells, dtype=np.float64), allow_pickle=False)
-        params = {"markers": ",".join(markers)} if markers else None
-        return _raise_for(
-            self._send(
-                "POST",
-                _path(model, version),
-                content=buf.getvalue(),
-                params=params,
-                headers={"Content-Type": "application/x-npy"},
-            )
-        )
+        return _raise_for(self._send(_Calls.predict_npy(model, cells, markers, version)))
 
     def predict_files(
         self,
@@ -219,9 +297,7 @@ class Client:
     ) -> dict[str, Any]:
         """Predict sample files (FCS, CSV, TSV, NPY), one bag each, in one request;
         ``params``: query parameters (``interval``, ``compensated``, ``cells``, ...)."""
-        return _raise_for(
-            self._send("POST", _path(model, version), files=_files(paths), params=params)
-        )
+        return _raise_for(self._send(_Calls.predict_files(model, paths, version, params)))
 
     def predict_files_as(
         self,
@@ -235,20 +311,12 @@ class Client:
         """The answer for ``paths`` (or name and bytes pairs) in another format than
         JSON (``accept``: text/csv, application/hl7-v2, application/fhir+json, ...), as
         bytes; a list in ``params`` is a repeated parameter (``order=A&order=B``)."""
-        response = self._send(
-            "POST",
-            _path(model, version),
-            files=_files(paths),
-            params=params,
-            headers={"accept": accept},
-        )
-        if response.status_code >= 400:
-            _raise_for(response)
-        return response.content
+        return _content(self._send(_Calls.predict_files(model, paths, version, params, accept)))
 
 
 class AsyncClient:
-    """Asynchronous twin of :class:`Client`."""
+    """Asynchronous twin of :class:`Client`: the same requests and retries
+    (:class:`_Calls`, :func:`_retry_delay`), sent without blocking."""
 
     def __init__(
         self,
@@ -277,30 +345,29 @@ class AsyncClient:
         """Close the connection pool."""
         await self._http.aclose()
 
-    async def _send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        response = None
-        for attempt in range(self.retries + 1):
+    async def _send(self, call: _Call) -> httpx.Response:
+        attempt = 0
+        while True:
+            response, error = None, None
             try:
-                response = await self._http.request(method, url, **kwargs)
+                response = await self._http.request(call.method, call.url, **call.kwargs)
             except httpx.TransportError as exc:
-                if attempt == self.retries:
-                    raise BagserveError(f"no answer from the service: {exc}") from exc
-                await asyncio.sleep(_delay(None, attempt, self.backoff))
-                continue
-            if response.status_code not in RETRY_STATUS or attempt == self.retries:
+                error = exc
+            delay = _retry_delay(attempt, self.retries, self.backoff, response, error)
+            if delay is None:
+                assert response is not None
                 return response
-            await asyncio.sleep(_delay(response, attempt, self.backoff))
-        assert response is not None
-        return response
+            await asyncio.sleep(delay)
+            attempt += 1
 
     async def models(self) -> dict[str, Any]:
         """Every served model with its versions (``GET /v1/models``)."""
-        return _raise_for(await self._send("GET", "/v1/models"))
+        return _raise_for(await self._send(_Calls.models()))
 
     async def model(self, name: str) -> dict[str, Any]:
         """One model: its latest version and every version's description
         (``GET /v1/models/{name}``)."""
-        return _raise_for(await self._send("GET", f"/v1/models/{name}"))
+        return _raise_for(await self._send(_Calls.model(name)))
 
     async def predict(
         self,
@@ -312,14 +379,7 @@ class AsyncClient:
         version: str | None = None,
     ) -> dict[str, Any]:
         """Predict bags (2-D arrays, one per sample); see :meth:`Client.predict`."""
-        return _raise_for(
-            await self._send(
-                "POST",
-                _path(model, version),
-                content=_json_body(bags, markers, ids),
-                headers={"Content-Type": "application/json"},
-            )
-        )
+        return _raise_for(await self._send(_Calls.predict(model, bags, markers, ids, version)))
 
     async def predict_files(
         self,
@@ -330,6 +390,4 @@ class AsyncClient:
         params: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """Predict sample files (FCS, CSV, TSV, NPY), one bag each, as multipart."""
-        return _raise_for(
-            await self._send("POST", _path(model, version), files=_files(paths), params=params)
-        )
+        return _raise_for(await self._send(_Calls.predict_files(model, paths, version, params)))

@@ -41,7 +41,8 @@ import simdjson
 from bagserve.core.errors import SizeLimitError
 from bagserve.core.hashing import bytes_sha256, points_sha256
 from bagserve.core.io import DataError, read_sample
-from bagserve.core.io.readers import GZIP_MAGIC, ReadLimits, gunzip
+from bagserve.core.io.readers import GZIP_MAGIC, gunzip
+from bagserve.core.io.sample import ReadLimits
 
 from .errors import Problem
 

@@ -43,6 +43,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
+from .database_errors import DatabaseError, DatabaseTimeout
+
 __all__ = [
     "GENESIS",
     "MIGRATIONS",
@@ -139,15 +141,6 @@ _MIGRATION_LOCK = 0x6261677365727665
 _GRACE = 1.0
 #: Seconds to wait at start-up for a PostgreSQL server that is still starting.
 _STARTUP_WAIT = 30.0
-
-
-class DatabaseError(RuntimeError):
-    """The database cannot be opened or migrated (the message says which and why)."""
-
-
-class DatabaseTimeout(RuntimeError):
-    """The database did not answer within the deadline (a frozen server, every
-    connection busy): nothing of the call is known to be done."""
 
 
 def unavailable(exc: BaseException) -> bool:

@@ -1,20 +1,21 @@
 """Typed predictions out: the native API's JSON, CSV, NPY and FHIR answers.
 
 One function per answer format, each taking the runtime's typed result
-(:mod:`bagserve.core.runtime`) and the ids and provenance of the request. The shape of
+(:mod:`bagserve.core.results`) and the ids and provenance of the request. The shape of
 each answer follows the kind of the result, never the estimator's class.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 import orjson
-from bagserve.core.runtime import (
-    ArtifactInfo,
+from bagserve.core.artifact_info import ArtifactInfo
+from bagserve.core.results import (
     CellPrediction,
     ClassificationPrediction,
     ConditionalPrediction,
@@ -215,13 +216,19 @@ def encode_document(
 def _withheld(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
     """What a withheld bag's answer holds instead of its value: why."""
     assert result.domain is not None  # only an out-of-range bag is withheld
-    out: dict[str, Any] = {"withheld": info.withheld_reason(result.domain, i)}
-    if isinstance(result, CellPrediction):
-        out["n_points"] = int(result.sizes[i])
-        out["report"] = _cell_report(result, i, info.markers)
-    else:
-        out["prediction"] = None
-    return out
+    return {"withheld": info.withheld_reason(result.domain, i), **_withheld_value(result, i, info)}
+
+
+@functools.singledispatch
+def _withheld_value(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
+    """A withheld bag-level answer's empty value."""
+    return {"prediction": None}
+
+
+@_withheld_value.register
+def _(result: CellPrediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
+    # A per-cell model's report stays: it says why the sample was withheld.
+    return {"n_points": int(result.sizes[i]), "report": _cell_report(result, i, info.markers)}
 
 
 def _trust(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
@@ -276,49 +283,67 @@ def _calibration(domain: Any, i: int, markers: Sequence[str]) -> dict[str, Any]:
     }
 
 
+@functools.singledispatch
 def _bag(
     result: Prediction, i: int, cells: bool = True, markers: Sequence[str] = ()
 ) -> dict[str, Any]:
-    """Bag ``i``'s released answer (its id, status and trust fields are added apart)."""
-    if isinstance(result, CellPrediction):
-        cell: dict[str, Any] = {"n_points": int(result.sizes[i])}
-        population = result.population(i)
-        if population is not None:
-            cell["population"] = population
-        if cells:
-            cell["labels"] = result.labels_of(i).tolist()
-        probabilities = result.probabilities_of(i)
-        if probabilities is not None:
-            assert result.classes is not None
-            cell["probabilities"] = {
-                "classes": result.classes.tolist(),
-                "cells": probabilities.tolist(),
-            }
-        cell["report"] = _cell_report(result, i, markers)
-        return cell
-    if isinstance(result, ClassificationPrediction):
-        classes = [str(c) for c in result.classes.tolist()]
-        out = {
-            "prediction": result.labels[i].item(),
-            "scores": dict(zip(classes, result.scores[i].tolist(), strict=True)),
+    """Bag ``i``'s released answer (its id, status and trust fields are added apart),
+    by the kind of the result: here a regression's value."""
+    return {"prediction": result.estimate[i].tolist()}
+
+
+@_bag.register
+def _(
+    result: CellPrediction, i: int, cells: bool = True, markers: Sequence[str] = ()
+) -> dict[str, Any]:
+    cell: dict[str, Any] = {"n_points": int(result.sizes[i])}
+    population = result.population(i)
+    if population is not None:
+        cell["population"] = population
+    if cells:
+        cell["labels"] = result.labels_of(i).tolist()
+    probabilities = result.probabilities_of(i)
+    if probabilities is not None:
+        assert result.classes is not None
+        cell["probabilities"] = {
+            "classes": result.classes.tolist(),
+            "cells": probabilities.tolist(),
         }
-        if result.probabilities is not None:
-            out["probabilities"] = dict(zip(classes, result.probabilities[i].tolist(), strict=True))
-        return out
+    cell["report"] = _cell_report(result, i, markers)
+    return cell
+
+
+@_bag.register
+def _(
+    result: ClassificationPrediction, i: int, cells: bool = True, markers: Sequence[str] = ()
+) -> dict[str, Any]:
+    classes = [str(c) for c in result.classes.tolist()]
+    out = {
+        "prediction": result.labels[i].item(),
+        "scores": dict(zip(classes, result.scores[i].tolist(), strict=True)),
+    }
+    if result.probabilities is not None:
+        out["probabilities"] = dict(zip(classes, result.probabilities[i].tolist(), strict=True))
+    return out
+
+
+@_bag.register
+def _(
+    result: ConditionalPrediction, i: int, cells: bool = True, markers: Sequence[str] = ()
+) -> dict[str, Any]:
     out: dict[str, Any] = {"prediction": result.estimate[i].tolist()}
-    if isinstance(result, ConditionalPrediction):
-        if result.levels.size:
-            out["quantiles"] = dict(
-                zip(level_names(result.levels.tolist()), result.quantiles[i].tolist(), strict=True)
+    if result.levels.size:
+        out["quantiles"] = dict(
+            zip(level_names(result.levels.tolist()), result.quantiles[i].tolist(), strict=True)
+        )
+    if result.thresholds.size:
+        out["exceedance"] = dict(
+            zip(
+                level_names(result.thresholds.tolist()),
+                result.exceedance[i].tolist(),
+                strict=True,
             )
-        if result.thresholds.size:
-            out["exceedance"] = dict(
-                zip(
-                    level_names(result.thresholds.tolist()),
-                    result.exceedance[i].tolist(),
-                    strict=True,
-                )
-            )
+        )
     return out
 
 
@@ -326,19 +351,7 @@ def _table(result: Prediction, cells: bool = True) -> np.ndarray:
     """The NPY answer: the estimate; for conditional models the mean, then the
     quantiles, then the exceedance probabilities, as columns (per-cell classifiers:
     see :func:`encode`). A withheld bag's rows are NaN (empty strings for labels)."""
-    if isinstance(result, CellPrediction):
-        if result.probabilities is not None:
-            table, per = result.probabilities, "point"
-        elif not cells and result.counts is not None:
-            table, per = result.counts.astype(np.float64), "bag"
-        else:
-            table, per = result.labels, "point"
-    elif isinstance(result, ConditionalPrediction):
-        extra = np.hstack([result.quantiles, result.exceedance])
-        table = np.column_stack([result.mean, extra]) if extra.shape[1] else result.mean
-        per = "bag"
-    else:
-        table, per = result.estimate, "bag"
+    table, per = _table_of(result, cells)
     withheld = np.array([not result.released(i) for i in range(result.n_bags)], dtype=bool)
     if not withheld.any():
         return table
@@ -346,3 +359,25 @@ def _table(result: Prediction, cells: bool = True) -> np.ndarray:
     table = np.array(table, copy=True)
     table[rows] = "" if table.dtype.kind in "US" else np.nan
     return table
+
+
+@functools.singledispatch
+def _table_of(result: Prediction, cells: bool) -> tuple[np.ndarray, str]:
+    """The NPY table of a result and whether its rows are per ``"bag"`` or per
+    ``"point"``: here the estimate, a row per bag."""
+    return result.estimate, "bag"
+
+
+@_table_of.register
+def _(result: CellPrediction, cells: bool) -> tuple[np.ndarray, str]:
+    if result.probabilities is not None:
+        return result.probabilities, "point"
+    if not cells and result.counts is not None:
+        return result.counts.astype(np.float64), "bag"
+    return result.labels, "point"
+
+
+@_table_of.register
+def _(result: ConditionalPrediction, cells: bool) -> tuple[np.ndarray, str]:
+    extra = np.hstack([result.quantiles, result.exceedance])
+    return (np.column_stack([result.mean, extra]) if extra.shape[1] else result.mean), "bag"

@@ -58,15 +58,12 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from bagserve.core.runtime import (
-    ArtifactInfo,
-    CellPrediction,
-    ClassificationPrediction,
-    Prediction,
-)
+from bagserve.core.artifact_info import ArtifactInfo
+from bagserve.core.results import CellPrediction, ClassificationPrediction, Prediction
 
 from .errors import Problem
 from .explanations import summary_text
+from .query_values import checked
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -168,13 +165,7 @@ def hl7_references(params: Any) -> dict[str, Any]:
 
 
 def _identifier(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not _ID.match(value):
-        raise Problem(
-            422,
-            f"{name} must be 1 to 64 letters, digits, '.', '_' or '-' (an HL7 "
-            f"identifier), got {value!r}",
-        )
-    return value
+    return checked(name, value, _ID, "1 to 64 letters, digits, '.', '_' or '-' (an HL7 identifier)")
 
 
 def check_orders(orders: Sequence[str], n_bags: int) -> None:
@@ -266,20 +257,7 @@ def oru_r01(
     request_id = str(provenance["request_id"])
     when = when or datetime.now(UTC)
     msg = Message("ORU_R01", version="2.5.1", validation_level=2)
-    msh = msg.msh
-    for field, value in (
-        ("msh_3", parties.sending_application),
-        ("msh_4", parties.sending_facility),
-        ("msh_5", parties.receiving_application),
-        ("msh_6", parties.receiving_facility),
-    ):
-        if value:
-            setattr(msh, field, value)
-    msh.msh_7 = _ts(when)
-    msh.msh_9 = "ORU^R01^ORU_R01"
-    msh.msh_10 = control_id or new_control_id()
-    msh.msh_11 = "P"
-    msh.msh_12 = "2.5.1"
+    _header(msg.msh, parties, when, control_id)
     group = msg.add_group("ORU_R01_PATIENT_RESULT")
     if "patient" in refs:
         pid = group.add_group("ORU_R01_PATIENT").pid
@@ -319,30 +297,9 @@ def oru_r01(
         notes = _notes(result, i, info, coverage)
         if explanations is not None and result.released(i):
             notes.append(summary_text(explanations[i]))
-        for k, (kind, identifier, value, unit, extra) in enumerate(rows, start=1):
+        for k, row in enumerate(rows, start=1):
             obs = order.add_group("ORU_R01_OBSERVATION")
-            obx = obs.obx
-            obx.obx_1 = str(k)
-            obx.obx_2 = kind
-            obx.obx_3 = identifier
-            if "sub" in extra:
-                obx.obx_4 = extra["sub"]
-            if status != "withheld" and value != "":
-                obx.obx_5 = value
-            if unit:
-                obx.obx_6 = unit
-            if status != "withheld" and extra.get("range"):
-                obx.obx_7 = extra["range"]
-            # Outside the domain the value is not judged against the normal range: it
-            # is flagged abnormal, whatever the policy made of its status.
-            flag = OUTSIDE_DOMAIN if outside else extra.get("flag")
-            if flag:
-                obx.obx_8 = flag
-            obx.obx_11 = _RESULT_STATUS[status]
-            if observed:
-                obx.obx_14 = observed
-            obx.obx_17 = method
-            obx.obx_18 = equipment
+            _obx(obs.obx, k, row, status, outside, observed, (method, equipment))
             if k == 1:
                 for n, text in enumerate(notes, start=1):
                     nte = obs.add_segment("NTE")
@@ -351,6 +308,57 @@ def oru_r01(
                     nte.nte_3 = _text(text, 1000)
     msg.validate()
     return msg.to_er7() + "\r"
+
+
+def _header(msh: Any, parties: Parties, when: datetime, control_id: str | None) -> None:
+    """MSH: the parties (MSH-3..6, where set), the time, the message type, MSH-10."""
+    for field, value in (
+        ("msh_3", parties.sending_application),
+        ("msh_4", parties.sending_facility),
+        ("msh_5", parties.receiving_application),
+        ("msh_6", parties.receiving_facility),
+    ):
+        if value:
+            setattr(msh, field, value)
+    msh.msh_7 = _ts(when)
+    msh.msh_9 = "ORU^R01^ORU_R01"
+    msh.msh_10 = control_id or new_control_id()
+    msh.msh_11 = "P"
+    msh.msh_12 = "2.5.1"
+
+
+def _obx(
+    obx: Any,
+    k: int,
+    row: tuple[str, str, str, str, dict[str, Any]],
+    status: str,
+    outside: bool,
+    observed: str,
+    producer: tuple[str, str],
+) -> None:
+    """OBX ``k`` of a bag: one row of :func:`_observations`; a withheld bag's value and
+    range left empty; ``producer``: OBX-17 (method) and OBX-18 (equipment)."""
+    kind, identifier, value, unit, extra = row
+    obx.obx_1 = str(k)
+    obx.obx_2 = kind
+    obx.obx_3 = identifier
+    if "sub" in extra:
+        obx.obx_4 = extra["sub"]
+    if status != "withheld" and value != "":
+        obx.obx_5 = value
+    if unit:
+        obx.obx_6 = unit
+    if status != "withheld" and extra.get("range"):
+        obx.obx_7 = extra["range"]
+    # Outside the domain the value is not judged against the normal range: it is
+    # flagged abnormal, whatever the policy made of its status.
+    flag = OUTSIDE_DOMAIN if outside else extra.get("flag")
+    if flag:
+        obx.obx_8 = flag
+    obx.obx_11 = _RESULT_STATUS[status]
+    if observed:
+        obx.obx_14 = observed
+    obx.obx_17, obx.obx_18 = producer
 
 
 def _observations(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from bagserve.core.runtime import ModelKind
+from bagserve.core.results import ModelKind
 
 from .errors import Problem
 
@@ -92,7 +92,7 @@ class PredictOptions:
         """What a command asks of a model (``bagserve predict``, ``batch``, locally or
         through a service): an interval or set of ``coverage`` only where the model
         gives one, and the answer without it elsewhere; ``cells`` of per-cell models
-        only. ``shape``: :meth:`~bagserve.core.runtime.ArtifactInfo.answer_shape`, as
+        only. ``shape``: :meth:`~bagserve.core.artifact_info.ArtifactInfo.answer_shape`, as
         ``GET /v1/models/{name}`` also gives it."""
         if coverage is not None and not (shape.get("intervals") and 0.0 < coverage < 1.0):
             coverage = None

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import pq
 
-from .database import DatabaseTimeout
+from .database_errors import DatabaseTimeout
 
 __all__ = ["Connection", "ConnectionPool"]
 

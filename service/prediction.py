@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from bagserve.core.hashing import bytes_sha256
 from bagserve.core.policy import review_warnings
-from bagserve.core.runtime import CellPrediction, ModelKind, Prediction, prediction_from_arrays
+from bagserve.core.results import CellPrediction, ModelKind, Prediction, prediction_from_arrays
 
 from .audit import AuditLog
 from .codecs import MULTIPART, BodySpec, media_type
@@ -37,10 +37,11 @@ from .explanations import explanations_sha256
 from .metrics import Metrics
 from .model_stats import ModelStats
 from .options import PredictOptions
-from .pool import InputRejected, QueueFull, WorkerLost, WorkerPool, WorkerTimeout
+from .pool import WorkerPool
 from .registry import ModelEntry
 from .settings import Settings
 from .wire import SharedBuffer
+from .worker_handle import InputRejected, QueueFull, WorkerLost, WorkerTimeout
 
 __all__ = ["Caller", "Outcome", "Predictor"]
 
@@ -80,7 +81,7 @@ class Outcome:
     ids : list of str
         Bag ids, in request order.
     result : Prediction
-        The runtime's typed answer (:mod:`bagserve.core.runtime`).
+        The runtime's typed answer (:mod:`bagserve.core.results`).
     warnings : list of str
         What should change a reviewer's decision (out of the applicability domain,
         cells clipped into the training range).

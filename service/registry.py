@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bagserve.core.artifact_info import ArtifactInfo
 from bagserve.core.artifacts import ArtifactError, VerifiedArtifact, read_manifest, read_verified
 from bagserve.core.io import Panel
-from bagserve.core.runtime import ArtifactInfo, ModelKind
+from bagserve.core.results import ModelKind
 from bagserve.core.signing import SignatureError, Signer, TrustedKey, verify_model
 
 __all__ = ["ModelEntry", "Registry"]
@@ -72,7 +73,7 @@ class ModelEntry:
 
     @property
     def kind(self) -> ModelKind:
-        """What the model answers (:class:`~bagserve.core.runtime.ModelKind`)."""
+        """What the model answers (:class:`~bagserve.core.results.ModelKind`)."""
         return self.info.kind
 
     @property

@@ -3,7 +3,7 @@
 ``Accept: text/csv`` on a predict route, ``bagserve predict --format csv`` and
 ``bagserve batch`` write the same table: the same columns, in the same order, built
 here. The columns are decided by the model (its kind, classes and outputs, as
-:meth:`~bagserve.core.runtime.ArtifactInfo.describe` gives them, also to a remote
+:meth:`~bagserve.core.artifact_info.ArtifactInfo.describe` gives them, also to a remote
 client) and by the request (:class:`~.options.PredictOptions`) before any bag is
 predicted, never by a bag's answer: a withheld bag, whose answer has no value, or a
 failed file cannot shift the columns of the bags after it.
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from bagserve.core.artifact_info import ArtifactInfo
 from bagserve.core.io.spreadsheet import SafeWriter
 from bagserve.core.policy import bag_warnings
-from bagserve.core.runtime import (
-    ArtifactInfo,
+from bagserve.core.results import (
     CellPrediction,
     ClassificationPrediction,
     ConditionalPrediction,
@@ -103,7 +103,7 @@ class TableLayout:
         Parameters
         ----------
         model : mapping
-            The model as :meth:`~bagserve.core.runtime.ArtifactInfo.describe` (and
+            The model as :meth:`~bagserve.core.artifact_info.ArtifactInfo.describe` (and
             ``GET /v1/models/{name}``) gives it: ``kind``, ``classes``, ``n_outputs``,
             ``calibrated``, ``cell_probabilities``.
         options : PredictOptions

@@ -30,7 +30,7 @@ import numpy as np
 import orjson
 import simdjson
 from bagserve.core.hashing import points_sha256
-from bagserve.core.runtime import ModelKind
+from bagserve.core.results import ModelKind
 
 from .codecs import (
     BodySpec,

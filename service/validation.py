@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from bagserve.core.bags import Bags
 from bagserve.core.io import DataError, Sample
-from bagserve.core.runtime import CellPrediction, ModelKind
+from bagserve.core.results import CellPrediction, ModelKind
 
 from .codecs import IncomingBag, RequestLimits
 from .errors import Problem
@@ -116,16 +116,12 @@ def validate_bags(
                 f"column {col}"
             )
             continue
-        w = b.weights
-        if w is not None:
-            if w.shape != (n,):
-                errors.append(f"{where}: {w.size} weight(s) for {n} point(s)")
-                continue
-            if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-                errors.append(f"{where}: weights must be finite, non-negative, with a positive sum")
-                continue
+        problem = _weights_problem(b.weights, n, where)
+        if problem is not None:
+            errors.append(problem)
+            continue
         arrays.append(np.ascontiguousarray(pts, dtype=np.float64))
-        weights.append(w)
+        weights.append(b.weights)
     if total > limits.max_total_points:
         errors.append(f"{total} points in all, more than the limit of {limits.max_total_points}")
     if errors:
@@ -133,6 +129,18 @@ def validate_bags(
             422, f"{len(errors)} problem(s) in the request", errors=errors, slug="invalid-bags"
         )
     return arrays, weights, notes
+
+
+def _weights_problem(w: np.ndarray | None, n: int, where: str) -> str | None:
+    """What is wrong with a bag's weights (one per point, finite, non-negative, a
+    positive sum), or None."""
+    if w is None:
+        return None
+    if w.shape != (n,):
+        return f"{where}: {w.size} weight(s) for {n} point(s)"
+    if not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        return f"{where}: weights must be finite, non-negative, with a positive sum"
+    return None
 
 
 def plot_samples(

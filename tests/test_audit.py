@@ -130,7 +130,7 @@ def test_audit_output_keeps_flags_and_statuses_and_values_only_when_asked(monkey
     import numpy as np
     from bagserve.core.domain import DomainReport
     from bagserve.core.policy import statuses
-    from bagserve.core.runtime import RegressionPrediction
+    from bagserve.core.results import RegressionPrediction
     from bagserve.service.prediction import Outcome
     from bagserve.service.settings import Settings
 

@@ -24,12 +24,13 @@ import pyarrow.parquet as pq
 import pytest
 from bagserve.core import load, read_manifest, save
 from bagserve.core.demo import build_demo_models, demo_samples
-from bagserve.core.io.readers import ReadLimits
+from bagserve.core.io.sample import ReadLimits
 from bagserve.service.options import PredictOptions
 from bagserve.service.tables import TRUST_COLUMNS
 
 from bagserve.batch import LocalPredictor, batch
-from bagserve.cli import main, predict_files
+from bagserve.cli import main
+from bagserve.cli.local import predict_files
 
 from .service_harness import running_service
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from bagserve.core.errors import SizeLimitError
 from bagserve.core.io import DataError, read_sample
-from bagserve.core.io.readers import ReadLimits, gunzip
+from bagserve.core.io.readers import gunzip
+from bagserve.core.io.sample import ReadLimits
 from bagserve.core.io.spreadsheet import SafeWriter, safe_cell
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -20,7 +20,9 @@ from bagserve.core import load, read_manifest
 from bagserve.core.demo import DEMO_MODELS, demo_samples
 from bagserve.core.training import GridEdgeWarning
 
-from bagserve.cli import list_models, main, predict_files
+from bagserve.cli import main
+from bagserve.cli.local import predict_files
+from bagserve.cli.models import list_models
 
 from .conftest import SHARED_DATA
 

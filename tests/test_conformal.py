@@ -201,7 +201,7 @@ def test_multi_output_intervals_are_per_output(rng):
 
 
 def test_chunks_and_batches_do_not_change_a_bags_interval(rng, monkeypatch):
-    import bagserve.core.estimators.ridge as ridge
+    import bagserve.core.estimators._ridge_base as ridge
 
     train = random_bags(rng, n_bags=30)
     new = random_bags(rng, n_bags=11, sizes=(1, 40))
@@ -219,7 +219,7 @@ def test_chunks_and_batches_do_not_change_a_bags_interval(rng, monkeypatch):
 @pytest.mark.parametrize("rep", ["sw2", "mmd-exact"])
 def test_embedded_bags_give_the_same_answers_as_bags(rng, monkeypatch, rep):
     """The runtime embeds a request once and passes the embedding to every method."""
-    import bagserve.core.estimators.ridge as ridge
+    import bagserve.core.estimators._ridge_base as ridge
 
     train = random_bags(rng, n_bags=30)
     new = random_bags(rng, n_bags=11, sizes=(1, 40))

@@ -30,7 +30,8 @@ from bagserve.core.io import (
     read_spillover_csv,
 )
 from bagserve.core.io.compensation import parse_spillover_keyword
-from bagserve.core.runtime import CellPrediction, ModelRuntime
+from bagserve.core.results import CellPrediction
+from bagserve.core.runtime import ModelRuntime
 from scipy.optimize import brentq
 
 from .conftest import SHARED_DATA
@@ -428,7 +429,7 @@ def test_population_summary_counts_and_mean_probabilities(tmp_path, rng):
         # The argmax of the probabilities is the label.
         np.testing.assert_array_equal(model.classes_[p.argmax(axis=1)], labels)
     # Round trip over the worker pipe's array form.
-    from bagserve.core.runtime import prediction_from_arrays
+    from bagserve.core.results import prediction_from_arrays
 
     again = prediction_from_arrays("cell", result.to_arrays())
     assert again.population(2) == result.population(2)

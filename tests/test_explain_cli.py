@@ -78,7 +78,9 @@ def test_the_commands_hl7_message_carries_the_summary_the_service_adds(yeast_mod
     ``oru_r01``, given the same explanation documents); without ``explain``, none."""
     from bagserve.service.explanations import summary_text
 
-    from bagserve.cli import _explanation_documents, _predict_local, oru_for_files
+    from bagserve.cli.local import explanation_documents as _explanation_documents
+    from bagserve.cli.local import oru_for_files
+    from bagserve.cli.local import predict_local as _predict_local
 
     path, _, _, _, files = yeast_model
     refs = {"patient": "p-1", "orders": ["o-1"]}

@@ -29,14 +29,14 @@ import jsonschema
 import numpy as np
 import pytest
 from bagserve.core import read_manifest
+from bagserve.core.artifact_info import ArtifactInfo
 from bagserve.core.demo import build_demo_models
 from bagserve.core.errors import ConfigError
 from bagserve.core.fhir_coding import OutputCoding
 from bagserve.core.io import read_sample
-from bagserve.core.runtime import ArtifactInfo
 from bagserve.core.training import GridEdgeWarning, train
 
-from bagserve.cli import predict_files
+from bagserve.cli.local import predict_files
 
 from .conftest import SHARED_DATA
 from .service_harness import running_service

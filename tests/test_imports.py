@@ -4,7 +4,7 @@
 scipy and the artifact stack before parsing its arguments. Each test here runs one
 command (or one import) in a fresh interpreter and compares the heavy third-party
 packages left in ``sys.modules`` with exactly the set that command needs, so a
-top-level ``import sklearn`` in ``bagserve/cli.py`` (or an eager re-export in a
+top-level ``import sklearn`` in ``bagserve/cli/`` (or an eager re-export in a
 package ``__init__``) fails here by name.
 """
 
@@ -158,8 +158,8 @@ def test_the_core_still_exports_its_public_names():
 def test_the_manifest_kinds_table_agrees_with_the_class_hierarchy():
     """``ArtifactInfo.kind`` answers from a table of class names so that listing
     models imports no estimator; it must say what :func:`kind_of` says."""
-    from bagserve.core.artifacts import _registry
-    from bagserve.core.runtime import _KNOWN_KINDS, kind_of
+    from bagserve.core.artifact_info import _KNOWN_KINDS, kind_of
+    from bagserve.core.estimator_state import registry as _registry
 
     for name, kind in _KNOWN_KINDS.items():
         assert kind_of(_registry()[name]) is kind, name

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from bagserve.core import ArtifactError, artifacts
+from bagserve.core import ArtifactError, estimator_state
 from bagserve.core.artifacts import load, read_manifest, read_verified
 from bagserve.core.demo import build_demo_models, demo_samples
 from bagserve.core.runtime import ModelRuntime
@@ -141,13 +141,13 @@ def test_a_file_changed_between_its_verification_and_its_use_is_not_used(models,
     path = models / "demo-dose" / "1"
     bags, _, _ = demo_samples("dose", 3, 5)
     expected = ModelRuntime.open(path).predict(bags)
-    decoder = artifacts._Decoder.__init__
+    decoder = estimator_state.StateDecoder.__init__
 
     def raced(self, load_array):
         flip_one_byte(array_file(models, "demo-dose", "intercept"))
         decoder(self, load_array)
 
-    monkeypatch.setattr(artifacts._Decoder, "__init__", raced)
+    monkeypatch.setattr(estimator_state.StateDecoder, "__init__", raced)
     got = ModelRuntime.open(path).predict(bags)
     assert got.values.tobytes() == expected.values.tobytes()
 

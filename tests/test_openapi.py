@@ -25,7 +25,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from bagserve.cli import openapi_document
+from bagserve.cli.serve import openapi_document
 
 from .service_harness import build_models, running_service
 

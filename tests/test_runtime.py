@@ -15,18 +15,18 @@ from bagserve.core import (
     SlicedWasserstein,
     save,
 )
+from bagserve.core.artifact_info import ArtifactInfo
 from bagserve.core.datasets import make_ellipse_tasks
 from bagserve.core.io import Panel, Preprocessing, Sample
-from bagserve.core.runtime import (
-    ArtifactInfo,
+from bagserve.core.results import (
     CellPrediction,
     ClassificationPrediction,
     ConditionalPrediction,
     ModelKind,
-    ModelRuntime,
     RegressionPrediction,
     prediction_from_arrays,
 )
+from bagserve.core.runtime import ModelRuntime
 
 from .conftest import random_bags
 

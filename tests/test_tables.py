@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bagserve.core import load, read_manifest, save
+from bagserve.core.artifact_info import ArtifactInfo
 from bagserve.core.demo import build_demo_models, demo_samples
 from bagserve.core.io.spreadsheet import SafeWriter
-from bagserve.core.runtime import ArtifactInfo, RegressionPrediction
+from bagserve.core.results import RegressionPrediction
 from bagserve.service.options import PredictOptions
 from bagserve.service.tables import TRUST_COLUMNS, TableLayout
 

@@ -87,7 +87,7 @@ def no_training(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
         return entered
 
-    for name in ("_train_in_memory", "_train_streaming"):
+    for name in ("train_in_memory", "train_streaming"):
         monkeypatch.setattr(fit, name, spy(name))
     return calls
 

@@ -17,7 +17,8 @@ from bagserve.core import DistributionRidge, DistributionRidgeClassifier, Sliced
 from bagserve.core.datasets import make_dose_response_bags
 from bagserve.core.estimators._ridge_calibration import for_point_predictions
 from bagserve.core.io import Preprocessing
-from bagserve.core.training.folds import FoldCache, _cv_predictions
+from bagserve.core.training.folds import FoldCache
+from bagserve.core.training.folds import cv_predictions as _cv_predictions
 from sklearn.base import clone
 from sklearn.model_selection import KFold
 

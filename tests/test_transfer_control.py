@@ -240,7 +240,7 @@ def test_a_fold_without_a_class_keeps_its_scores_in_their_columns():
     lack a class (a rare population in one sample): the fold model's scores sit in
     its classes' columns and the class it cannot give scores -1, where the search
     used to fail on the shapes."""
-    from bagserve.core.training.folds import _cv_predictions
+    from bagserve.core.training.folds import cv_predictions as _cv_predictions
 
     rng = np.random.default_rng(5)
     arrays, labels = [], []

@@ -20,7 +20,8 @@ from bagserve.core.training import bag_fingerprints
 from bagserve.core.validation import TrainingSampleError, render_html, validate
 from sklearn.metrics import cohen_kappa_score
 
-from bagserve.cli import main, predict_files
+from bagserve.cli import main
+from bagserve.cli.local import predict_files
 
 # The small models fitted here choose at their grids' edges; what is tested is validate.
 pytestmark = pytest.mark.filterwarnings("ignore::bagserve.core.selection.GridEdgeWarning")

@@ -172,7 +172,8 @@ def test_small_requests_are_exchanged_on_the_event_loop(loop):
     descriptors it watches non-blocking). The loop watches the worker's pipe and
     sentinel once, not per request, and stops when it died."""
     import uvloop
-    from bagserve.service.pool import WorkerLost, WorkerTimeout, _Worker
+    from bagserve.service.worker_handle import WorkerHandle as _Worker
+    from bagserve.service.worker_handle import WorkerLost, WorkerTimeout
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=True)

@@ -121,68 +121,13 @@ def batch(
     folder, output = Path(folder), Path(output)
     if not folder.is_dir():
         raise ValueError(f"{folder}: not a folder")
-    layout = predictor.layout
-    table = BatchTable.open(output, layout.columns)
-    done, refused = table.done(), table.refused()
-    counts = Counts()
-    say = log or (lambda line: None)
+    run = _Run(predictor, BatchTable.open(output, predictor.layout.columns), settle, max_bytes, log)
+    counts = run.counts
     # What was decided of each entry as it was (its mark): not looked at again until
     # it changes. Files left for later are not in it.
     settled: dict[str, tuple[int, int, int, int]] = {}
     waiting_since: dict[str, float] = {}
     idle_since = time.monotonic()
-
-    def refuse(name: str, error: str) -> None:
-        if (name, error) in refused:
-            counts.skipped += 1
-            return
-        refused.add((name, error))
-        table.add([layout.failed(name, error, model_sha256=predictor.model_sha256)])
-        counts.failed += 1
-        say(f"{name}: {error}")
-
-    def take(entry: Entry) -> str:
-        """Handle one listed entry: ``done``, or why it is left (``writing``,
-        ``incomplete``, ``unavailable``), its reason in ``counts.left``."""
-        if entry.refusal is not None:
-            refuse(entry.name, entry.refusal)
-            return "done"
-        try:
-            data = read_settled(entry, settle=settle, max_bytes=max_bytes, now=time.time())
-        except Refused as exc:
-            refuse(entry.name, str(exc))
-            return "done"
-        except NotReady as exc:
-            counts.left[entry.name] = str(exc)
-            return "incomplete" if isinstance(exc, Incomplete) else "writing"
-        sha = bytes_sha256(data)
-        if sha in done:
-            counts.skipped += 1
-            return "done"
-        t0 = time.perf_counter()
-        try:
-            rows = predictor.rows(entry.name, data, sha)
-        except Unavailable as exc:
-            reason = f"the service is unavailable ({exc})"
-            if counts.left.get(entry.name) != reason:
-                say(f"{entry.name}: waiting: {reason}")
-            counts.left[entry.name] = reason
-            return "unavailable"
-        except FileFailed as exc:
-            rows = [
-                layout.failed(
-                    entry.name, str(exc), input_sha256=sha, model_sha256=predictor.model_sha256
-                )
-            ]
-        table.add(rows)
-        done.add(sha)
-        counts.left.pop(entry.name, None)
-        if rows[0][layout.columns.index("status")] == FAILED:
-            counts.failed += 1
-        else:
-            counts.predicted += 1
-        say(f"{entry.name}: {_summary(layout.columns, rows)} ({time.perf_counter() - t0:.3f} s)")
-        return "done"
 
     while True:
         found_new = waiting = False
@@ -194,7 +139,7 @@ def batch(
         for entry in listed:
             if settled.get(entry.name) == entry.mark:
                 continue
-            outcome = take(entry)
+            outcome = run.take(entry)
             if outcome == "done":
                 settled[entry.name] = entry.mark
                 waiting_since.pop(entry.name, None)
@@ -214,6 +159,80 @@ def batch(
         if watch and idle_exit is not None and time.monotonic() - idle_since >= idle_exit:
             return counts
         time.sleep(poll)
+
+
+class _Run:
+    """One run's table, what it holds already, its counts, and how it takes a file."""
+
+    def __init__(
+        self,
+        predictor: Predictor,
+        table: BatchTable,
+        settle: float,
+        max_bytes: int,
+        log: Callable[[str], None] | None,
+    ) -> None:
+        self.predictor, self.table, self.layout = predictor, table, predictor.layout
+        self.settle, self.max_bytes = settle, max_bytes
+        self.done, self.refused = table.done(), table.refused()
+        self.counts = Counts()
+        self.say = log or (lambda line: None)
+
+    def refuse(self, name: str, error: str) -> None:
+        if (name, error) in self.refused:
+            self.counts.skipped += 1
+            return
+        self.refused.add((name, error))
+        self.table.add([self.layout.failed(name, error, model_sha256=self.predictor.model_sha256)])
+        self.counts.failed += 1
+        self.say(f"{name}: {error}")
+
+    def take(self, entry: Entry) -> str:
+        """Handle one listed entry: ``done``, or why it is left (``writing``,
+        ``incomplete``, ``unavailable``), its reason in ``counts.left``."""
+        counts, layout, predictor = self.counts, self.layout, self.predictor
+        if entry.refusal is not None:
+            self.refuse(entry.name, entry.refusal)
+            return "done"
+        try:
+            data = read_settled(
+                entry, settle=self.settle, max_bytes=self.max_bytes, now=time.time()
+            )
+        except Refused as exc:
+            self.refuse(entry.name, str(exc))
+            return "done"
+        except NotReady as exc:
+            counts.left[entry.name] = str(exc)
+            return "incomplete" if isinstance(exc, Incomplete) else "writing"
+        sha = bytes_sha256(data)
+        if sha in self.done:
+            counts.skipped += 1
+            return "done"
+        t0 = time.perf_counter()
+        try:
+            rows = predictor.rows(entry.name, data, sha)
+        except Unavailable as exc:
+            reason = f"the service is unavailable ({exc})"
+            if counts.left.get(entry.name) != reason:
+                self.say(f"{entry.name}: waiting: {reason}")
+            counts.left[entry.name] = reason
+            return "unavailable"
+        except FileFailed as exc:
+            rows = [
+                layout.failed(
+                    entry.name, str(exc), input_sha256=sha, model_sha256=predictor.model_sha256
+                )
+            ]
+        self.table.add(rows)
+        self.done.add(sha)
+        counts.left.pop(entry.name, None)
+        if rows[0][layout.columns.index("status")] == FAILED:
+            counts.failed += 1
+        else:
+            counts.predicted += 1
+        elapsed = time.perf_counter() - t0
+        self.say(f"{entry.name}: {_summary(layout.columns, rows)} ({elapsed:.3f} s)")
+        return "done"
 
 
 def _summary(columns: list[str], rows: list[list[Any]]) -> str:

@@ -30,7 +30,7 @@ from ..service.options import PredictOptions
 from ..service.tables import TableLayout
 
 if TYPE_CHECKING:
-    from ..cli import RemoteModel
+    from ..cli.remote import RemoteModel
 
 __all__ = ["FileFailed", "LocalPredictor", "RemotePredictor", "Unavailable", "safe_error"]
 
@@ -81,7 +81,8 @@ def _serve(conn: Any, model: str, options: dict[str, Any], limits: dict[str, Any
     ``("rows", rows)`` or ``("error", text)`` until the pipe closes."""
     from ..core.blas import one_thread
     from ..core.io import read_sample
-    from ..core.io.readers import ReadLimits, format_of
+    from ..core.io.readers import format_of
+    from ..core.io.sample import ReadLimits
     from ..core.runtime import ModelRuntime
 
     try:
@@ -129,7 +130,7 @@ class LocalPredictor:
     """
 
     def __init__(self, model: str | Path, options: PredictOptions, limits: Any, timeout: float):
-        from ..core.runtime import ArtifactInfo
+        from ..core.artifact_info import ArtifactInfo
 
         self.model = str(model)
         self.info = ArtifactInfo.read(model)
@@ -212,7 +213,7 @@ class LocalPredictor:
 
 # ----------------------------------------------------------------------- remote
 class RemotePredictor:
-    """A served model (:class:`~bagserve.cli.RemoteModel`, its version pinned) that
+    """A served model (:class:`~bagserve.cli.remote.RemoteModel`, its version pinned) that
     answers each file with the rows of its ``text/csv`` answer."""
 
     def __init__(self, remote: RemoteModel) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..selection import GridEdgeWarning, as_grid, grid_edge
+from ..selection import CME_ALPHA_GRID, GridEdgeWarning, as_grid, grid_edge
 
 __all__ = ["GridChoice", "cme_choices", "ridge_choices", "transfer_choices", "warn_grid_edges"]
 
@@ -71,8 +71,6 @@ def ridge_choices(model: Any) -> list[GridChoice]:
 
 
 def cme_choices(model: Any) -> list[GridChoice]:
-    from .cme import CME_ALPHA_GRID
-
     sel = getattr(model, "selection_", None)
     scores = getattr(model, "cv_scores_", None)
     if isinstance(sel, Mapping) and "alpha" in sel:

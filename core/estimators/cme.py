@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import scipy.linalg
@@ -44,17 +44,16 @@ from ..bags import as_bags
 from ..kernels import get_kernel
 from ..representations.base import BagRepresentation, Embedding, FeatureEmbedding
 from ..representations.sliced import _rowwise_searchsorted
-from ..selection import as_grid, group_folds, median_heuristic_gamma
+from ..selection import CME_ALPHA_GRID, as_grid, group_folds, median_heuristic_gamma
+from ._cholesky import incomplete_cholesky
 from ._domain import DomainCheckMixin
 from ._grid_choices import GridChoice, cme_choices, warn_grid_edges
+from ._params import Constraint, OneOf, validate_params
 
 if TYPE_CHECKING:
     from ..explanations import Explanation
 
 __all__ = ["ConditionalMeanEmbedding", "incomplete_cholesky"]
-
-#: Default ``λ`` grid of the cross-validation (in the ``(K + λ n I)`` scaling).
-CME_ALPHA_GRID = np.logspace(-7, 1, 17)
 
 
 def _positive_part(B: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -127,9 +126,15 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
     9, 16-17 and Algorithm 1 (with the corrections of digest 002 §2.4).
     """
 
+    #: What each hyperparameter may be, checked by ``fit`` (:mod:`._params`).
+    _parameter_constraints: ClassVar[dict[str, Constraint]] = {
+        "alpha_scaling": OneOf(("n", "sum"), "'n' or 'sum'"),
+    }
+
     def __init__(
         self,
         representation: BagRepresentation | None = None,
+        *,
         kernel: str = "gaussian",
         gamma: float | ArrayLike | None = None,
         output_kernel: str = "gaussian",
@@ -207,8 +212,7 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
         inputs in one cross-validation fold and leaves whole groups out of the domain
         check's calibration: a subject's other bags must not vouch for it.
         """
-        if self.alpha_scaling not in ("n", "sum"):
-            raise ValueError(f"alpha_scaling must be 'n' or 'sum', got {self.alpha_scaling!r}")
+        validate_params(self)
         self.kernel_ = get_kernel(self.kernel, self.kernel_params)
         self.output_kernel_ = get_kernel(self.output_kernel, self.output_kernel_params)
         emb = self._embed(X, fit=True)
@@ -589,28 +593,3 @@ class ConditionalMeanEmbedding(DomainCheckMixin, RegressorMixin, BaseEstimator):
         out._gram_cache = (K, L)
         out.dual_, out.support_, out.is_dense_ = M, S, False
         return out
-
-
-def incomplete_cholesky(K: ArrayLike, rank: int, tol: float = 1e-12) -> NDArray[np.int64]:
-    """Pivots of the pivoted incomplete Cholesky factorisation ``K ≈ G Gᵀ`` (greedy on
-    the largest residual diagonal; Shawe-Taylor & Cristianini 2004, §5.2).
-
-    Returns the chosen indices, in order, stopping early when the residual trace
-    falls below ``tol`` times the trace.
-    """
-    K = np.asarray(K, dtype=np.float64)
-    n = K.shape[0]
-    rank = min(int(rank), n)
-    G = np.zeros((n, rank))
-    diag = K.diagonal().copy()
-    total = float(diag.sum())
-    pivots: list[int] = []
-    for j in range(rank):
-        i = int(np.argmax(diag))
-        if diag[i] <= tol * total:
-            break
-        pivots.append(i)
-        G[:, j] = (K[:, i] - G[:, :j] @ G[i, :j]) / np.sqrt(diag[i])
-        diag -= G[:, j] ** 2
-        diag[pivots] = 0.0
-    return np.asarray(pivots, dtype=np.int64)

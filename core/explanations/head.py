@@ -182,10 +182,11 @@ def _cme_head(model: Any, emb: Embedding) -> Head:
 
 def head_of(model: Any, emb: Embedding) -> Head:
     """The :class:`Head` of a fitted bag-level model at the one bag embedded in ``emb``."""
-    from ..estimators.cme import ConditionalMeanEmbedding
-
     if len(emb) != 1:
         raise ValueError(f"a head is taken at one bag, got {len(emb)}")
-    if isinstance(model, ConditionalMeanEmbedding):
+    # Read off the fitted state, not the class: the estimators import this package
+    # (their ``explain`` methods), so it must not import them back. A conditional mean
+    # embedding is the one bag-level model with dual weights over its training outputs.
+    if hasattr(model, "dual_") and hasattr(model, "y_train_"):
         return _cme_head(model, emb)
     return _ridge_head(model, emb)

@@ -34,7 +34,8 @@ from .panel import Panel, normalise_marker
 from .preprocessing import BagMoments, Preprocessing
 from .preprocessing import Transform as Transform  # importable here as before the split
 from .readers import SUPPORTED_SUFFIXES as SUPPORTED_SUFFIXES
-from .readers import Sample, read_file, read_sample
+from .readers import read_file, read_sample
+from .sample import Sample
 
 __all__ = [
     "BagMoments",

@@ -34,7 +34,8 @@ from numpy.typing import NDArray
 from ..errors import DataError
 from ..hashing import bytes_sha256
 from .panel import normalise_marker
-from .readers import Sample, _is_number
+from .readers import _is_number
+from .sample import Sample
 
 __all__ = ["Compensation", "Spillover", "parse_spillover_keyword", "read_spillover_csv"]
 

@@ -17,7 +17,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ..errors import DataError
-from .readers import Sample
+from .sample import Sample
 
 __all__ = ["fcs_with_channel"]
 

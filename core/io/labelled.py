@@ -25,7 +25,8 @@ from ..errors import DataError
 from ..hashing import chunks_sha256
 from .compensation import Compensation
 from .panel import Panel, normalise_marker
-from .readers import Sample, read_file
+from .readers import read_file
+from .sample import Sample
 
 __all__ = ["Dataset", "dataset_fingerprint", "labelled_files", "load_dataset", "read_file_table"]
 

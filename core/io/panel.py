@@ -17,7 +17,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..errors import DataError
-from .readers import Sample
+from .sample import Sample
 
 __all__ = ["Panel", "normalise_marker"]
 

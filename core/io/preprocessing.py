@@ -39,7 +39,7 @@ from numpy.typing import NDArray
 from ..bags import Bags, subsample_bags
 from .compensation import Compensation
 from .panel import normalise_marker
-from .readers import Sample
+from .sample import Sample
 
 __all__ = ["BagMoments", "Preprocessing", "Transform"]
 

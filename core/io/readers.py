@@ -26,15 +26,14 @@ import re
 import warnings
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
 
 from ..errors import DataError, SizeLimitError
 from ..hashing import bytes_sha256
+from .sample import NO_LIMITS, ReadLimits, Sample
 
 __all__ = [
     "MAX_GZIP_MEMBERS",
@@ -78,54 +77,6 @@ MAX_GZIP_MEMBERS = 65_536
 #: NPY element kinds that are cells: real floats and integers. Complex values would
 #: lose their imaginary part, booleans, strings, objects and records are no measurements.
 _NPY_KINDS = "fiu"
-
-
-@dataclass(frozen=True)
-class ReadLimits:
-    """What reading one sample may allocate; each bound is checked before allocating.
-
-    Attributes
-    ----------
-    max_decoded_bytes : int, optional
-        A compressed stream may inflate to at most this many bytes, and the cells may
-        take at most this many bytes as float64 (what a header or the rows of a text
-        file declare, before they are decoded).
-    max_cells : int, optional
-        Rows (cells) of the sample.
-    max_columns : int, optional
-        Columns (markers and other channels) of the sample.
-    """
-
-    max_decoded_bytes: int | None = None
-    max_cells: int | None = None
-    max_columns: int | None = None
-
-    def check_shape(self, rows: int, columns: int, source: str, declared: str = "") -> None:
-        """Refuse a sample of ``rows`` x ``columns`` cells beyond the limits.
-
-        Raises
-        ------
-        SizeLimitError
-            Naming the limit and what declared the size (``declared``: e.g. "its header").
-        """
-        by = f" ({declared})" if declared else ""
-        if self.max_columns is not None and columns > self.max_columns:
-            raise SizeLimitError(
-                f"{source}: {columns} columns{by}, more than the limit of {self.max_columns}"
-            )
-        if self.max_cells is not None and rows > self.max_cells:
-            raise SizeLimitError(
-                f"{source}: {rows} cells{by}, more than the limit of {self.max_cells} per bag"
-            )
-        size = rows * columns * 8
-        if self.max_decoded_bytes is not None and size > self.max_decoded_bytes:
-            raise SizeLimitError(
-                f"{source}: {rows} x {columns} cells{by} take {size} bytes decoded, more than "
-                f"the decoded-size limit of {self.max_decoded_bytes} bytes"
-            )
-
-
-_NO_LIMITS = ReadLimits()
 
 
 def gunzip(data: bytes | bytearray | memoryview, source: str, limit: int | None = None) -> bytes:
@@ -188,41 +139,6 @@ def gunzip(data: bytes | bytearray | memoryview, source: str, limit: int | None 
     raise SizeLimitError(
         f"{source}: the gzip stream has more than {MAX_GZIP_MEMBERS} members (the limit)"
     )
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One bag of cells read from a file.
-
-    Attributes
-    ----------
-    points : ndarray of shape (n_cells, n_columns)
-    names : list of str
-        Display name of each column (``$PnS`` if set, else ``$PnN``, or the CSV header).
-    alt_names : list of str
-        A second name per column (``$PnN`` for FCS), also accepted when matching.
-    source : str
-        Where it came from (file name).
-    spillover : str, optional
-        The FCS file's spillover keyword as written (``$SPILLOVER``, else ``SPILL``,
-        else ``$COMP``), parsed only when a model compensates with it (a broken keyword
-        then fails only the models that need it).
-    file_name : str, optional
-        The name the file gives itself (FCS ``$FIL``): a sample sent without a name is
-        known by it.
-    acquired : str, optional
-        When the instrument acquired it (FCS ``$BEGINDATETIME``, else ``$DATE`` and
-        ``$BTIM``), ISO 8601: with its zone when the file gives one, else local time
-        without a zone (``2012-12-02T09:45:26``), or a date alone.
-    """
-
-    points: NDArray[np.float64]
-    names: list[str]
-    alt_names: list[str]
-    source: str
-    spillover: str | None = None
-    file_name: str | None = None
-    acquired: str | None = None
 
 
 _MONTHS = {m: i for i, m in enumerate(
@@ -290,14 +206,14 @@ def _check_fcs_size(text: dict[str, str], source: str, limits: ReadLimits) -> No
         )
 
 
-def _read_fcs(data: bytes, source: str, limits: ReadLimits = _NO_LIMITS) -> Sample:
+def _read_fcs(data: bytes, source: str, limits: ReadLimits = NO_LIMITS) -> Sample:
     """An FCS file's events; names from ``$PnS`` when set, ``$PnN`` kept as alternates."""
     import flowio
 
     if len(data) < 58 or not data[:3] == b"FCS":
         raise DataError(f"{source}: not an FCS file (no 'FCS' header)")
     try:
-        if limits != _NO_LIMITS:
+        if limits != NO_LIMITS:
             head = flowio.FlowData(io.BytesIO(data), only_text=True)
             _check_fcs_size(head.text, source, limits)
         fd = flowio.FlowData(io.BytesIO(data))
@@ -330,7 +246,7 @@ def _extra(module: str, extra: str, source: str) -> Any:
         ) from None
 
 
-def _read_parquet(data: bytes | memoryview, source: str, limits: ReadLimits = _NO_LIMITS) -> Sample:
+def _read_parquet(data: bytes | memoryview, source: str, limits: ReadLimits = NO_LIMITS) -> Sample:
     """A Parquet table: its numeric columns are the markers.
 
     Lab exports often carry text columns beside the measurements (a sample id, a gate
@@ -381,7 +297,7 @@ def _h5ad_shape(h5: Any, source: str) -> tuple[int, int]:
     return int(shape[0]), int(shape[1])
 
 
-def _read_h5ad(data: bytes | memoryview, source: str, limits: ReadLimits = _NO_LIMITS) -> Sample:
+def _read_h5ad(data: bytes | memoryview, source: str, limits: ReadLimits = NO_LIMITS) -> Sample:
     """An AnnData file: cells are ``obs``, markers ``var`` (names: ``var_names``).
 
     Only ``X`` and ``var`` are read (AnnData's own element reader), after ``X``'s
@@ -425,7 +341,7 @@ def _read_text(
     data: bytes | bytearray | memoryview,
     source: str,
     delimiter: str | None,
-    limits: ReadLimits = _NO_LIMITS,
+    limits: ReadLimits = NO_LIMITS,
 ) -> Sample:
     """A delimited table with a header row; the delimiter is sniffed unless given.
 
@@ -527,7 +443,7 @@ def _read_npy(
     data: bytes | bytearray | memoryview,
     source: str,
     names: Sequence[str] | None,
-    limits: ReadLimits = _NO_LIMITS,
+    limits: ReadLimits = NO_LIMITS,
 ) -> Sample:
     """A 2-D real-valued NPY array, read from its header and bytes (never ``np.load``).
 
@@ -602,7 +518,7 @@ def read_sample(
     DataError
         Unreadable, truncated or wrongly typed file, naming it (and the row/column).
     """
-    limits = limits or _NO_LIMITS
+    limits = limits or NO_LIMITS
     if isinstance(source, bytes | bytearray | memoryview):
         # A memoryview (an upload in shared memory) is kept as it is for NPY, which
         # reads it without a copy; the other formats take bytes.

@@ -175,7 +175,7 @@ def with_rest_label(config: Mapping[str, Any], estimator: BaseEstimator) -> Base
     return estimator.set_params(unassigned=UNASSIGNED)
 
 
-def _resolve(base: Path, value: str | list[str]) -> list[Path]:
+def resolve_path(base: Path, value: str | list[str]) -> list[Path]:
     patterns = [value] if isinstance(value, str) else list(value)
     out: list[Path] = []
     for pat in patterns:
@@ -187,7 +187,7 @@ def _resolve(base: Path, value: str | list[str]) -> list[Path]:
     return out
 
 
-def _config_compensation(config: Mapping[str, Any]) -> Compensation:
+def config_compensation(config: Mapping[str, Any]) -> Compensation:
     """``[preprocessing] compensation``, a spillover CSV read relative to the config."""
     value = config.get("preprocessing", {}).get("compensation")
     try:
@@ -196,14 +196,14 @@ def _config_compensation(config: Mapping[str, Any]) -> Compensation:
         raise ConfigError(f"[preprocessing] compensation: {exc}") from exc
 
 
-def _config_panel(config: Mapping[str, Any]) -> Panel | None:
+def config_panel(config: Mapping[str, Any]) -> Panel | None:
     """The ``[panel]`` table, or None when the data's first file sets the panel."""
     if "panel" not in config:
         return None
     return Panel(tuple(config["panel"]["markers"]), dict(config["panel"].get("aliases", {})))
 
 
-def _output_coding(config: Mapping[str, Any], classes: Any = None) -> dict[str, Any] | None:
+def output_coding(config: Mapping[str, Any], classes: Any = None) -> dict[str, Any] | None:
     """The checked ``[fhir]`` table as stored in the manifest, or None without one.
 
     Checked before training (keys, URIs, codes, units) and again with the model's
@@ -215,7 +215,7 @@ def _output_coding(config: Mapping[str, Any], classes: Any = None) -> dict[str, 
     return OutputCoding.from_config(spec, classes=classes).to_json()
 
 
-def _serving(config: Mapping[str, Any]) -> dict[str, Any]:
+def serving_options(config: Mapping[str, Any]) -> dict[str, Any]:
     """The checked ``[serving]`` table as stored in the manifest."""
     table = dict(config.get("serving", {}))
     unknown = set(table) - {"out_of_domain"}
@@ -229,7 +229,7 @@ def _serving(config: Mapping[str, Any]) -> dict[str, Any]:
     return {"out_of_domain": policy}
 
 
-def _compute_options(
+def compute_options(
     config: Mapping[str, Any], scheduler: Any, streaming: bool | None
 ) -> tuple[Any, bool]:
     """``[compute]`` (``scheduler``, ``streaming``) with the caller's overrides.

@@ -3,11 +3,11 @@ fingerprints.
 
 :func:`read_data` reads ``[data]`` (files, labels per bag or per cell, ``label_map``)
 into a :class:`~core.io.Dataset`, compensated and aligned to the panel as the
-configuration says. Every training bag gets a stable name (:func:`_bag_names`: a sample
+configuration says. Every training bag gets a stable name (:func:`bag_names`: a sample
 id or the file's name, never a path) and a fingerprint (:func:`bag_fingerprints`: the
 sha256 of its file and of its cells) that the manifest records, so that evaluation
 (:mod:`core.training.evaluation`) recognises a training bag whichever file it comes back
-in (:func:`_overlap`).
+in (:func:`training_overlap`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..estimators.transfer.open_set import UNASSIGNED
 from ..hashing import file_sha256
 from ..io import Compensation, Dataset, Panel, load_dataset, read_file_table
 from ..streaming import points_sha256
-from .config import _config_compensation, _config_panel, _resolve, config_rest_label
+from .config import config_compensation, config_panel, config_rest_label, resolve_path
 
 
 def read_data(
@@ -38,9 +38,9 @@ def read_data(
     ``[preprocessing]`` says) and aligned to ``panel`` (default: ``[panel]``)."""
     base = Path(config["_base"])
     if compensation is None:
-        compensation = _config_compensation(config)
+        compensation = config_compensation(config)
     data = dict(config["data"])
-    files = _resolve(base, data.pop("files"))
+    files = resolve_path(base, data.pop("files"))
     labels = data.pop("labels", None)
     cell_files = data.pop("cell_label_files", None)
     cell_map = None
@@ -56,14 +56,14 @@ def read_data(
             cell_map[str(f)] = str(base / rel)
     label_map = data.pop("label_map", None)
     # Batches, groups and sample ids are read by training (config_batches,
-    # config_groups, _bag_names), not here.
+    # config_groups, bag_names), not here.
     for key in ("batches", "batch_column", "groups", "group_column", "sample_column", "control"):
         data.pop(key, None)
     known = {"file_column", "label_column", "cell_label_column", "n_jobs"}
     if set(data) - known:
         raise ConfigError(f"[data] unknown key(s) {sorted(set(data) - known)}")
     if panel is None:
-        panel = _config_panel(config)
+        panel = config_panel(config)
     dataset = load_dataset(
         files,
         panel=panel,
@@ -77,7 +77,7 @@ def read_data(
         compensation=compensation,
     )
     if dataset.y is not None:
-        dataset.y = _mark_unassigned(config, _apply_label_map(label_map, dataset.y))
+        dataset.y = _mark_unassigned(config, apply_label_map(label_map, dataset.y))
     return dataset
 
 
@@ -94,7 +94,7 @@ def read_control(config: Mapping[str, Any], panel: Panel) -> tuple[Bags, dict[st
     path = Path(config["_base"]) / name
     if not path.is_file():
         raise ConfigError(f"[data] control: no file {path.name!r} beside the configuration")
-    dataset = load_dataset([path], panel=panel, compensation=_config_compensation(config))
+    dataset = load_dataset([path], panel=panel, compensation=config_compensation(config))
     return dataset.bags, {"file": name, "sha256": file_sha256(path)}
 
 
@@ -104,7 +104,7 @@ def _mark_unassigned(config: Mapping[str, Any], y: np.ndarray) -> np.ndarray:
     rest = config_rest_label(config)
     if rest is None:
         return y
-    keys = np.array([_label_key(v) for v in y.tolist()])
+    keys = np.array([label_key(v) for v in y.tolist()])
     if not np.any(keys == rest):
         present = sorted(set(keys.tolist()))
         raise ConfigError(
@@ -119,22 +119,22 @@ def _mark_unassigned(config: Mapping[str, Any], y: np.ndarray) -> np.ndarray:
     return np.where(keys == rest, UNASSIGNED, keys.astype(object)).astype(str)
 
 
-def _apply_label_map(label_map: Mapping[str, Any] | None, y: np.ndarray) -> np.ndarray:
+def apply_label_map(label_map: Mapping[str, Any] | None, y: np.ndarray) -> np.ndarray:
     """Relabel (e.g. merge gates that are not aligned across samples); keys are the labels
     as written in the data, unlisted labels stay as they are."""
     if label_map is None:
         return y
     mapping = {str(k): v for k, v in label_map.items()}
-    return np.array([mapping.get(_label_key(v), v) for v in y.tolist()])
+    return np.array([mapping.get(label_key(v), v) for v in y.tolist()])
 
 
-def _label_key(v: Any) -> str:
+def label_key(v: Any) -> str:
     if isinstance(v, float) and v.is_integer():
         return str(int(v))
     return str(v)
 
 
-def _file_column(
+def file_column(
     config: Mapping[str, Any], files: Sequence[str], key: str, column_key: str, default: str
 ) -> np.ndarray | None:
     """The value of every data file in the CSV named by ``[data] <key>`` (the file name in
@@ -164,14 +164,14 @@ def _file_column(
     return np.array([table[Path(f).name] for f in files])
 
 
-def _bag_names(config: Mapping[str, Any], files: Sequence[str]) -> list[str]:
+def bag_names(config: Mapping[str, Any], files: Sequence[str]) -> list[str]:
     """A stable name per training bag, as answers name the nearest training samples:
     the ``[data] sample_column`` of the labels table when given (a sample id), else the
     file's name. Never a path: where the files lay on the training machine says nothing
     to a lab reading an answer (and is nobody's business)."""
     ids = None
     if config.get("data", {}).get("sample_column") and config["data"].get("labels"):
-        ids = _file_column(config, files, "labels", "sample_column", "sample")
+        ids = file_column(config, files, "labels", "sample_column", "sample")
     return [str(v) for v in ids] if ids is not None else [Path(f).name for f in files]
 
 
@@ -206,7 +206,7 @@ def bag_fingerprints(
     ]
 
 
-def _overlap(
+def training_overlap(
     metadata: Mapping[str, Any], bags: Sequence[Mapping[str, Any]]
 ) -> NDArray[np.bool_] | None:
     """Which evaluated bags are training bags (by either digest); ``None`` when the model

@@ -41,8 +41,8 @@ only.
 
 The widening itself is part of the search (:func:`core.training.search._run_search`);
 this module holds what it reads and writes: the estimator's grid choices
-(:func:`estimator_grid_choices`), the ``grid_edges`` records (:func:`_edge_record`) and
-their warnings (:func:`_warn_edges`).
+(:func:`estimator_grid_choices`), the ``grid_edges`` records (:func:`edge_record`) and
+their warnings (:func:`warn_edges`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
-def _edge_record(
+def edge_record(
     parameter: str,
     source: str,
     side: str,
@@ -112,7 +112,7 @@ def _edge_record(
     }
 
 
-def _warn_edges(edges: Sequence[Mapping[str, Any]]) -> None:
+def warn_edges(edges: Sequence[Mapping[str, Any]]) -> None:
     """One :class:`GridEdgeWarning` per edge (none at a domain bound: nothing was cut off)."""
     for edge in edges:
         if not edge["at_domain_bound"]:

@@ -20,7 +20,7 @@ from .. import report
 from ..errors import ConfigError, DataError
 from ..hashing import file_sha256
 from .config import load_config
-from .data import _bag_names, _overlap, bag_fingerprints, read_data
+from .data import bag_fingerprints, bag_names, read_data, training_overlap
 
 
 class EvaluationOverlapError(DataError):
@@ -93,8 +93,8 @@ def evaluate(
     y = data.y if classifier else data.y.astype(np.float64)
     pred = runtime.predict(data.bags).estimate
     T = len(data.bags)
-    names = _bag_names(config, data.files)
-    seen = _overlap(
+    names = bag_names(config, data.files)
+    seen = training_overlap(
         runtime.info.metadata,
         bag_fingerprints(
             names, [file_sha256(f) for f in data.files], [data.bags[t] for t in range(T)]

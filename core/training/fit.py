@@ -21,19 +21,19 @@ from ..io import Preprocessing
 from ..progress import progress_enabled
 from ..selection import GridEdgeWarning
 from .config import (
-    _compute_options,
-    _config_compensation,
-    _output_coding,
-    _serving,
     build_estimator,
+    compute_options,
+    config_compensation,
     load_config,
+    output_coding,
+    serving_options,
     with_rest_label,
 )
-from .edges import _warn_edges
-from .fit_memory import _train_in_memory
-from .fit_streaming import _train_streaming
-from .saving import TrainingResult, _save
-from .search import _candidates, _search_table
+from .edges import warn_edges
+from .fit_memory import train_in_memory
+from .fit_streaming import train_streaming
+from .saving import TrainingResult, save_trained
+from .search import search_candidates, search_table
 
 
 def train(
@@ -81,20 +81,20 @@ def train(
     version = str(model_cfg.get("version", "1"))
     out_dir = Path(output) if output is not None else base / model_cfg.get("output", "models")
     estimator = with_rest_label(config, build_estimator(config["estimator"]))
-    scheduler, stream = _compute_options(config, scheduler, streaming)
+    scheduler, stream = compute_options(config, scheduler, streaming)
     pre_spec = dict(config.get("preprocessing", {}))
     # A spillover CSV is read once here and travels in the spec (and the manifest).
-    pre_spec["compensation"] = _config_compensation(config)
+    pre_spec["compensation"] = config_compensation(config)
     try:
         Preprocessing(**pre_spec)
         if "panel" in config:
             Preprocessing(**pre_spec).column_specs(config["panel"]["markers"])
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"[preprocessing] {exc}") from exc
-    _output_coding(config)
-    grid, widen = _search_table(config)
-    candidates = _candidates(estimator, list(ParameterGrid(grid)) or [{}])
-    serving = _serving(config)
+    output_coding(config)
+    grid, widen = search_table(config)
+    candidates = search_candidates(estimator, list(ParameterGrid(grid)) or [{}])
+    serving = serving_options(config)
     path = out_dir / name / version
     if path.exists() and not overwrite:
         # Before the data are read: training only to be refused at the end wastes it all.
@@ -110,12 +110,10 @@ def train(
     with progress_enabled(progress), warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=GridEdgeWarning)
         if stream:
-            fitted = _train_streaming(
+            fitted = train_streaming(
                 config, estimator, candidates, grid, widen, pre_spec, scheduler, progress
             )
         else:
-            fitted = _train_in_memory(
-                config, estimator, candidates, grid, widen, pre_spec, progress
-            )
-    _warn_edges(fitted.edges)
-    return _save(fitted, config, path, name, version, overwrite, serving)
+            fitted = train_in_memory(config, estimator, candidates, grid, widen, pre_spec, progress)
+    warn_edges(fitted.edges)
+    return save_trained(fitted, config, path, name, version, overwrite, serving)

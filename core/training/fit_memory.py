@@ -1,6 +1,6 @@
 """In-memory training: every bag read first, preprocessing fitted per fold.
 
-:func:`_train_in_memory` reads the data (:func:`core.training.data.read_data`), checks
+:func:`train_in_memory` reads the data (:func:`core.training.data.read_data`), checks
 that the estimator and the labels agree (one per bag, or one per cell), builds the folds
 from the batches or groups, runs the search (:class:`_InMemorySearch`), calibrates a
 per-cell classifier's class probabilities on its out-of-fold scores, and fingerprints
@@ -21,12 +21,12 @@ from ..errors import ConfigError
 from ..hashing import file_sha256
 from ..io import Preprocessing
 from .config import CELL_LEVEL
-from .data import _bag_names, bag_fingerprints, read_control, read_data
-from .folds import FoldCache, _cv_predictions, _folds, _params_key
-from .groups import _grouping, _groups_kw, config_batches
+from .data import bag_fingerprints, bag_names, read_control, read_data
+from .folds import FoldCache, cv_predictions, make_folds, params_key
+from .groups import config_batches, grouping_of, groups_kw
 from .regions import held_out_regions
-from .saving import _Fitted
-from .search import Candidate, _run_search
+from .saving import Fitted
+from .search import Candidate, run_search
 
 
 class _InMemorySearch:
@@ -49,7 +49,7 @@ class _InMemorySearch:
         self.cell_level, self.pre_spec, self.markers = cell_level, pre_spec, markers
         self.progress = progress
         self.preprocessing = Preprocessing(**pre_spec).fit(bags, markers)
-        #: Out-of-fold scores of per-cell classifiers, by :func:`_params_key`.
+        #: Out-of-fold scores of per-cell classifiers, by :func:`params_key`.
         self.oof_scores: dict[str, np.ndarray] = {}
         #: What the folds compute alike for every candidate (widening's too).
         self.fold_cache = FoldCache()
@@ -61,7 +61,7 @@ class _InMemorySearch:
         # One bar: over the candidates, or over the folds of a single candidate.
         per_fold = self.progress and len(candidates) == 1
         return [
-            _cv_predictions(
+            cv_predictions(
                 est,
                 self.bags,
                 self.y,
@@ -88,7 +88,7 @@ class _InMemorySearch:
             self._final_bags = self.preprocessing.apply(self.bags, self.markers)
         bags = self._final_bags
         every = np.arange(len(self.bags))
-        groups = _groups_kw(self.fit_groups, every)
+        groups = groups_kw(self.fit_groups, every)
         if self.control is not None:
             groups["control"] = self.preprocessing.apply(self.control, self.markers).points
         # The kept candidate and its widened refit embed every bag alike: once.
@@ -99,7 +99,26 @@ class _InMemorySearch:
         return estimator.fit(bags, self.y, **groups)
 
 
-def _train_in_memory(
+def _check_batches(has_control: bool, batches: np.ndarray | None, cell_level: bool) -> None:
+    """Refuse a reference control or batches given to a model that cannot use them."""
+    if has_control and not cell_level:
+        raise ConfigError(
+            "[data] control: a batch's reference control calibrates per-cell models "
+            "(MarginalTransferClassifier, MarginalTransferRegressor) only"
+        )
+    if has_control and batches is not None and np.unique(batches).size > 1:
+        raise ConfigError(
+            "[data] control: a reference control belongs to one batch, and [data] "
+            "batches names several"
+        )
+    if batches is not None and not cell_level:
+        raise ConfigError(
+            "[data] batches: batch-aware selection is for per-cell models "
+            "(MarginalTransferClassifier, MarginalTransferRegressor)"
+        )
+
+
+def train_in_memory(
     config: Mapping[str, Any],
     estimator: BaseEstimator,
     candidates: list[Candidate],
@@ -107,7 +126,8 @@ def _train_in_memory(
     widen: bool,
     pre_spec: dict[str, Any],
     progress: bool,
-) -> _Fitted:
+) -> Fitted:
+    """Train with every bag in memory: read, checked, folded, searched, calibrated."""
     cell_level = isinstance(estimator, CELL_LEVEL)
     classifier = is_classifier(estimator)
     data = read_data(config, progress=progress)
@@ -129,23 +149,9 @@ def _train_in_memory(
         )
     batches = config_batches(config, data.files)
     control, control_file = read_control(config, data.panel) or (None, None)
-    if control is not None and not cell_level:
-        raise ConfigError(
-            "[data] control: a batch's reference control calibrates per-cell models "
-            "(MarginalTransferClassifier, MarginalTransferRegressor) only"
-        )
-    if control is not None and batches is not None and np.unique(batches).size > 1:
-        raise ConfigError(
-            "[data] control: a reference control belongs to one batch, and [data] "
-            "batches names several"
-        )
-    if batches is not None and not cell_level:
-        raise ConfigError(
-            "[data] batches: batch-aware selection is for per-cell models "
-            "(MarginalTransferClassifier, MarginalTransferRegressor)"
-        )
-    subjects, grouping = _grouping(config, data.files)
-    folds = _folds(
+    _check_batches(control is not None, batches, cell_level)
+    subjects, grouping = grouping_of(config, data.files)
+    folds = make_folds(
         config,
         len(data.bags),
         None if cell_level else y,
@@ -161,11 +167,11 @@ def _train_in_memory(
         data.bags, y, folds, cell_level, pre_spec, markers, progress, fit_groups, control
     )
     try:
-        outcome = _run_search(candidates, estimator, grid, widen, searcher, y, classifier)
+        outcome = run_search(candidates, estimator, grid, widen, searcher, y, classifier)
     finally:
         searcher.fold_cache.close()
     calibration = None
-    oof = searcher.oof_scores.get(_params_key(outcome.final))
+    oof = searcher.oof_scores.get(params_key(outcome.final))
     if oof is not None:
         calibration = fit_temperature(oof, y, outcome.final.classes_)
     # Where the model looks, from held-out explanations (bag-level models).
@@ -177,32 +183,27 @@ def _train_in_memory(
     # The file digests are not kept by load_dataset; reading the files' bytes once more
     # costs far less than parsing them did.
     training_bags = bag_fingerprints(
-        _bag_names(config, data.files),
+        bag_names(config, data.files),
         [file_sha256(f) for f in data.files],
         [data.bags[t] for t in range(len(data.bags))],
     )
-    return _Fitted(
-        outcome.final,
-        searcher.preprocessing,
-        outcome.scores,
-        outcome.best,
-        y,
-        data.panel,
-        data.files,
-        data.sha256,
-        data.level,
-        int(data.bags.n_points),
-        len(folds),
-        {"mode": "in-memory"}
+    return Fitted.from_search(
+        outcome,
+        folds=folds,
+        preprocessing=searcher.preprocessing,
+        y=y,
+        panel=data.panel,
+        files=data.files,
+        sha256=data.sha256,
+        level=data.level,
+        n_cells=int(data.bags.n_points),
+        compute={"mode": "in-memory"}
         if batches is None
         else {"mode": "in-memory", "batches": sorted({str(b) for b in batches})},
-        training_bags,
-        outcome.edges,
-        outcome.widening,
-        folds,
-        np.asarray(data.bags.sizes),
-        calibration,
-        grouping,
-        control_file,
+        training_bags=training_bags,
+        sizes=np.asarray(data.bags.sizes),
+        calibration=calibration,
+        grouping=grouping,
+        control=control_file,
         regions=regions,
     )

@@ -1,6 +1,6 @@
 """Streamed training: bags read from their files a few at a time, on threads or Dask.
 
-:func:`_train_streaming` trains the bag-level estimators (``DistributionRidge`` and its
+:func:`train_streaming` trains the bag-level estimators (``DistributionRidge`` and its
 classifier) without holding the data set: the files are streamed once for their
 summaries (the scaling of every fold), and once per representation for their features
 (:mod:`core.streaming`); the search (:class:`_StreamingSearch`) cross-validates on those
@@ -18,12 +18,12 @@ from sklearn.base import BaseEstimator, is_classifier
 
 from ..errors import ConfigError
 from ..io import Panel, Preprocessing, dataset_fingerprint, labelled_files, read_file
-from .config import CELL_LEVEL, _config_panel, _resolve
-from .data import _apply_label_map, _bag_names
-from .folds import _folds
-from .groups import _grouping, _groups_kw
-from .saving import _Fitted
-from .search import Candidate, _run_search
+from .config import CELL_LEVEL, config_panel, resolve_path
+from .data import apply_label_map, bag_names
+from .folds import make_folds
+from .groups import grouping_of, groups_kw
+from .saving import Fitted
+from .search import Candidate, run_search
 
 
 class _StreamingSearch:
@@ -100,11 +100,11 @@ class _StreamingSearch:
             self.reps[r],
             self.features.embedding(r, full),
             self.y,
-            **_groups_kw(self.subjects, every),
+            **groups_kw(self.subjects, every),
         )
 
 
-def _train_streaming(
+def train_streaming(
     config: Mapping[str, Any],
     estimator: BaseEstimator,
     candidates: list[Candidate],
@@ -113,7 +113,7 @@ def _train_streaming(
     pre_spec: dict[str, Any],
     scheduler: Any,
     progress: bool,
-) -> _Fitted:
+) -> Fitted:
     from .. import streaming
 
     if isinstance(estimator, CELL_LEVEL):
@@ -144,15 +144,15 @@ def _train_streaming(
             f"{sorted(set(data_cfg) - known)}"
         )
     paths, labels = labelled_files(
-        _resolve(base, data_cfg["files"]),
+        resolve_path(base, data_cfg["files"]),
         base / data_cfg["labels"],
         data_cfg.get("file_column", "file"),
         data_cfg.get("label_column", "label"),
     )
     assert labels is not None
-    labels = _apply_label_map(data_cfg.get("label_map"), labels)
+    labels = apply_label_map(data_cfg.get("label_map"), labels)
     y = labels if classifier else labels.astype(np.float64)
-    panel = _config_panel(config) or Panel(tuple(read_file(paths[0])[0].names))
+    panel = config_panel(config) or Panel(tuple(read_file(paths[0])[0].names))
     # Compensation is applied as each file is read (streaming._read_bag).
     stream_pre = Preprocessing(**pre_spec)
     try:
@@ -161,8 +161,8 @@ def _train_streaming(
     except ValueError as exc:
         raise ConfigError(f"[estimator] {exc}") from exc
     names = [str(p) for p in paths]
-    subjects, grouping = _grouping(config, names)
-    folds = _folds(config, len(paths), y, classifier, False, None, subjects)
+    subjects, grouping = grouping_of(config, names)
+    folds = make_folds(config, len(paths), y, classifier, False, None, subjects)
     if scheduler is not None:
         executor: streaming.Executor = streaming.DaskExecutor(scheduler)
         workers = len(executor.client.scheduler_info().get("workers", {}))
@@ -176,30 +176,25 @@ def _train_streaming(
         everything = np.arange(len(paths))
         preps = streaming.scalings(pre_spec, summaries, [t for t, _ in folds] + [everything])
         searcher = _StreamingSearch(executor, names, panel, preps, y, folds, progress, subjects)
-        outcome = _run_search(candidates, estimator, grid, widen, searcher, y, classifier)
+        outcome = run_search(candidates, estimator, grid, widen, searcher, y, classifier)
     sha = dataset_fingerprint(paths, [s.sha256 for s in summaries], labels)
     training_bags = [
         {"name": n, "sha256": s.sha256, "points_sha256": s.points_sha256}
-        for n, s in zip(_bag_names(config, names), summaries, strict=True)
+        for n, s in zip(bag_names(config, names), summaries, strict=True)
     ]
-    return _Fitted(
-        outcome.final,
-        preps[-1],
-        outcome.scores,
-        outcome.best,
-        y,
-        panel,
-        names,
-        sha,
-        "bag",
-        int(sum(s.n_cells for s in summaries)),
-        len(folds),
-        compute,
-        training_bags,
-        outcome.edges,
-        outcome.widening,
-        folds,
-        np.array([s.n_cells for s in summaries]),
-        None,
-        grouping,
+    return Fitted.from_search(
+        outcome,
+        folds=folds,
+        preprocessing=preps[-1],
+        y=y,
+        panel=panel,
+        files=names,
+        sha256=sha,
+        level="bag",
+        n_cells=int(sum(s.n_cells for s in summaries)),
+        compute=compute,
+        training_bags=training_bags,
+        sizes=np.array([s.n_cells for s in summaries]),
+        calibration=None,
+        grouping=grouping,
     )

@@ -3,7 +3,7 @@
 The folds (``[cv]``: ``n_splits``, ``repeats``, ``seed``) leave out one batch at a time
 when the data have batches, whole subjects when they have groups, whole tasks (bags) for
 a per-cell model, and otherwise bags, stratified by class for a classifier where every
-class is frequent enough. :func:`_cv_predictions` predicts every bag (or cell) with a
+class is frequent enough. :func:`cv_predictions` predicts every bag (or cell) with a
 model, preprocessing included, fitted without it.
 """
 
@@ -22,10 +22,10 @@ from ..errors import ConfigError
 from ..estimators._ridge_calibration import for_point_predictions
 from ..io import Preprocessing
 from ..selection import group_folds, leave_one_group_out_folds, leave_tasks_out_folds
-from .groups import _groups_kw
+from .groups import groups_kw
 
 
-def _folds(
+def make_folds(
     config: Mapping[str, Any],
     n_bags: int,
     y: np.ndarray | None,
@@ -139,7 +139,7 @@ class FoldCache:
         params = rep.get_params(deep=False)
         if "random_state" in params and params["random_state"] is None:
             return None
-        key = (i, f"{type(rep).__qualname__}{_params_key(rep)}")
+        key = (i, f"{type(rep).__qualname__}{params_key(rep)}")
         if key not in self._embedded:
             rep = rep.fit(bags_tr)
             emb_tr = rep.embed(bags_tr)
@@ -157,7 +157,7 @@ class FoldCache:
         self._embedded.clear()
 
 
-def _cv_predictions(
+def cv_predictions(
     est: BaseEstimator,
     raw: Bags,
     y: np.ndarray,
@@ -182,7 +182,7 @@ def _cv_predictions(
     per-cell model, the subjects of a bag-level one.
 
     For a per-cell classifier the out-of-fold scores (``decision_function``) also go
-    into ``scores_out`` under the estimator's key (:func:`_params_key`): they calibrate
+    into ``scores_out`` under the estimator's key (:func:`params_key`): they calibrate
     its class probabilities (:mod:`core.calibration`).
 
     ``cache`` (shared by the calls of one search) keeps what the folds compute alike
@@ -208,7 +208,7 @@ def _cv_predictions(
                 model.fit(
                     bags_tr,
                     y_tr,
-                    **_groups_kw(fit_groups, train),
+                    **groups_kw(fit_groups, train),
                     **cache.control(i, control, markers),
                 )
                 if keep_scores:
@@ -221,10 +221,10 @@ def _cv_predictions(
                     pred[rows] = model.predict(bags_va)
             elif (shared := cache.embedded(i, model, bags_tr, bags_va)) is not None:
                 rep, emb_tr, emb_va = shared
-                model.fit_embedded(rep, emb_tr, y[train], **_groups_kw(fit_groups, train))
+                model.fit_embedded(rep, emb_tr, y[train], **groups_kw(fit_groups, train))
                 pred[val] = model.predict_embedded(emb_va)
             else:
-                model.fit(bags_tr, y[train], **_groups_kw(fit_groups, train))
+                model.fit(bags_tr, y[train], **groups_kw(fit_groups, train))
                 pred[val] = model.predict(bags_va)
     finally:
         if own:
@@ -232,10 +232,10 @@ def _cv_predictions(
     if keep_scores and scores is not None:
         assert scores_out is not None
         # Two classes: the one margin of classes[1], as the final model gives it.
-        scores_out[_params_key(est)] = scores[:, 1] if classes.size == 2 else scores
+        scores_out[params_key(est)] = scores[:, 1] if classes.size == 2 else scores
     return pred
 
 
-def _params_key(est: BaseEstimator) -> str:
+def params_key(est: BaseEstimator) -> str:
     """The same string for estimators with the same parameters (fitted or not)."""
     return repr(sorted(est.get_params(deep=False).items()))

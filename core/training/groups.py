@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from .data import _file_column
+from .data import file_column
 
 
 def config_batches(config: Mapping[str, Any], files: Sequence[str]) -> np.ndarray | None:
@@ -33,7 +33,7 @@ def config_batches(config: Mapping[str, Any], files: Sequence[str]) -> np.ndarra
     ConfigError
         The table cannot be read, or a data file has no batch in it.
     """
-    return _file_column(config, files, "batches", "batch_column", "batch")
+    return file_column(config, files, "batches", "batch_column", "batch")
 
 
 def config_groups(config: Mapping[str, Any], files: Sequence[str]) -> np.ndarray | None:
@@ -47,7 +47,7 @@ def config_groups(config: Mapping[str, Any], files: Sequence[str]) -> np.ndarray
         The table cannot be read, a data file has no group in it, or every file is
         in one group.
     """
-    groups = _file_column(config, files, "groups", "group_column", "group")
+    groups = file_column(config, files, "groups", "group_column", "group")
     if groups is not None and np.unique(groups).size < 2:
         raise ConfigError("[data] groups: every file is in one group; leaving a group out needs 2")
     return groups
@@ -89,7 +89,7 @@ class GroupingWarning(UserWarning):
     optimistic (bags of one subject vouch for each other)."""
 
 
-def _grouping(
+def grouping_of(
     config: Mapping[str, Any], files: Sequence[str]
 ) -> tuple[np.ndarray | None, dict[str, Any]]:
     """The subject of every file (``[data] groups``) and the report's record of how the
@@ -122,7 +122,7 @@ def _grouping(
     return None, record
 
 
-def _groups_kw(groups: np.ndarray | None, rows: np.ndarray) -> dict[str, Any]:
+def groups_kw(groups: np.ndarray | None, rows: np.ndarray) -> dict[str, Any]:
     """``{"groups": ...}`` for a fit on ``rows``, or nothing where fewer than two groups
     are among them (a fold that leaves one group to train on has nothing to hold out)."""
     if groups is None or np.unique(groups[rows]).size < 2:

@@ -1,7 +1,7 @@
 """Saving a trained model: the artifact with its report, card and manifest.
 
 Either training path (:mod:`core.training.fit_memory`, :mod:`core.training.fit_streaming`)
-hands a :class:`_Fitted` to :func:`_save`, which renders the report (cross-validated
+hands a :class:`Fitted` to :func:`save_trained`, which renders the report (cross-validated
 metrics, per-fold and per-sample tables, plots, ``report/report.html``), the model card,
 and writes the artifact (:func:`core.artifacts.save`) whose manifest records the panel,
 the preprocessing, the training bags, the grid edges, the chosen hyperparameters and
@@ -23,9 +23,10 @@ from .. import report
 from ..artifacts import save
 from ..card import render_card
 from ..io import Panel, Preprocessing
-from .config import _output_coding
-from .data import _bag_names
+from .config import output_coding
+from .data import bag_names
 from .edges import estimator_grid_choices
+from .search import SearchOutcome
 
 
 @dataclass
@@ -34,9 +35,10 @@ class TrainingResult:
     metrics: dict[str, Any]
 
 
-@dataclass
-class _Fitted:
-    """What either training path hands to :func:`_save`."""
+@dataclass(kw_only=True)
+class Fitted:
+    """What either training path hands to :func:`save_trained`; built by
+    :meth:`from_search` (keywords only: 19 fields are not read by position)."""
 
     final: BaseEstimator
     preprocessing: Preprocessing
@@ -59,7 +61,7 @@ class _Fitted:
     sizes: np.ndarray | None = None
     #: Per-cell classifiers: the temperature of their class probabilities.
     calibration: dict[str, Any] | None = None
-    #: How the folds were grouped (:func:`_grouping`).
+    #: How the folds were grouped (:func:`grouping_of`).
     grouping: dict[str, Any] = field(default_factory=dict)
     #: Per-cell models: the training batch's reference control (file, sha256).
     control: dict[str, str] | None = None
@@ -67,9 +69,30 @@ class _Fitted:
     #: (:func:`.regions.held_out_regions`).
     regions: dict[str, Any] | None = None
 
+    @classmethod
+    def from_search(
+        cls,
+        outcome: SearchOutcome,
+        *,
+        folds: list[tuple[np.ndarray, np.ndarray]],
+        **fields: Any,
+    ) -> Fitted:
+        """The fitted result of a training path: the search's kept model, its scores
+        and grid records, the folds it ran on, and the path's own ``fields``."""
+        return cls(
+            final=outcome.final,
+            scores=outcome.scores,
+            best=outcome.best,
+            edges=outcome.edges,
+            widening=outcome.widening,
+            folds=folds,
+            n_folds=len(folds),
+            **fields,
+        )
 
-def _save(
-    fitted: _Fitted,
+
+def save_trained(
+    fitted: Fitted,
     config: Mapping[str, Any],
     path: Path,
     name: str,
@@ -77,10 +100,74 @@ def _save(
     overwrite: bool,
     serving: dict[str, Any],
 ) -> TrainingResult:
+    """Save ``fitted`` at ``path`` with its report (metrics, tables, plots, HTML) and
+    model card, and the metadata the manifest keeps."""
     classifier = is_classifier(fitted.final)
     key = "accuracy" if classifier else "rmse"
     best_metrics, best_pred, best_params = fitted.scores[fitted.best]
     cell_level = fitted.level == "cell"
+    metrics = _metrics(fitted, best_metrics, best_params, cell_level)
+    files = report.render(
+        fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
+    )
+    tables = report.tables(
+        bag_names(config, fitted.files),
+        fitted.y,
+        best_pred,
+        classifier,
+        fitted.folds,
+        fitted.sizes if cell_level else None,
+    )
+    metrics["per_fold"] = tables["per_fold"]
+    if not classifier and not cell_level:
+        files.update(report.residual_plot(tables))
+    if "agreement" in tables:
+        files.update(report.bland_altman_plot(tables))
+        # With the cross-validated metrics: the card and the manifest keep those.
+        metrics["cv"]["frequency_agreement"] = _weak_spots(tables)
+    # The report's file keeps every sample's out-of-fold answer and fold (the manifest
+    # keeps the summary).
+    files["report/metrics.json"] = json.dumps(
+        {
+            **metrics,
+            "per_sample": tables.get("per_sample", []),
+            **({"frequencies": tables["frequencies"]} if "frequencies" in tables else {}),
+        },
+        indent=2,
+        default=str,
+    ).encode()
+    from datetime import UTC, datetime
+
+    from ..artifacts import library_versions
+
+    header = {
+        "trained": datetime.now(UTC).isoformat(timespec="seconds"),
+        "training data sha256": fitted.sha256,
+        "libraries": ", ".join(f"{k} {v}" for k, v in sorted(library_versions().items())),
+    }
+    files["report/report.html"] = report.html(
+        name, version, metrics, tables, files, header=header
+    ).encode()
+    metadata = _metadata(fitted, config, name, version, serving, metrics)
+    from ..artifact_info import kind_of
+
+    # The card is part of the artifact (hashed with it); created and the manifest's
+    # sha256 are added where it is served (ArtifactInfo.card).
+    files["card.md"] = render_card(
+        metadata, estimator=type(fitted.final).__name__, kind=str(kind_of(type(fitted.final)))
+    ).encode()
+    saved = save(fitted.final, path, overwrite=overwrite, extra_files=files, **metadata)
+    return TrainingResult(saved, metrics)
+
+
+def _metrics(
+    fitted: Fitted,
+    best_metrics: dict[str, Any],
+    best_params: dict[str, Any],
+    cell_level: bool,
+) -> dict[str, Any]:
+    """The training metrics: the kept candidate's cross-validation (and its scheme),
+    every candidate's, the choices, sizes, compute, grid edges and grouping."""
     grouped = fitted.grouping.get("by") == "groups"
     metrics = {
         "cv": {
@@ -115,47 +202,18 @@ def _save(
         metrics["reference_control"] = fitted.control
     if fitted.regions is not None:
         metrics["explained_regions"] = fitted.regions
-    files = report.render(
-        fitted.y, best_pred, classifier, metrics, [(s[2], s[0][key]) for s in fitted.scores], key
-    )
-    tables = report.tables(
-        _bag_names(config, fitted.files),
-        fitted.y,
-        best_pred,
-        classifier,
-        fitted.folds,
-        fitted.sizes if cell_level else None,
-    )
-    metrics["per_fold"] = tables["per_fold"]
-    if not classifier and not cell_level:
-        files.update(report.residual_plot(tables))
-    if "agreement" in tables:
-        files.update(report.bland_altman_plot(tables))
-        # With the cross-validated metrics: the card and the manifest keep those.
-        metrics["cv"]["frequency_agreement"] = _weak_spots(tables)
-    # The report's file keeps every sample's out-of-fold answer and fold (the manifest
-    # keeps the summary).
-    files["report/metrics.json"] = json.dumps(
-        {
-            **metrics,
-            "per_sample": tables.get("per_sample", []),
-            **({"frequencies": tables["frequencies"]} if "frequencies" in tables else {}),
-        },
-        indent=2,
-        default=str,
-    ).encode()
-    from datetime import UTC, datetime
+    return metrics
 
-    from ..artifacts import _libraries
 
-    header = {
-        "trained": datetime.now(UTC).isoformat(timespec="seconds"),
-        "training data sha256": fitted.sha256,
-        "libraries": ", ".join(f"{k} {v}" for k, v in sorted(_libraries().items())),
-    }
-    files["report/report.html"] = report.html(
-        name, version, metrics, tables, files, header=header
-    ).encode()
+def _metadata(
+    fitted: Fitted,
+    config: Mapping[str, Any],
+    name: str,
+    version: str,
+    serving: dict[str, Any],
+    metrics: dict[str, Any],
+) -> dict[str, Any]:
+    """What the manifest keeps of the training (and the card reads)."""
     model_cfg = config.get("model", {})
     metadata = {
         "name": name,
@@ -170,7 +228,7 @@ def _save(
         "chosen_params": json.loads(json.dumps(metrics["chosen_params"], default=float)),
         "label_level": fitted.level,
         "probability_calibration": fitted.calibration,
-        "fhir": _output_coding(config, getattr(fitted.final, "classes_", None)),
+        "fhir": output_coding(config, getattr(fitted.final, "classes_", None)),
         "grouping": fitted.grouping,
         "serving": serving,
         "calibration": _calibration_record(fitted.final),
@@ -179,15 +237,7 @@ def _save(
         "metrics": json.loads(json.dumps(metrics["cv"], default=str)),
         "config": {k: v for k, v in config.items() if not k.startswith("_")},
     }
-    from ..runtime import kind_of
-
-    # The card is part of the artifact (hashed with it); created and the manifest's
-    # sha256 are added where it is served (ArtifactInfo.card).
-    files["card.md"] = render_card(
-        metadata, estimator=type(fitted.final).__name__, kind=str(kind_of(type(fitted.final)))
-    ).encode()
-    saved = save(fitted.final, path, overwrite=overwrite, extra_files=files, **metadata)
-    return TrainingResult(saved, metrics)
+    return metadata
 
 
 def _weak_spots(tables: Mapping[str, Any]) -> dict[str, Any]:
@@ -225,7 +275,8 @@ def _chosen_values(best_params: Mapping[str, Any], model: Any) -> dict[str, Any]
 
 def _calibration_record(model: Any) -> dict[str, Any] | None:
     """How the model's intervals were calibrated (for the card), or None without."""
-    from ..runtime import ModelKind, kind_of
+    from ..artifact_info import kind_of
+    from ..results import ModelKind
 
     method = getattr(model, "calibration_", None)
     # A per-cell model's calibration_ is that of new batches (_new_batch_record).
@@ -243,7 +294,8 @@ def _new_batch_record(model: Any) -> dict[str, Any] | None:
     calibration (and the one without the batch's control), the cell model, the rest
     threshold, and the folds that chose them, with the chosen candidate's fold score;
     None for other models."""
-    from ..runtime import ModelKind, kind_of
+    from ..artifact_info import kind_of
+    from ..results import ModelKind
 
     if kind_of(type(model)) is not ModelKind.CELL:
         return None

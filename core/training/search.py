@@ -1,6 +1,6 @@
 """The hyperparameter search: candidates cross-validated, the best kept, edges widened.
 
-The ``[search]`` grid (:func:`_search_table`) gives the candidates; each is
+The ``[search]`` grid (:func:`search_table`) gives the candidates; each is
 cross-validated by the training path (a :class:`_Searcher`: in memory or streamed), the
 best by the cross-validated error (accuracy for a classifier) is fitted on every bag,
 and every grid whose edge was chosen, the ``[search]`` grid's and the estimator's own,
@@ -20,7 +20,7 @@ from sklearn.model_selection import ParameterGrid
 from .. import report
 from ..errors import ConfigError, CoreError
 from ..selection import grid_edge, widen_grid
-from .edges import WIDEN_EDGES_DEFAULT, _edge_record, estimator_grid_choices
+from .edges import WIDEN_EDGES_DEFAULT, edge_record, estimator_grid_choices
 
 Score = tuple[dict[str, Any], np.ndarray, dict[str, Any]]
 Candidate = tuple[BaseEstimator, dict[str, Any]]
@@ -45,7 +45,7 @@ class _Searcher(Protocol):
 
 
 @dataclass
-class _SearchOutcome:
+class SearchOutcome:
     """The search's result: every candidate's CV score, the one kept, its final fit,
     and the grid-edge records."""
 
@@ -57,7 +57,7 @@ class _SearchOutcome:
     widening: dict[str, Any] = field(default_factory=dict)
 
 
-def _search_table(config: Mapping[str, Any]) -> tuple[dict[str, list[Any]], bool]:
+def search_table(config: Mapping[str, Any]) -> tuple[dict[str, list[Any]], bool]:
     """``[search]``: the grid (parameter -> values) and the ``widen_edges`` switch."""
     search = dict(config.get("search", {}))
     widen = search.pop("widen_edges", WIDEN_EDGES_DEFAULT)
@@ -66,7 +66,7 @@ def _search_table(config: Mapping[str, Any]) -> tuple[dict[str, list[Any]], bool
     return {k: list(v) for k, v in search.items()}, widen
 
 
-def _candidates(estimator: BaseEstimator, grid: Sequence[dict[str, Any]]) -> list[Candidate]:
+def search_candidates(estimator: BaseEstimator, grid: Sequence[dict[str, Any]]) -> list[Candidate]:
     out = []
     for params in grid:
         try:
@@ -76,7 +76,7 @@ def _candidates(estimator: BaseEstimator, grid: Sequence[dict[str, Any]]) -> lis
     return out
 
 
-def _run_search(
+def run_search(
     candidates: list[Candidate],
     estimator: BaseEstimator,
     grid: dict[str, list[Any]],
@@ -84,7 +84,7 @@ def _run_search(
     searcher: _Searcher,
     y: np.ndarray,
     classifier: bool,
-) -> _SearchOutcome:
+) -> SearchOutcome:
     """Cross-validate the ``[search]`` candidates, fit the best on everything, then check
     (and, if ``widen``, widen once) every grid whose edge was chosen.
 
@@ -97,8 +97,40 @@ def _run_search(
     edges: list[dict[str, Any]] = []
     widening: dict[str, Any] = {"enabled": widen, "refits": 0}
 
-    # 1. The [search] grid: new candidates join the same cross-validation, and the best
-    #    of all candidates evaluated wins, as in the first round.
+    best = _widen_search_grid(
+        candidates, scores, best, grid, widen, estimator, searcher, y, classifier, edges, widening
+    )
+    final = searcher.fit_final(candidates[best][0])
+
+    # 2. The estimator's own grids: refit the kept candidate with the widened grids.
+    own, updates, stuck = _own_grid_edges(final)
+    refit_failure = None
+    if widen and updates:
+        refit_failure, best, final = _refit_widened(
+            candidates, scores, best, final, updates, searcher, y, classifier, widening
+        )
+    refitted = widen and bool(updates) and refit_failure is None
+    after = {c.parameter: c for c in estimator_grid_choices(final)} if refitted else {}
+    edges += _own_edge_records(own, updates, stuck, after, widen, refit_failure)
+    return SearchOutcome(candidates, scores, best, final, edges, widening)
+
+
+def _widen_search_grid(
+    candidates: list[Candidate],
+    scores: list[Score],
+    best: int,
+    grid: dict[str, list[Any]],
+    widen: bool,
+    estimator: BaseEstimator,
+    searcher: _Searcher,
+    y: np.ndarray,
+    classifier: bool,
+    edges: list[dict[str, Any]],
+    widening: dict[str, Any],
+) -> int:
+    """The ``[search]`` grid's edges: widened once (new candidates join the same
+    cross-validation; the best of all wins) and recorded in ``edges``. Extends
+    ``candidates`` and ``scores`` in place; returns the best candidate's index."""
     chosen = dict(scores[best][2])
     hits = {
         name: side
@@ -112,7 +144,7 @@ def _run_search(
         product = {name: wider.get(name) or values for name, values in grid.items()}
         new = [p for p in ParameterGrid(product) if p not in seen]
         try:
-            extra = _candidates(estimator, new)
+            extra = search_candidates(estimator, new)
             preds = searcher.cross_validate(extra, "widening")
         except _WIDENING_FAILURES as exc:
             failure = f"widening failed: {' '.join(str(exc).split())}"
@@ -130,7 +162,7 @@ def _run_search(
         else:
             note = failure or "no value fits past this edge"
         edges.append(
-            _edge_record(
+            edge_record(
                 name,
                 "search",
                 side,
@@ -141,9 +173,15 @@ def _run_search(
                 note=note,
             )
         )
-    final = searcher.fit_final(candidates[best][0])
+    return best
 
-    # 2. The estimator's own grids: refit the kept candidate with the widened grids.
+
+def _own_grid_edges(
+    final: BaseEstimator,
+) -> tuple[list[tuple[Any, str]], dict[str, list[Any]], dict[str, tuple[str, bool]]]:
+    """The grids the fitted estimator searched itself whose edge it chose: each with
+    its side, the widened grids by estimator parameter, and why the others cannot be
+    widened (and whether nothing lies beyond them)."""
     own = [
         (c, side)
         for c in estimator_grid_choices(final)
@@ -167,37 +205,63 @@ def _run_search(
             )
         else:
             stuck[c.parameter] = ("no value fits past this edge", False)
+    return own, updates, stuck
+
+
+def _refit_widened(
+    candidates: list[Candidate],
+    scores: list[Score],
+    best: int,
+    final: BaseEstimator,
+    updates: dict[str, list[Any]],
+    searcher: _Searcher,
+    y: np.ndarray,
+    classifier: bool,
+    widening: dict[str, Any],
+) -> tuple[str | None, int, BaseEstimator]:
+    """The kept candidate refitted with its own grids widened: (why it failed or None,
+    the best index, the final model). Extends ``candidates`` and ``scores`` in place."""
     refit_failure = None
-    if widen and updates:
-        at_edge = candidates[best]
-        widened_est = clone(at_edge[0]).set_params(**updates)
-        params = {**at_edge[1], **updates}
-        try:
-            pred = searcher.cross_validate([(widened_est, params)], "widening")[0]
-            refit = searcher.fit_final(widened_est)
-        except _WIDENING_FAILURES as exc:
-            refit_failure = f"widening failed: {' '.join(str(exc).split())}"
-        else:
-            widening["cv_at_edge"] = _summary(scores[best][0])
-            widening["params_at_edge"] = at_edge[1]
-            candidates.append((widened_est, params))
-            scores += _scores([(widened_est, params)], [pred], y, classifier)
-            # The widened model replaces the edge one whatever the outer CV says: its
-            # grid holds the old choice, so the estimator's own criterion, which chose
-            # the edge, can only be better on it. The outer CV of both is reported,
-            # not used to pick between them.
-            best = len(scores) - 1
-            final = refit
-            widening["refits"] += 1
-            widening["cv_after_widening"] = _summary(scores[best][0])
-    refitted = widen and bool(updates) and refit_failure is None
-    after = {c.parameter: c for c in estimator_grid_choices(final)} if refitted else {}
+    at_edge = candidates[best]
+    widened_est = clone(at_edge[0]).set_params(**updates)
+    params = {**at_edge[1], **updates}
+    try:
+        pred = searcher.cross_validate([(widened_est, params)], "widening")[0]
+        refit = searcher.fit_final(widened_est)
+    except _WIDENING_FAILURES as exc:
+        refit_failure = f"widening failed: {' '.join(str(exc).split())}"
+    else:
+        widening["cv_at_edge"] = _summary(scores[best][0])
+        widening["params_at_edge"] = at_edge[1]
+        candidates.append((widened_est, params))
+        scores += _scores([(widened_est, params)], [pred], y, classifier)
+        # The widened model replaces the edge one whatever the outer CV says: its
+        # grid holds the old choice, so the estimator's own criterion, which chose
+        # the edge, can only be better on it. The outer CV of both is reported,
+        # not used to pick between them.
+        best = len(scores) - 1
+        final = refit
+        widening["refits"] += 1
+        widening["cv_after_widening"] = _summary(scores[best][0])
+    return refit_failure, best, final
+
+
+def _own_edge_records(
+    own: list[tuple[Any, str]],
+    updates: dict[str, list[Any]],
+    stuck: dict[str, tuple[str, bool]],
+    after: dict[str, Any],
+    widen: bool,
+    refit_failure: str | None,
+) -> list[dict[str, Any]]:
+    """The records of the estimator's own grid edges, before and after the refit."""
+    edges: list[dict[str, Any]] = []
     for c, side in own:
         a = after.get(c.parameter) if c.widen_as in updates else None
         reason, at_bound = stuck.get(c.parameter, (None, False))
         if a is None and reason is None:
             reason = _WIDENING_OFF if not widen else refit_failure
-        record = _edge_record(
+        record = edge_record(
             c.parameter,
             "estimator",
             side,
@@ -225,7 +289,7 @@ def _run_search(
         side = grid_edge(a.grid, a.chosen)
         if name not in hit and side is not None:
             edges.append(
-                _edge_record(
+                edge_record(
                     name,
                     "estimator",
                     side,
@@ -237,7 +301,7 @@ def _run_search(
                     "widened again (widening happens once)",
                 )
             )
-    return _SearchOutcome(candidates, scores, best, final, edges, widening)
+    return edges
 
 
 def _scores(

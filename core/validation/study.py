@@ -9,7 +9,7 @@ are the ones a laboratory would receive. It returns the study as one JSON-able
 document; :mod:`.outputs` writes it as ``validation.json``, ``validation.html`` and
 ``per_sample.csv``, each built from that document alone.
 
-What is compared depends on the model (:class:`~core.runtime.ModelKind`):
+What is compared depends on the model (:class:`~core.results.ModelKind`):
 
 * regressors and conditional models: the value of each sample against its reference
   value (quantitative: Bland–Altman, Deming, Passing–Bablok, correlation);
@@ -100,11 +100,8 @@ def validate(model: str | Path | Any, data: str | Path | ValidationConfig) -> di
         training sample (:class:`TrainingSampleError`).
     """
     from .. import __version__
-    from ..blas import one_thread
-    from ..io import read_file
-    from ..runtime import ModelKind, ModelRuntime
-    from ..signing import signature_key_sha256
-    from ..training.data import _bag_names, _overlap, bag_fingerprints, read_data
+    from ..results import ModelKind
+    from ..runtime import ModelRuntime
 
     runtime = model if isinstance(model, ModelRuntime) else ModelRuntime.open(model)
     config = data if isinstance(data, ValidationConfig) else load_validation_config(data)
@@ -116,34 +113,7 @@ def validate(model: str | Path | Any, data: str | Path | ValidationConfig) -> di
             "regressor is not supported"
         )
     cfg = config.data
-    configured = _configured_files(cfg)
-    references = read_data(cfg, panel=info.panel, compensation=info.preprocessing.compensation)
-    if references.y is None:
-        raise ConfigError(
-            "[data] gives no reference results (labels, cell_label_files or cell_label_column)"
-        )
-    files = [str(f) for f in references.files]
-    missing = sorted({Path(f).name for f in configured} - {Path(f).name for f in files})
-    if missing:
-        raise DataError(f"[data] {len(missing)} file(s) have no reference result: {missing[:10]}")
-    names = _bag_names(cfg, files)
-    samples, digests = map(list, zip(*(read_file(f) for f in files), strict=True))
-    with one_thread():
-        bags = runtime.align(samples)
-        result = runtime.predict(bags)
-    if not np.array_equal(np.asarray(bags.sizes), np.asarray(references.bags.sizes)):
-        raise DataError(
-            "the reference labels do not match the cells of the files (row counts differ)"
-        )
-    seen = _overlap(
-        info.metadata, bag_fingerprints(names, digests, [bags[t] for t in range(len(bags))])
-    )
-    if seen is not None and seen.any():
-        trained = [n for n, s in zip(names, seen, strict=True) if s]
-        raise TrainingSampleError(
-            f"{len(trained)} of {len(names)} validation sample(s) were used to train this model "
-            f"(matched by sha256): {trained[:10]}; validate on samples it did not see"
-        )
+    files, names, digests, references, result, seen = _predicted_references(runtime, cfg)
     status = np.array([result.status_of(i) for i in range(result.n_bags)])
     domain = result.domain
     out_of_domain = (
@@ -175,11 +145,6 @@ def validate(model: str | Path | Any, data: str | Path | ValidationConfig) -> di
     if qual_input is not None:
         qualitative = {s: _qualitative(qual_input, declined, s, config) for s in SETS}
     meta = info.metadata
-    config_model = (
-        (meta.get("config") or {}).get("model", {})
-        if isinstance(meta.get("config"), Mapping)
-        else {}
-    )
     doc: dict[str, Any] = {
         "schema": SCHEMA,
         "title": config.report.get("title", "Method comparison: model against reference method"),
@@ -190,16 +155,7 @@ def validate(model: str | Path | Any, data: str | Path | ValidationConfig) -> di
         .isoformat()
         .replace("+00:00", "Z"),
         "software": {"bagserve": __version__},
-        "model": {
-            "name": meta.get("name"),
-            "version": meta.get("version"),
-            "sha256": info.sha256,
-            "estimator": info.estimator,
-            "kind": str(kind),
-            "signer_key_sha256": signature_key_sha256(info.path) or None,
-            "out_of_domain_policy": info.out_of_domain_policy,
-            "intended_use": config_model.get("intended_use"),
-        },
+        "model": _model_section(info, kind, meta),
         "data": {
             "validation_file": {"name": config.path.name, "sha256": config.sha256},
             "tables": _tables(cfg, config),
@@ -243,6 +199,69 @@ def validate(model: str | Path | Any, data: str | Path | ValidationConfig) -> di
     return doc
 
 
+def _predicted_references(
+    runtime: Any, cfg: Mapping[str, Any]
+) -> tuple[list[str], list[str], list[str], Any, Any, Any]:
+    """The validation files read (each once), predicted as served and checked against
+    their reference results and the model's training samples: (files, names, sha256s,
+    references, the prediction, which were training samples or None)."""
+    from ..blas import one_thread
+    from ..io import read_file
+    from ..training.data import bag_fingerprints, bag_names, read_data, training_overlap
+
+    info = runtime.info
+    configured = _configured_files(cfg)
+    references = read_data(cfg, panel=info.panel, compensation=info.preprocessing.compensation)
+    if references.y is None:
+        raise ConfigError(
+            "[data] gives no reference results (labels, cell_label_files or cell_label_column)"
+        )
+    files = [str(f) for f in references.files]
+    missing = sorted({Path(f).name for f in configured} - {Path(f).name for f in files})
+    if missing:
+        raise DataError(f"[data] {len(missing)} file(s) have no reference result: {missing[:10]}")
+    names = bag_names(cfg, files)
+    samples, digests = map(list, zip(*(read_file(f) for f in files), strict=True))
+    with one_thread():
+        bags = runtime.align(samples)
+        result = runtime.predict(bags)
+    if not np.array_equal(np.asarray(bags.sizes), np.asarray(references.bags.sizes)):
+        raise DataError(
+            "the reference labels do not match the cells of the files (row counts differ)"
+        )
+    seen = training_overlap(
+        info.metadata, bag_fingerprints(names, digests, [bags[t] for t in range(len(bags))])
+    )
+    if seen is not None and seen.any():
+        trained = [n for n, s in zip(names, seen, strict=True) if s]
+        raise TrainingSampleError(
+            f"{len(trained)} of {len(names)} validation sample(s) were used to train this model "
+            f"(matched by sha256): {trained[:10]}; validate on samples it did not see"
+        )
+    return files, names, digests, references, result, seen
+
+
+def _model_section(info: Any, kind: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The study's ``model``: what was validated, by whom it was signed, its policy."""
+    from ..signing import signature_key_sha256
+
+    config_model = (
+        (meta.get("config") or {}).get("model", {})
+        if isinstance(meta.get("config"), Mapping)
+        else {}
+    )
+    return {
+        "name": meta.get("name"),
+        "version": meta.get("version"),
+        "sha256": info.sha256,
+        "estimator": info.estimator,
+        "kind": str(kind),
+        "signer_key_sha256": signature_key_sha256(info.path) or None,
+        "out_of_domain_policy": info.out_of_domain_policy,
+        "intended_use": config_model.get("intended_use"),
+    }
+
+
 def _json_values(value: Any) -> Any:
     """The document in JSON's values: a statistic that is not a finite number (an
     interval open at one end, a correlation of constant results) becomes null."""
@@ -260,9 +279,9 @@ def _json_values(value: Any) -> Any:
 
 
 def _configured_files(cfg: Mapping[str, Any]) -> list[Path]:
-    from ..training.config import _resolve
+    from ..training.config import resolve_path
 
-    return _resolve(Path(cfg["_base"]), cfg["data"]["files"])
+    return resolve_path(Path(cfg["_base"]), cfg["data"]["files"])
 
 
 def _tables(cfg: Mapping[str, Any], config: ValidationConfig) -> list[dict[str, str]]:
@@ -378,10 +397,10 @@ def _cell_results(
 def _label_keys(y: np.ndarray) -> np.ndarray:
     """Reference labels as the model's classes are written (``1.0`` reads ``"1"``),
     converted once per distinct label, not per cell."""
-    from ..training.data import _label_key
+    from ..training.data import label_key
 
     found, inverse = np.unique(np.asarray(y), return_inverse=True)
-    return np.array([_label_key(v) for v in found.tolist()], dtype=str)[inverse.reshape(-1)]
+    return np.array([label_key(v) for v in found.tolist()], dtype=str)[inverse.reshape(-1)]
 
 
 def _attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..database import DatabaseTimeout
+from ..database_errors import DatabaseTimeout
 from ..deps import ServicesDep
 from ..exposure import anonymous_exposure
 

@@ -24,7 +24,7 @@ from ..idempotency import fingerprint
 from ..options import PredictOptions
 from ..security import Role
 from ..uploads import accepted_content_type, body_spec
-from .v1 import _PREDICT_DOC, _PREDICT_RESPONSES
+from .v1_openapi import PREDICT_DOC, PREDICT_RESPONSES
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
 
@@ -48,7 +48,7 @@ def _view(
 
 
 _JOB_DOC = {
-    **_PREDICT_DOC,
+    **PREDICT_DOC,
     "parameters": [
         {
             "name": "model",
@@ -58,12 +58,12 @@ _JOB_DOC = {
             "example": "demo-dose",
         },
         {"name": "version", "in": "query", "required": False, "schema": {"type": "string"}},
-        *_PREDICT_DOC["parameters"],
+        *PREDICT_DOC["parameters"],
     ],
 }
 #: What submitting answers besides 202: as predict, but nothing computed yet.
 _SUBMIT_RESPONSES = {
-    code: _PREDICT_RESPONSES[code] for code in (400, 401, 403, 404, 413, 415, 422, 503)
+    code: PREDICT_RESPONSES[code] for code in (400, 401, 403, 404, 413, 415, 422, 503)
 }
 
 

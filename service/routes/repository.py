@@ -30,7 +30,6 @@ from starlette.responses import Response
 
 from ..deps import (
     FORBIDDEN,
-    LatestEntry,
     ModelName,
     ServicesDep,
     VersionEntry,
@@ -43,6 +42,7 @@ from ..registry import ModelEntry
 from ..repository import READY, LoadStatus
 from ..security import Role
 from ..tensors import OUTPUTS
+from .twins import Twin, add_twins
 
 router = APIRouter(
     prefix="/v2", tags=["v2 (Triton extensions)"], dependencies=[Depends(authenticate)]
@@ -264,13 +264,19 @@ async def version_stats(svc: ServicesDep, entry: VersionEntry) -> dict[str, Any]
     return svc.stats.triton([entry.key])
 
 
-@router.get("/models/{name}/config", summary="Model configuration")
-async def model_config(svc: ServicesDep, entry: LatestEntry) -> dict[str, Any]:
-    """The latest version's configuration in Triton's form."""
-    return _config(svc, entry)
-
-
-@router.get("/models/{name}/versions/{version}/config", summary="Model version configuration")
-async def model_version_config(svc: ServicesDep, entry: VersionEntry) -> dict[str, Any]:
-    """One version's configuration in Triton's form."""
-    return _config(svc, entry)
+add_twins(
+    router,
+    "GET",
+    "/models/{name}/config",
+    _config,
+    latest=Twin(
+        "model_config",
+        "Model configuration",
+        "The latest version's configuration in Triton's form.",
+    ),
+    version=Twin(
+        "model_version_config",
+        "Model version configuration",
+        "One version's configuration in Triton's form.",
+    ),
+)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import orjson
-from bagserve.core.runtime import CellPrediction, ClassificationPrediction, Prediction
+from bagserve.core.results import CellPrediction, ClassificationPrediction, Prediction
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
@@ -27,9 +27,7 @@ from bagserve import __version__
 from ..deps import (
     FORBIDDEN,
     CallerDep,
-    LatestEntry,
     ServicesDep,
-    VersionEntry,
     authenticate,
     require,
 )
@@ -39,6 +37,7 @@ from ..registry import ModelEntry
 from ..security import Role
 from ..tensors import OUTPUTS
 from ..uploads import body_spec, check_encoding
+from .twins import Twin, add_twins
 
 router = APIRouter(prefix="/v2", tags=["v2 (Open Inference Protocol)"])
 #: Routes that need an API key (server metadata and health stay open, as in KServe).
@@ -147,16 +146,22 @@ def _metadata(svc: ServicesDep, entry: ModelEntry) -> dict[str, Any]:
     }
 
 
-@models.get("/models/{name}", summary="Model metadata")
-async def model_metadata(svc: ServicesDep, entry: LatestEntry) -> dict[str, Any]:
-    """Inputs, outputs, versions and panel of the model's latest version."""
-    return _metadata(svc, entry)
-
-
-@models.get("/models/{name}/versions/{version}", summary="Model version metadata")
-async def model_version_metadata(svc: ServicesDep, entry: VersionEntry) -> dict[str, Any]:
-    """Inputs, outputs, versions and panel of one version."""
-    return _metadata(svc, entry)
+add_twins(
+    models,
+    "GET",
+    "/models/{name}",
+    _metadata,
+    latest=Twin(
+        "model_metadata",
+        "Model metadata",
+        "Inputs, outputs, versions and panel of the model's latest version.",
+    ),
+    version=Twin(
+        "model_version_metadata",
+        "Model version metadata",
+        "Inputs, outputs, versions and panel of one version.",
+    ),
+)
 
 
 def _model_ready(svc: ServicesDep, entry: ModelEntry) -> Response:
@@ -169,17 +174,23 @@ def _model_ready(svc: ServicesDep, entry: ModelEntry) -> Response:
     )
 
 
-@models.get("/models/{name}/ready", summary="Model ready")
-async def model_ready(svc: ServicesDep, entry: LatestEntry) -> Response:
-    """The model's latest version is loaded in every running worker (while the server
-    starts, each model is ready as soon as it is loaded)."""
-    return _model_ready(svc, entry)
-
-
-@models.get("/models/{name}/versions/{version}/ready", summary="Model version ready")
-async def model_version_ready(svc: ServicesDep, entry: VersionEntry) -> Response:
-    """The version is loaded in every running worker."""
-    return _model_ready(svc, entry)
+add_twins(
+    models,
+    "GET",
+    "/models/{name}/ready",
+    _model_ready,
+    latest=Twin(
+        "model_ready",
+        "Model ready",
+        "The model's latest version is loaded in every running worker (while the server\n"
+        "starts, each model is ready as soon as it is loaded).",
+    ),
+    version=Twin(
+        "model_version_ready",
+        "Model version ready",
+        "The version is loaded in every running worker.",
+    ),
+)
 
 
 def _output(name: str, array: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
@@ -215,7 +226,9 @@ def _output(name: str, array: np.ndarray, binary: bool) -> tuple[dict[str, Any],
     }, None
 
 
-async def _infer(request: Request, svc: ServicesDep, caller: Caller, entry: ModelEntry) -> Response:
+async def _infer(
+    request: Request, svc: ServicesDep, caller: CallerDep, entry: ModelEntry
+) -> Response:
     """Read the body, predict on a worker (which decodes the tensors), encode tensors."""
     check_encoding(request)
     spec = body_spec(request, protocol="v2")
@@ -365,32 +378,23 @@ _INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-@models.post(
+add_twins(
+    models,
+    "POST",
     "/models/{name}/infer",
+    _infer,
+    latest=Twin(
+        "infer", "Inference", "Predict with the model's latest version (Open Inference Protocol)."
+    ),
+    version=Twin(
+        "infer_version",
+        "Inference with one version",
+        "Predict with one version of the model (Open Inference Protocol).",
+    ),
     dependencies=[Depends(require(Role.PREDICT))],
-    summary="Inference",
     openapi_extra=_INFER_DOC,
     responses=_INFER_RESPONSES,
 )
-async def infer(
-    request: Request, svc: ServicesDep, caller: CallerDep, entry: LatestEntry
-) -> Response:
-    """Predict with the model's latest version (Open Inference Protocol)."""
-    return await _infer(request, svc, caller, entry)
-
-
-@models.post(
-    "/models/{name}/versions/{version}/infer",
-    dependencies=[Depends(require(Role.PREDICT))],
-    summary="Inference with one version",
-    openapi_extra=_INFER_DOC,
-    responses=_INFER_RESPONSES,
-)
-async def infer_version(
-    request: Request, svc: ServicesDep, caller: CallerDep, entry: VersionEntry
-) -> Response:
-    """Predict with one version of the model (Open Inference Protocol)."""
-    return await _infer(request, svc, caller, entry)
 
 
 router.include_router(models)
