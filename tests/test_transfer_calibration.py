@@ -59,20 +59,20 @@ def test_the_landmark_map_is_a_local_maximum_of_its_likelihood(fitted):
 def test_a_calibration_keeps_every_markers_order_and_ignores_cell_order(fitted, how):
     _, reference, tasks, _ = fitted
     x = np.asarray(tasks[2]) * [1.5, 0.8, 1.0, 2.0] + [0.3, -1.0, 0.0, 2.0]
-    z, quality = cal.calibrate(how, x, reference, None)
+    z, quality, _ = cal.calibrate(how, x, reference, None)
     assert quality is None
     order = np.argsort(x, axis=0, kind="stable")
     mapped = np.take_along_axis(z, order, axis=0)
     assert np.all(np.diff(mapped, axis=0) >= 0)
     shuffle = np.random.default_rng(0).permutation(x.shape[0])
-    again, _ = cal.calibrate(how, x[shuffle], reference, None)
+    again, _, _ = cal.calibrate(how, x[shuffle], reference, None)
     np.testing.assert_array_equal(again, z[shuffle])
 
 
 def test_standardising_is_each_markers_z_score(fitted):
     _, reference, tasks, _ = fitted
     x = np.asarray(tasks[3]) * 3.0 + 1.0
-    z, _ = cal.calibrate("standardise", x, reference, None)
+    z, _, _ = cal.calibrate("standardise", x, reference, None)
     np.testing.assert_allclose(z, (x - x.mean(axis=0)) / x.std(axis=0), atol=1e-12)
 
 

@@ -46,6 +46,6 @@ def shift_envelope(
             for c in calibrations:
                 if c == "control" and fitted is None:
                     continue
-                z, _ = calibrate(c, seen, reference, fitted)
-                out[c] = max(out[c], shift(c, seen, z, reference))
+                z, _, ran = calibrate(c, seen, reference, fitted)
+                out[c] = max(out[c], shift(ran, seen, z, reference))
     return out

@@ -24,6 +24,7 @@ from .calibration import (
     calibrate,
     fit_control,
     fit_reference,
+    landmark_gain_limit,
     shift,
     standardised,
 )
@@ -79,16 +80,16 @@ class _MarginalTransfer(BaseEstimator):
 
     # ================================================================= fitting
     def _candidates(self, has_control: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        # A classifier's sample is always calibrated: its landmarks keep its biology
-        # (its populations' proportions). A regressor has no populations, and a
-        # sample's level may be the signal (Munnell's states: standardising each
-        # erases it), so the cells as measured stay a candidate.
+        # A classifier's sample is calibrated by its control or its landmarks, which
+        # keep its biology (its populations' proportions); the moments erase it (on the
+        # 12 real GvHD samples, 0.805 of the cells against 0.842). A regressor has no
+        # populations, and a sample's level may be its signal (Munnell's states), so
+        # its candidates are the moments and the cells as measured.
+        wanted = (
+            ("control", "landmarks") if self._is_classifier else ("control", "standardise", "none")
+        )
         calibrations = tuple(
-            c
-            for c in CALIBRATIONS
-            if (c != "none" or not self._is_classifier)
-            and (c != "control" or has_control)
-            and (c != "landmarks" or self._is_classifier)
+            c for c in CALIBRATIONS if c in wanted and (c != "control" or has_control)
         )
         if self.calibrate == "control" and not has_control:
             raise ValueError("calibrate='control' needs fit(..., control=)")
@@ -138,18 +139,21 @@ class _MarginalTransfer(BaseEstimator):
         calibrations, models = self._candidates(cells is not None)
         seed = seed_of(self.random_state)
         with one_thread():
+            gain_limit = None
+            if "landmarks" in calibrations:
+                gain_limit = landmark_gain_limit(tasks, codes, self.cv, seed, self.range_factor)
             if len(calibrations) * len(models) > 1:
                 problem = Problem(
                     tasks, Y, codes, rest, cells, g, calibrations, models, self.cv,
                     self.cv_points, self.perturbations, self.n_components,
-                    self.embedding_points, seed,
+                    self.embedding_points, gain_limit, seed,
                 )  # fmt: skip
                 selection = choose(problem)
             else:
                 fixed = calibrations[0]
                 without = without_control(fixed, self._is_classifier)
                 selection = Selection(fixed, without, models[0], None)
-            self._fit_final(tasks, Y, codes, rest, cells, selection, seed)
+            self._fit_final(tasks, Y, codes, rest, cells, selection, seed, gain_limit)
         self.n_features_in_ = d
         return self
 
@@ -162,8 +166,9 @@ class _MarginalTransfer(BaseEstimator):
         control: NDArray[np.float64] | None,
         selection: Selection,
         seed: int,
+        gain_limit: float | None,
     ) -> None:
-        reference = fit_reference(tasks, codes, control)
+        reference = fit_reference(tasks, codes, control, gain_limit)
         floor = SD_FLOOR * reference.sd
         standard = selection.calibration == "standardise"
         cells = [standardised(x, floor) for x in tasks] if standard else tasks
@@ -198,10 +203,11 @@ class _MarginalTransfer(BaseEstimator):
 
     def _calibrated(
         self, X: Any, control: ArrayLike | None
-    ) -> tuple[list[NDArray[np.float64]], list[Any], str]:
+    ) -> tuple[list[NDArray[np.float64]], list[Any], list[str]]:
         """The tasks in the cell model's space, each one's calibration quality (with a
-        control) and shift (:func:`.calibration.shift`), and the calibration used (the
-        model's own, or its best without a control where the batch's is not given)."""
+        control) and shift (:func:`.calibration.shift`), and each one's calibration: the
+        model's own (or its best without a control where the batch's is not given), or
+        none where its landmarks show no instrument (:func:`.calibration.calibrate`)."""
         reference, _ = self._parts()
         tasks = as_task_list(X)
         bad = [f"task {i}: {t.shape[1]} marker column(s), the model has {self.n_features_in_}"
@@ -214,9 +220,14 @@ class _MarginalTransfer(BaseEstimator):
             fitted = fit_control(control_cells(control, self.n_features_in_), reference)
         elif how == "control":
             how = self.calibration_without_control_
-        out = [calibrate(how, x, reference, fitted if how == "control" else None) for x in tasks]
-        shifts = [shift(how, x, z, reference) for x, (z, _) in zip(tasks, out, strict=True)]
-        return [z for z, _ in out], [(q, m) for (_, q), m in zip(out, shifts, strict=True)], how
+        out = [calibrate(how, x, reference, fitted) for x in tasks]
+        ran = [r for _, _, r in out]
+        moved = [shift(r, x, z, reference) for x, (z, _, r) in zip(tasks, out, strict=True)]
+        return (
+            [z for z, _, _ in out],
+            [(q, m) for (_, q, _), m in zip(out, moved, strict=True)],
+            ran,
+        )
 
     def _scores_per_task(
         self, X: Any, control: ArrayLike | None
@@ -233,8 +244,8 @@ class _MarginalTransfer(BaseEstimator):
                 scores.append(s)
                 codes.append(self._codes(s))
                 quality, moved = qualities[i]
-                limit = self.shift_limits_.get(how, np.inf)
-                reports.append(task_report(task_map, sq[i], how, quality, moved, limit))
+                limit = self.shift_limits_.get(how[i], np.inf)
+                reports.append(task_report(task_map, sq[i], how[i], quality, moved, limit))
         return scores, codes, reports
 
     def _codes(self, s: NDArray[np.float64]) -> NDArray[np.int64]:

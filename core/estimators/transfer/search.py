@@ -1,9 +1,10 @@
 """Choose the calibration and the cell model under instrument shift (issue 44, point 2).
 
 Folds hold out whole training samples. With one training batch, each held-out sample
-is passed through drawn instruments (:mod:`.perturbation`) — and its batch's control
-through the same instrument, where the model has one — before it is calibrated and
-scored: a candidate is judged on what a new batch would do to it, and on samples whose
+is scored as measured (a new patient of the training lab) and passed through drawn
+instruments (:mod:`.perturbation`) — and its batch's control through the same
+instrument, where the model has one — before it is calibrated and scored: a candidate
+is judged on new patients and on what a new batch would do to them, on samples whose
 biology differs from the reference (never the same sample re-perturbed). With several
 batches named (``groups``), the folds leave one batch out and the real batches are
 the shift, unperturbed.
@@ -60,6 +61,7 @@ class Problem:
     perturbations: int
     n_components: int
     embedding_points: int
+    gain_limit: float | None
     seed: int
 
     @property
@@ -141,7 +143,7 @@ def _evaluate_fold(
 ) -> None:
     xs, ys = _fold_rows(p, train)
     codes = None if p.codes is None else np.argmax(np.vstack(ys), axis=1)
-    reference = fit_reference(xs, codes, p.control)
+    reference = fit_reference(xs, codes, p.control, p.gain_limit)
     floor = SD_FLOOR * reference.sd
     models: dict[str, dict[str, Any]] = {}
     maps: dict[str, TaskMap] = {}
@@ -157,7 +159,10 @@ def _evaluate_fold(
     seen: list[tuple[NDArray[np.float64], Any]] = []
     truth: list[NDArray[np.float64]] = []
     for x, y in zip(held_x, held_y, strict=True):
-        instruments = [None] if real_batches else draw_instruments(x, p.perturbations, rng)
+        # A new patient of the training batch (as measured) and of new instruments.
+        instruments = [None]
+        if not real_batches:
+            instruments += draw_instruments(x, p.perturbations, rng)
         for inst in instruments:
             control = None
             if p.control is not None and "control" in p.calibrations:
