@@ -46,7 +46,14 @@ from ..bags import Bags, subsample_bags
 from ..kernels import squared_euclidean_distances
 from .base import BagRepresentation, FeatureEmbedding
 
-__all__ = ["DensityFeatures", "HistogramEmbedding", "lambda_measure", "sample_lambdas"]
+__all__ = [
+    "DensityFeatures",
+    "HistogramEmbedding",
+    "cosine_basis_inner",
+    "lambda_measure",
+    "sample_lambdas",
+    "smoothed_at",
+]
 
 Z = {"hellinger": 0.5, "js": math.log(2.0) / 2.0, "tv": 0.5}
 #: Beyond this many basis functions per group, ``subspaces="auto"`` uses marker pairs.
@@ -118,6 +125,36 @@ def cosine_basis(u: NDArray[np.float64], n_basis: int) -> NDArray[np.float64]:
     return out
 
 
+def cosine_basis_inner(
+    u: NDArray[np.float64], n_basis: int, g: NDArray[np.float64]
+) -> NDArray[np.float64]:
+    """``cosine_basis(u, n_basis) @ g`` without the ``(n, n_basis^k)`` basis: the tensor
+    basis is contracted one axis at a time, so the cost per point is ``n_basis^k``
+    multiply-adds on one small product instead of forming and reading every basis
+    function. ``g`` has shape (n_basis^k, c); the result (n, c), equal to the product
+    to rounding."""
+    n, k = u.shape
+    c = g.shape[1]
+    # cos(jπu) by the Chebyshev recurrence T_j = 2 cos(πu) T_{j-1} - T_{j-2}: one
+    # cosine per point and axis instead of n_basis (error about j ulp).
+    T = np.empty((n_basis, n, k))  # T[j] = cos(jπu), contiguous per j
+    T[0] = 1.0
+    if n_basis > 1:
+        np.cos(np.pi * u, out=T[1])
+        twice = 2.0 * T[1]
+    for j in range(2, n_basis):
+        np.multiply(twice, T[j - 1], out=T[j])
+        T[j] -= T[j - 2]
+    T[1:] *= math.sqrt(2.0)
+    # Axis 0 by a product: (n, B) @ (B, B^(k-1) c); then each further axis by a
+    # weighted sum over its B entries.
+    acc = T[:, :, 0].T @ g.reshape(n_basis, -1)
+    for j in range(1, k):
+        acc = acc.reshape(n, n_basis, -1)
+        acc = np.einsum("nbr,bn->nr", acc, T[:, :, j])
+    return acc.reshape(n, c)
+
+
 #: Per corner of the grid cell around each point, the node and its weight.
 LinearBins = tuple[list[NDArray[np.int64]], list[NDArray[np.float64]]]
 
@@ -141,6 +178,38 @@ def linear_bins(x: NDArray[np.float64], n_nodes: int) -> LinearBins:
     return cells, weights
 
 
+def _smoothing(n_nodes: int, bandwidth: float) -> NDArray[np.float64]:
+    """The one-dimensional Gaussian kernel between the grid's nodes (it factorises)."""
+    nodes = np.linspace(0.0, 1.0, n_nodes)
+    smooth = np.exp(-((nodes[:, None] - nodes[None, :]) ** 2) / (2.0 * bandwidth**2))
+    smooth *= (2.0 * math.pi * bandwidth**2) ** -0.5
+    return smooth
+
+
+def _smoothed_grids(
+    cells: list[NDArray[np.int64]],
+    cw: list[NDArray[np.float64]],
+    weights: NDArray[np.float64],
+    rows: NDArray[np.int64],
+    n_grids: int,
+    n_nodes: int,
+    k: int,
+    smooth: NDArray[np.float64],
+) -> NDArray[np.float64]:
+    """Linear binning of weighted points into ``n_grids`` grids (``rows``: each point's
+    grid times the cells per grid), then the separable Gaussian smoothing;
+    shape (n_grids, n_nodes^k)."""
+    n_cells = n_nodes**k
+    grid = np.zeros(n_grids * n_cells)
+    for c, w in zip(cells, cw, strict=True):
+        grid += np.bincount(rows + c, weights=weights * w, minlength=grid.size)
+    grid = grid.reshape((n_grids,) + (n_nodes,) * k)
+    # The Gaussian factorises over axes: one matrix product per axis.
+    for axis in range(1, k + 1):
+        grid = np.moveaxis(np.tensordot(grid, smooth, axes=([axis], [0])), -1, axis)
+    return grid.reshape(n_grids, n_cells)
+
+
 def binned_kde(
     points: NDArray[np.float64],
     weights: NDArray[np.float64],
@@ -148,9 +217,6 @@ def binned_kde(
     at: NDArray[np.float64],
     bandwidth: float,
     n_nodes: int,
-    *,
-    point_bins: LinearBins | None = None,
-    at_bins: LinearBins | None = None,
 ) -> NDArray[np.float64]:
     """Gaussian KDEs of several bags at the points ``at``, by linear binning (Wand 1994).
 
@@ -166,8 +232,6 @@ def binned_kde(
     bandwidth : float
     n_nodes : int
         Grid nodes per axis (spacing ``1 / (n_nodes - 1)``).
-    point_bins, at_bins : LinearBins, optional
-        :func:`linear_bins` of ``points`` / ``at`` on this grid, when already known.
 
     Returns
     -------
@@ -176,31 +240,67 @@ def binned_kde(
     k = points.shape[1]
     B = offsets.size - 1
     n_cells = n_nodes**k
-    nodes = np.linspace(0.0, 1.0, n_nodes)
-    smooth = np.exp(-((nodes[:, None] - nodes[None, :]) ** 2) / (2.0 * bandwidth**2))
-    smooth *= (2.0 * math.pi * bandwidth**2) ** -0.5
-    at_cells, at_weights = linear_bins(at, n_nodes) if at_bins is None else at_bins
+    smooth = _smoothing(n_nodes, bandwidth)
+    at_cells, at_weights = linear_bins(at, n_nodes)
     bag_of_point = np.repeat(np.arange(B), np.diff(offsets))
     out = np.empty((B, at.shape[0]))
     step = max(1, BLOCK_FLOATS // n_cells)
     for b0 in range(0, B, step):
         b1 = min(B, b0 + step)
         lo, hi = int(offsets[b0]), int(offsets[b1])
-        if point_bins is None:
-            cells, cw = linear_bins(points[lo:hi], n_nodes)
-        else:
-            cells = [c[lo:hi] for c in point_bins[0]]
-            cw = [w[lo:hi] for w in point_bins[1]]
+        cells, cw = linear_bins(points[lo:hi], n_nodes)
         rows = (bag_of_point[lo:hi] - b0) * n_cells
-        grid = np.zeros((b1 - b0) * n_cells)
-        for c, w in zip(cells, cw, strict=True):
-            grid += np.bincount(rows + c, weights=weights[lo:hi] * w, minlength=grid.size)
-        grid = grid.reshape((b1 - b0,) + (n_nodes,) * k)
-        # The Gaussian factorises over axes: one matrix product per axis.
-        for axis in range(1, k + 1):
-            grid = np.moveaxis(np.tensordot(grid, smooth, axes=([axis], [0])), -1, axis)
-        flat = grid.reshape(b1 - b0, n_cells)
+        flat = _smoothed_grids(cells, cw, weights[lo:hi], rows, b1 - b0, n_nodes, k, smooth)
         out[b0:b1] = sum(flat[:, c] * w for c, w in zip(at_cells, at_weights, strict=True))
+    return out
+
+
+def smoothed_at(
+    points: NDArray[np.float64],
+    weights: NDArray[np.float64],
+    at: NDArray[np.float64],
+    bandwidth: float,
+    n_nodes: int,
+) -> NDArray[np.float64]:
+    """``Σ_i weights_i K_h(at - points_i)`` at many points ``at`` (m, k), for one set of
+    ``points`` (n, k) (signed weights allowed), binned as :func:`binned_kde` is.
+
+    For ``m`` much larger than ``n`` (a smoothed measure on a few integration points
+    read at every cell of a sample): the grid is read at ``at`` by multilinear
+    interpolation a chunk of points at a time, so that nothing of size ``m`` but the
+    result is formed (:func:`linear_bins` would keep ``2^k`` index and weight arrays).
+    """
+    k = points.shape[1]
+    smooth = _smoothing(n_nodes, bandwidth)
+    cells, cw = linear_bins(points, n_nodes)
+    rows = np.zeros(points.shape[0], dtype=np.int64)
+    flat = _smoothed_grids(cells, cw, weights, rows, 1, n_nodes, k, smooth)[0]
+    corners = list(itertools.product((0, 1), repeat=k))
+    # Offset of each corner from the cell's first node in the flat grid.
+    shifts = [sum(c[j] * n_nodes ** (k - 1 - j) for j in range(k)) for c in corners]
+    m = at.shape[0]
+    out = np.empty(m)
+    step = 1 << 14  # the chunk's temporaries stay in the cache
+    for lo in range(0, m, step):
+        hi = min(m, lo + step)
+        pos = at[lo:hi] * (n_nodes - 1)
+        # As linear_bins places the points: first node and fraction, per axis.
+        base = np.minimum(np.floor(pos), n_nodes - 2.0)
+        frac = pos - base
+        rest = 1.0 - frac
+        # The first node's flat index, in floating point (exact: small integers).
+        first_f = base[:, 0].copy()
+        for j in range(1, k):
+            first_f *= n_nodes
+            first_f += base[:, j]
+        first = first_f.astype(np.intp)
+        acc = out[lo:hi]
+        acc[:] = 0.0
+        for c, shift in zip(corners, shifts, strict=True):
+            w = np.take(flat, first + shift)
+            for j in range(k):
+                w *= frac[:, j] if c[j] else rest[:, j]
+            acc += w
     return out
 
 
@@ -437,35 +537,28 @@ class DensityFeatures(BagRepresentation):
         return self.features_with_densities(subsample_bags(bags, self.max_points, 0))[0]
 
     def features_with_densities(
-        self, bags: Bags, *, keep_bins: bool = False
-    ) -> tuple[NDArray[np.float64], list[NDArray[np.float64] | None], list[LinearBins | None]]:
-        """Features of bags already subsampled to ``max_points``, and per group the
-        KDEs at its integration points they were made of (``None`` for ``l2``), so
-        that an explanation reuses them instead of estimating them again; with
-        ``keep_bins``, also the points' :func:`linear_bins` of each binned KDE
-        (``None`` where the KDE is exact), which reading a smoothed grid at the points
-        needs again."""
+        self, bags: Bags
+    ) -> tuple[NDArray[np.float64], list[NDArray[np.float64] | None], NDArray[np.float64]]:
+        """Features of bags already subsampled to ``max_points``, per group the KDEs at
+        its integration points they were made of (``None`` for ``l2``), and the points
+        scaled into ``[0, 1]^d``: an explanation reuses them instead of computing
+        them again."""
         scaled = np.clip(self._scale(bags.points), 0.0, 1.0)
         w = bags.point_weights()
         parts = []
         densities: list[NDArray[np.float64] | None] = []
-        kept: list[LinearBins | None] = []
         for gi, group in enumerate(self.groups_):
             cols = list(group)
             if self.divergence == "l2":
                 basis = cosine_basis(scaled[:, cols], int(self.n_basis)) * w[:, None]
                 parts.append(np.add.reduceat(basis, bags.offsets[:-1], axis=0))
                 densities.append(None)
-                kept.append(None)
                 continue
-            nodes = self._grid_nodes(len(cols))
-            bins = linear_bins(scaled[:, cols], nodes) if keep_bins and nodes else None
-            dens = self._kde(scaled[:, cols], w, bags.offsets, self.points_[gi], bins)
+            dens = self._kde(scaled[:, cols], w, bags.offsets, self.points_[gi])
             parts.append(self.features_from_densities(dens, gi))
             densities.append(dens)
-            kept.append(bins)
         out = np.concatenate(parts, axis=1)
-        return out / math.sqrt(len(self.groups_)), densities, kept
+        return out / math.sqrt(len(self.groups_)), densities, scaled
 
     def _grid_nodes(self, k: int) -> int | None:
         """Nodes per axis of the binned KDE for a group of ``k`` markers, or None (exact)."""
@@ -482,14 +575,12 @@ class DensityFeatures(BagRepresentation):
         w: NDArray[np.float64],
         offsets: NDArray[np.int64],
         u: NDArray[np.float64],
-        point_bins: LinearBins | None = None,
     ) -> NDArray[np.float64]:
-        """KDE of every bag at the integration points ``u``, shape (B, n_e)
-        (``point_bins``: the points' :func:`linear_bins`, when known)."""
+        """KDE of every bag at the integration points ``u``, shape (B, n_e)."""
         h = self.bandwidth_
         nodes = self._grid_nodes(pts.shape[1])
         if nodes is not None:
-            return binned_kde(pts, w, offsets, u, h, nodes, point_bins=point_bins)
+            return binned_kde(pts, w, offsets, u, h, nodes)
         B = offsets.size - 1
         dens = np.empty((B, u.shape[0]))
         norm = (2.0 * math.pi * h * h) ** (-pts.shape[1] / 2.0)

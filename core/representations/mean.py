@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
@@ -33,6 +34,7 @@ from ..blas import one_thread
 from ..hashing import points_sha256
 from ..kernels import (
     POINT_KERNELS,
+    batch_invariant_matmul,
     point_kernel,
     random_fourier_features,
     random_fourier_frequencies,
@@ -468,6 +470,15 @@ class MeanEmbedding(BagRepresentation):
             return SetKernelEmbedding(bags, self.kernel, self.bandwidth_, self.n_jobs)
         return FeatureEmbedding(self._mean_features(bags), "euclidean")
 
+    @property
+    def n_output_features_(self) -> int:
+        """Length ``D`` of the feature vectors (``"rff"`` and ``"nystroem"``)."""
+        if self.method == "rff":
+            return 2 * self.frequencies_.shape[0]
+        if self.method == "nystroem":
+            return self.normalization_.shape[1]
+        raise AttributeError("the exact mean embedding has no feature vector")
+
     def _point_features(self, pts: NDArray[np.float64]) -> NDArray[np.float64]:
         if self.method == "rff":
             return random_fourier_features(pts, self.frequencies_)
@@ -475,12 +486,59 @@ class MeanEmbedding(BagRepresentation):
             point_kernel(pts, self.landmarks_, self.kernel, self.bandwidth_) @ self.normalization_
         )
 
-    def _mean_features(self, bags: Bags) -> NDArray[np.float64]:
+    def feature_inner(
+        self, pts: NDArray[np.float64], g: NDArray[np.float64]
+    ) -> NDArray[np.float64]:
+        """``⟨φ(x), g_k⟩`` at every point ``x``, shape (n, k), for ``g`` of shape (D, k).
+
+        Cheaper than the features themselves: a Nyström map is ``k(x, L) A``, so this
+        is ``k(x, L) (A g)`` without the ``n × D × r`` product; with one column, random
+        Fourier features give ``Σ_j (a_j cos θ_j + b_j sin θ_j) = Σ_j r_j cos(θ_j - ψ_j)``
+        (``θ = Wx``), one cosine per frequency instead of a cosine and a sine.
+        Chunked like the embedding.
+        """
+        g = np.asarray(g, dtype=np.float64)
+        if self.method == "exact":
+            raise TypeError("the exact mean embedding has no feature vector")
+        n, k = pts.shape[0], g.shape[1]
+        out = np.empty((n, k))
+        if self.method == "nystroem":
+            folded = self.normalization_ @ g
+            chunk = max(1, _BLOCK_ENTRIES // self.landmarks_.shape[0])
+            for c0 in range(0, n, chunk):
+                c1 = min(n, c0 + chunk)
+                K = point_kernel(pts[c0:c1], self.landmarks_, self.kernel, self.bandwidth_)
+                out[c0:c1] = K @ folded
+            return out
+        m = self.frequencies_.shape[0]
+        chunk = max(1, _BLOCK_ENTRIES // (2 * m))
+        if k != 1:
+            for c0 in range(0, n, chunk):
+                c1 = min(n, c0 + chunk)
+                out[c0:c1] = random_fourier_features(pts[c0:c1], self.frequencies_) @ g
+            return out
+        a, b = g[:m, 0], g[m:, 0]
+        radius = np.hypot(a, b) / np.sqrt(m)
+        phase = np.arctan2(b, a)
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            theta = batch_invariant_matmul(pts[c0:c1], self.frequencies_.T, 256)
+            theta -= phase
+            np.cos(theta, out=theta)
+            out[c0:c1, 0] = theta @ radius
+        return out
+
+    def _mean_features(
+        self,
+        bags: Bags,
+        visit: Callable[[int, int, NDArray[np.float64]], None] | None = None,
+    ) -> NDArray[np.float64]:
+        """Mean feature vectors; ``visit(c0, c1, z)`` sees each chunk's point features
+        ``z`` of points ``c0:c1`` (an explanation's one pass over the cells)."""
+        width = self.n_output_features_
         if self.method == "rff":
-            width = 2 * self.frequencies_.shape[0]
             chunk = max(1, _BLOCK_ENTRIES // width)
         else:
-            width = self.normalization_.shape[1]
             chunk = max(1, _BLOCK_ENTRIES // self.landmarks_.shape[0])
         out = np.zeros((len(bags), width))
         w = bags.point_weights()
@@ -492,4 +550,6 @@ class MeanEmbedding(BagRepresentation):
                 c1 = min(hi, c0 + chunk)
                 z = self._point_features(bags.points[c0:c1])
                 out[t] += w[c0:c1] @ z
+                if visit is not None:
+                    visit(c0, c1, z)
         return out
