@@ -437,3 +437,49 @@ def test_cheap_density_evaluations_match_their_definitions():
             rtol=1e-10,
             atol=1e-12,
         )
+
+
+def test_set_kernel_point_sums_are_each_bags_mean_embedding_at_each_point():
+    """By-products of the blocked Gram, mirrored blocks and threads included, against
+    the mean of the point kernel over each bag."""
+    from bagserve.core.representations.mean import set_kernel_gram
+
+    rng = np.random.default_rng(8)
+    A = Bags.from_arrays([rng.normal(size=(n, 2)) for n in (37, 90)])
+    B = Bags.from_arrays([rng.normal(size=(n, 2)) + 1.0 for n in (20, 55, 8)])
+    w = [rng.uniform(0.5, 1.0, n) for n in (37, 90)]
+    weighted = Bags.from_arrays([A[0], A[1]], weights=w)
+    for left, right in ((A, B), (A, None), (weighted, None)):
+        other = left if right is None else right
+        sums = np.zeros((left.n_points, len(other)))
+        set_kernel_gram(left, right, "gaussian", 0.8, block_entries=64, n_jobs=2, point_sums=sums)
+        ow = other.point_weights()
+        K = gaussian_point_kernel(left.points, other.points, 0.8) * ow[None, :]
+        expected = np.add.reduceat(K, other.offsets[:-1], axis=1)
+        np.testing.assert_allclose(sums, expected, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("kernel", ["linear", "gaussian"])
+def test_exact_mean_embedding_explanation_reads_the_prediction_sums(data, monkeypatch, kernel):
+    """Within the budget the cells' values are the prediction's own set-kernel sums (no
+    second pass over the cells); beyond it, the second pass gives the same values."""
+    bags, _, _ = data
+    model = fit(MeanEmbedding(method="exact", bandwidth=1.0), kernel, data)
+    bag = Bags.from_arrays([bags[6]], weights=[np.linspace(0.5, 1.0, len(bags[6]))])
+    calls = {"n": 0}
+    original = cells_module.point_kernel
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cells_module, "point_kernel", counting)
+    one_pass = explain(model, bag)
+    assert calls["n"] == 0
+    monkeypatch.setattr(cells_module, "_POINT_SUMS_BYTES", 0)
+    two_pass = explain(model, bag)
+    assert calls["n"] > 0
+    np.testing.assert_allclose(
+        one_pass.contributions, two_pass.contributions, rtol=1e-9, atol=1e-15
+    )
+    assert one_pass.prediction[0] == model.predict(bag)[0]

@@ -51,6 +51,9 @@ __all__ = ["cell_contributions"]
 
 # Temporaries of one chunk hold at most this many float64 entries (8 MiB).
 _BLOCK = 1 << 20
+# The exact mean embedding's per-cell sums (n cells x T training bags) kept from the
+# prediction's own products up to this size (64 MiB: 10^5 cells and 80 bags).
+_POINT_SUMS_BYTES = 1 << 26
 # Bins of the grid on which cells are placed among a direction's quantiles: about 10^3
 # of 10^5 cells share a bin with a quantile (and are searched) at 2^14.
 _BINS = 1 << 14
@@ -75,6 +78,14 @@ def _from_cell_values(
     for lo in _chunks(n, width):
         hi = min(n, lo + max(1, _BLOCK // max(1, width)))
         v[lo:hi] = values(lo, hi)
+    return _centred(v, w, head)
+
+
+def _centred(
+    v: NDArray[np.float64], w: NDArray[np.float64], head: Head
+) -> tuple[NDArray[np.float64], bool]:
+    """Contributions from the cells' values ``v_x = ⟨φ(x), ∇f⟩``: ``w_x v_x`` when the
+    head is linear (exact), ``w_x (v_x - ⟨Φ(P), ∇f⟩)`` otherwise (the influence)."""
     if head.linear:
         return w[:, None] * v, True
     mean = w @ v  # ⟨Φ(P), ∇f⟩: the embedding is the w-mean of the φ(x)
@@ -118,17 +129,33 @@ def _mean_features(
 def _set_kernel(
     rep: MeanEmbedding, bag: Bags, head_at: HeadAt
 ) -> tuple[NDArray[np.float64], bool, Head]:
-    """Exact mean embedding: the gradient ``h = Σ_i β_i μ_i + β_P μ_P`` at each cell."""
+    """Exact mean embedding: the gradient ``h = Σ_i β_i μ_i + β_P μ_P`` at each cell.
+
+    The prediction's own set-kernel sums give ``μ_i(x)`` and ``μ_P(x)`` at every cell
+    (:meth:`SetKernelEmbedding.keep_point_sums`) when the ``n × T`` of them fit
+    :data:`_POINT_SUMS_BYTES`; otherwise a second pass computes them by chunks.
+    """
     emb = rep.embed(bag)
     assert isinstance(emb, SetKernelEmbedding)
+    emb.keep_point_sums(_POINT_SUMS_BYTES)
     head = head_at(emb)
     train = head.train
     assert train is not None and head.train_coef is not None and head.self_coef is not None
+    assert emb.point_sums is not None
+    pts, w = bag.points, bag.point_weights()
+    uses_self = bool(np.any(head.self_coef != 0))
+    kept_train = emb.point_sums.get("other")
+    kept_self = emb.point_sums.get("self")
+    if kept_train is not None and (kept_self is not None or not uses_self):
+        v = kept_train @ head.train_coef
+        if uses_self:
+            assert kept_self is not None
+            v += kept_self[:, None] * head.self_coef[None, :]
+        c, exact = _centred(v, w, head)
+        return c, exact, head
     tb = train.bags
     tw = tb.point_weights()
     starts = tb.offsets[:-1]
-    pts, w = bag.points, bag.point_weights()
-    uses_self = bool(np.any(head.self_coef != 0))
     width = tb.n_points + (pts.shape[0] if uses_self else 0)
 
     def values(lo: int, hi: int) -> NDArray[np.float64]:

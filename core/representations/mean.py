@@ -116,6 +116,7 @@ def set_kernel_gram(
     *,
     block_entries: int = _GRAM_BLOCK_ENTRIES,
     n_jobs: int | None = None,
+    point_sums: NDArray[np.float64] | None = None,
 ) -> NDArray[np.float64]:
     """Set-kernel Gram ``⟨μ_a, μ_b⟩`` between all bags of ``A`` and ``B``, by blocks.
 
@@ -140,6 +141,10 @@ def set_kernel_gram(
     kernel : {"gaussian", "laplace"}
     bandwidth : float or array-like of float
         ``σ``; a sequence gives one Gram per bandwidth.
+    point_sums : ndarray of shape (A.n_points, len(B)), optional
+        One bandwidth only: ``μ_b(x) = Σ_{y∈b} w_y k(x, y)`` of every bag ``b`` of ``B``
+        at every point ``x`` of ``A`` is added into it, by-products of the blocks (an
+        explanation's per-cell values without a second pass over the points).
 
     Returns
     -------
@@ -148,13 +153,15 @@ def set_kernel_gram(
     sym = B is None
     B = A if sym else B
     sigmas = np.atleast_1d(np.asarray(bandwidth, dtype=np.float64))
+    if point_sums is not None and (sigmas.size != 1 or point_sums.shape != (A.n_points, len(B))):
+        raise ValueError("point_sums takes one bandwidth and shape (A.n_points, len(B))")
     order = np.argsort(-sigmas)  # widest first: smallest exponents, then powers of them
     q = 2.0 if kernel == "gaussian" else 1.0
     ratios = (sigmas[order[0]] / sigmas[order]) ** q
     steps = _power_steps(ratios)
     left, right = _kernel_factors(A, B, kernel, float(sigmas[order[0]]))
     wa, wb = A.point_weights(), B.point_weights()
-    inv_b = 1.0 / B.sizes
+    inv_a, inv_b = 1.0 / A.sizes, 1.0 / B.sizes
     # Short row chunks, column chunks a whole multiple of them (4x where the budget
     # allows): every column boundary is then a row boundary, which the symmetric case
     # needs to count each point pair exactly once (directly, or as a mirrored block).
@@ -208,6 +215,17 @@ def set_kernel_gram(
                     # Uniform weights are constant within a bag: scale sums, not the block.
                     S = np.add.reduceat(K, cstarts, axis=1)
                     S *= inv_b[cb0:cb1]
+                if point_sums is not None:
+                    # μ_b(x) for these rows; a mirrored block gives its columns' too.
+                    mirror = None
+                    if sym and c0 >= r1 and A.is_weighted:
+                        mirror = np.add.reduceat(K * wa[r0:r1, None], rstarts, axis=0).T
+                    elif sym and c0 >= r1:
+                        mirror = np.add.reduceat(K, rstarts, axis=0).T * inv_a[ra0:ra1]
+                    with lock:
+                        point_sums[r0:r1, cb0:cb1] += S
+                        if mirror is not None:
+                            point_sums[c0:c1, ra0:ra1] += mirror
                 S *= wa[r0:r1, None]
                 part = np.add.reduceat(S, rstarts, axis=0)
                 with lock:
@@ -229,16 +247,24 @@ def set_kernel_gram(
 
 
 def _self_terms(
-    bags: Bags, kernel: str, bandwidth: float, n_jobs: int | None = None
+    bags: Bags,
+    kernel: str,
+    bandwidth: float,
+    n_jobs: int | None = None,
+    point_sums: NDArray[np.float64] | None = None,
 ) -> NDArray[np.float64]:
     """``⟨μ_t, μ_t⟩`` for every bag, each computed from that bag alone (so it never
-    depends on which other bags came with it)."""
-    return np.array(
-        [
-            float(set_kernel_gram(bags[t : t + 1], None, kernel, bandwidth, n_jobs=n_jobs)[0, 0])
-            for t in range(len(bags))
-        ]
-    )
+    depends on which other bags came with it); ``point_sums`` (n_points,) receives each
+    bag's own mean embedding at its points."""
+    out = np.empty(len(bags))
+    for t in range(len(bags)):
+        lo, hi = int(bags.offsets[t]), int(bags.offsets[t + 1])
+        sums = None if point_sums is None else point_sums[lo:hi, None]
+        G = set_kernel_gram(
+            bags[t : t + 1], None, kernel, bandwidth, n_jobs=n_jobs, point_sums=sums
+        )
+        out[t] = float(G[0, 0])
+    return out
 
 
 class SetKernelEmbedding(Embedding):
@@ -255,14 +281,29 @@ class SetKernelEmbedding(Embedding):
         self.bandwidth = float(bandwidth)
         self.n_jobs = n_jobs
         self._self: NDArray[np.float64] | None = None
+        #: With :meth:`keep_point_sums`: the mean embeddings at each point of these bags.
+        self.point_sums: dict[str, NDArray[np.float64]] | None = None
+        self._point_sums_bytes = 0
 
     def __len__(self) -> int:
         return len(self.bags)
 
+    def keep_point_sums(self, max_bytes: int) -> None:
+        """From now on the products also keep, per point ``x`` of these bags, the mean
+        embeddings at ``x`` they sum: ``point_sums["self"]`` (n_points,), the point's
+        own bag's (with the self terms), and ``point_sums["other"]`` (n_points,
+        len(other)), each other bag's (with :meth:`inner` against ``other``, when it
+        takes at most ``max_bytes``). An explanation then needs no second pass."""
+        self.point_sums = {}
+        self._point_sums_bytes = int(max_bytes)
+
     def self_inner(self) -> NDArray[np.float64]:
         """``⟨μ_t, μ_t⟩`` for each bag (cached)."""
         if self._self is None:
-            self._self = _self_terms(self.bags, self.kernel, self.bandwidth, self.n_jobs)
+            sums = None
+            if self.point_sums is not None:
+                sums = self.point_sums["self"] = np.zeros(self.bags.n_points)
+            self._self = _self_terms(self.bags, self.kernel, self.bandwidth, self.n_jobs, sums)
         return self._self
 
     def _other(self, other: Embedding | None) -> SetKernelEmbedding | None:
@@ -279,15 +320,26 @@ class SetKernelEmbedding(Embedding):
         o = self._other(other)
         if o is None:
             return self._reused("inner", self._gram)
+        sums = None
+        if self.point_sums is not None and self.bags.n_points * len(o) * 8 <= (
+            self._point_sums_bytes
+        ):
+            sums = self.point_sums["other"] = np.zeros((self.bags.n_points, len(o)))
         # One new bag at a time: its values never depend on the other bags sent with it.
-        return np.vstack(
-            [
+        rows = []
+        for t in range(len(self.bags)):
+            lo, hi = int(self.bags.offsets[t]), int(self.bags.offsets[t + 1])
+            rows.append(
                 set_kernel_gram(
-                    self.bags[t : t + 1], o.bags, self.kernel, self.bandwidth, n_jobs=self.n_jobs
+                    self.bags[t : t + 1],
+                    o.bags,
+                    self.kernel,
+                    self.bandwidth,
+                    n_jobs=self.n_jobs,
+                    point_sums=None if sums is None else sums[lo:hi],
                 )
-                for t in range(len(self.bags))
-            ]
-        )
+            )
+        return np.vstack(rows)
 
     def _gram(self) -> NDArray[np.float64]:
         """The set-kernel Gram among these bags; its diagonal becomes the self terms."""
