@@ -412,7 +412,7 @@ def test_feature_inner_is_the_features_times_the_vector(data):
 
 
 def test_cheap_density_evaluations_match_their_definitions():
-    from bagserve.core.representations.density import (
+    from bagserve.core.representations.grids import (
         binned_kde,
         cosine_basis,
         cosine_basis_inner,

@@ -23,7 +23,12 @@ The sliced-Wasserstein quantile ``q_t`` of the projection ``u = ⟨θ, x⟩`` ha
 ``(Q(t+δ) - Q(t-δ)) / 2δ`` with ``δ = n^(-1/3)`` (Siddiqui 1960; Bloch and Gastwirth
 1968; the ``n^(-1/3)`` rate of Hall and Sheather 1988), one-sided at the ends.
 
-Everything is chunked so that no temporary exceeds a few MiB per ``10^5`` cells.
+Cost: each explanation forms each cell's features (or kernel block, or projections
+and sort) once, as the prediction does; where the gradient is known only after the
+embedding, a second pass evaluates the cells against it without forming the features
+again (a cosine per random frequency, a kernel row per Nyström landmark, a table
+lookup per direction). Temporaries are chunked to a few MiB per ``10^5`` cells, but
+for the exact mean embedding's per-cell sums (at most :data:`_POINT_SUMS_BYTES`).
 """
 
 from __future__ import annotations
@@ -38,11 +43,8 @@ from numpy.typing import NDArray
 from ..bags import Bags, subsample_rows
 from ..kernels import point_kernel
 from ..representations.base import Embedding, FeatureEmbedding
-from ..representations.density import (
-    DensityFeatures,
-    cosine_basis_inner,
-    smoothed_at,
-)
+from ..representations.density import DensityFeatures
+from ..representations.grids import cosine_basis_inner, smoothed_at
 from ..representations.mean import MeanEmbedding, SetKernelEmbedding
 from ..representations.sliced import SlicedWasserstein, _sorted_with_cumweights, _work_units
 from .head import Head
@@ -119,11 +121,8 @@ def _mean_features(
     emb = rep.embed(bag)
     head = head_at(emb)
     assert head.gradient is not None
-    v = rep.feature_inner(pts, head.gradient)
-    mean = w @ v  # ⟨Φ(P), ∇f⟩: the embedding is the w-mean of the φ(x)
-    v -= mean[None, :]
-    v *= w[:, None]
-    return v, False, head
+    c, exact = _centred(rep.feature_inner(pts, head.gradient), w, head)
+    return c, exact, head
 
 
 def _set_kernel(
