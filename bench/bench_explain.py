@@ -2,7 +2,8 @@
 what do they say on real data, and what do they cost.
 
 Run with ``OMP_NUM_THREADS=1 .venv/bin/python bench/bench_explain.py [--quick]``. Prints
-three tables and writes ``bench/results/bench_explain.json``:
+three tables and writes ``bench/results/bench_explain.json`` (``--cost-only``: the third
+table alone, not written):
 
 1. **Planted signal.** Bags of background cells (three Gaussian populations in 4
    markers) with a rare population planted at a place of its own (high on markers 0 and
@@ -228,7 +229,13 @@ def cost(quick: bool) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a smoke run (smaller, unsaved)")
+    parser.add_argument(
+        "--cost-only", action="store_true", help="only the cost rows (a rerun, unsaved)"
+    )
     args = parser.parse_args()
+    if args.cost_only:
+        report(cost(args.quick), "bench_explain", save=False, width=24)
+        return
     results = planted_signal(args.quick) + yeast(args.quick) + cost(args.quick)
     report(results, "bench_explain", save=not args.quick, width=24)
 

@@ -209,10 +209,10 @@ def _step_lookup(
     every cell outside the few bins holding a quantile (marked NaN in the table), and
     those few cells are searched exactly.
     """
+    # Python floats: an overflow gives inf, and the checks below catch it.
     lo, hi = float(q[0]), float(q[-1])
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        scale = _BINS / (hi - lo) if hi > lo else math.inf
-        shift = 1.0 - lo * scale  # q_0 falls in bin 1; bins 0 and _BINS + 2 the rest
+    scale = _BINS / (hi - lo) if hi > lo else math.inf
+    shift = 1.0 - lo * scale  # q_0 falls in bin 1; bins 0 and _BINS + 2 the rest
     if not (math.isfinite(scale) and math.isfinite(shift)):
         # One value, or a spread too small for a grid (subnormal): search them all.
         out[:] = values[np.searchsorted(q, u, side="left")].T
@@ -221,22 +221,17 @@ def _step_lookup(
     # The truncation to an index is exact and monotone for |z| < 2^62; the take's
     # "clip" mode then puts z < 0 in bin 0 and z > _BINS + 2 in the last. Beyond that
     # (a cell 10^14 quantile ranges out), z is clipped first.
-    with np.errstate(over="ignore", invalid="ignore"):
-        ends = [v * scale + shift for v in span] if span is not None else [-math.inf]
-    clip = not all(abs(e) < 2.0**62 for e in ends)
-
-    def bins(x: NDArray[np.float64], zb: NDArray[np.float64], ib: NDArray[np.intp]) -> None:
-        np.multiply(x, scale, out=zb)
-        zb += shift
-        if clip:
-            np.clip(zb, 0.0, _BINS + 2.0, out=zb)
-        np.copyto(ib, zb, casting="unsafe")  # truncation, as astype
-
-    bq = np.empty(q.size, dtype=np.intp)
-    bins(q, np.empty(q.size), bq)  # sorted, as q is; in [1, _BINS + 1]
+    clip = span is None or not all(abs(float(v) * scale + shift) < 2.0**62 for v in span)
+    np.multiply(u, scale, out=z)
+    z += shift
+    if clip:
+        np.clip(z, 0.0, _BINS + 2.0, out=z)
+    np.copyto(idx, z, casting="unsafe")  # truncation, as astype
+    # The same map for the quantiles: the cells' index is in effect trunc(z) clamped
+    # to [0, _BINS + 2] (by the clip, or by the take), so is theirs; sorted, as q is.
+    bq = np.clip((q * scale + shift).astype(np.intp), 0, _BINS + 2)
     # table[b] = values[#{ℓ: bq_ℓ < b}]: row j on the bins (bq_{j-1}, bq_j].
     runs = np.diff(bq, prepend=-1, append=_BINS + 2)
-    bins(u, z, idx)
     tied = np.empty(0, dtype=np.intp)
     for c in range(values.shape[1]):
         table = np.repeat(values[:, c], runs)
