@@ -123,14 +123,24 @@ class RegionSums:
         method: str,
     ) -> None:
         """Sample ``t``'s counts and its sums, one per fold of :meth:`held_out_in`."""
+        self.add_counts(t, counts)
+        for f, s in zip(self.held_out_in(t), sums, strict=True):
+            self.add_held_out(f, s, outputs, method)
+
+    def add_counts(self, t: int, counts: NDArray[np.float64]) -> None:
+        """Sample ``t``'s cell counts, to every fold it trains."""
         for f in self._training_folds.get(int(t), []):
             self.train_counts[f] += counts
-        for f, s in zip(self.held_out_in(t), sums, strict=True):
-            if self.held_out is None:
-                self.held_out = np.zeros((len(self.folds), self.n_markers, GRID, s.shape[2]))
-                self.outputs = list(outputs)
-            self.held_out[f] += s
-            self.n_samples += 1
+
+    def add_held_out(
+        self, f: int, sums: NDArray[np.float64], outputs: Sequence[str], method: str
+    ) -> None:
+        """One held-out sample's contribution sums under fold ``f``'s model."""
+        if self.held_out is None:
+            self.held_out = np.zeros((len(self.folds), self.n_markers, GRID, sums.shape[2]))
+            self.outputs = list(outputs)
+        self.held_out[f] += sums
+        self.n_samples += 1
         if method == "influence":
             self.method = "influence"
 
@@ -177,7 +187,7 @@ def fold_explainer(final: BaseEstimator) -> BaseEstimator:
 def explanation_sums(
     models: Mapping[int, BaseEstimator],
     folds_of_sample: Sequence[int],
-    preps: Sequence[Preprocessing],
+    preps: Mapping[int, Preprocessing] | Sequence[Preprocessing],
     grid: MarkerGrid,
     x: NDArray[np.float64],
     markers: Sequence[str],
@@ -232,17 +242,24 @@ def held_out_regions(
         x = base.transform_points(raw[t], markers)
         low, high = np.minimum(low, x.min(axis=0)), np.maximum(high, x.max(axis=0))
     grid = MarkerGrid(low, high)
-    preps, models = [], {}
-    for f, (train, _) in enumerate(folds):
-        pre = Preprocessing(**pre_spec).fit(raw[train], markers)
-        preps.append(pre)
-        models[f] = fold_explainer(final).fit(pre.apply(raw[train], markers), y[train])
+
+    def cells(t: int) -> Bags:
+        return base.subsample(raw.take(np.array([t])))
+
     sums = RegionSums(folds, raw.dim)
     for t in range(len(raw)):
-        one = base.subsample(raw.take(np.array([t])))
-        x = base.transform_points(one.points, markers)
-        got = explanation_sums(models, sums.held_out_in(t), preps, grid, x, markers, one.weights)
-        if got is None:
-            return None
-        sums.add(t, *got)
+        counts, _ = bag_region_sums(grid, base.transform_points(cells(t).points, markers), [])
+        sums.add_counts(t, counts)
+    # Fold by fold: one fold's model (with its copy of the training cells) at a time.
+    for f, (train, val) in enumerate(folds):
+        pre = Preprocessing(**pre_spec).fit(raw[train], markers)
+        model = fold_explainer(final).fit(pre.apply(raw[train], markers), y[train])
+        for t in val:
+            one = cells(int(t))
+            x = base.transform_points(one.points, markers)
+            got = explanation_sums({f: model}, [f], {f: pre}, grid, x, markers, one.weights)
+            if got is None:
+                return None
+            _, held, outputs, method = got
+            sums.add_held_out(f, held[0], outputs, method)
     return sums.table(markers)
