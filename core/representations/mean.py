@@ -275,15 +275,17 @@ class SetKernelEmbedding(Embedding):
     predict, so models using it store their training points.
     """
 
+    #: With :meth:`keep_point_sums`: the mean embeddings at each point of these bags.
+    #: Class-level defaults, so that a saved model's embedding carries neither.
+    point_sums: dict[str, NDArray[np.float64]] | None = None
+    _point_sums_bytes = 0
+
     def __init__(self, bags: Bags, kernel: str, bandwidth: float, n_jobs: int | None = None):
         self.bags = bags
         self.kernel = kernel
         self.bandwidth = float(bandwidth)
         self.n_jobs = n_jobs
         self._self: NDArray[np.float64] | None = None
-        #: With :meth:`keep_point_sums`: the mean embeddings at each point of these bags.
-        self.point_sums: dict[str, NDArray[np.float64]] | None = None
-        self._point_sums_bytes = 0
 
     def __len__(self) -> int:
         return len(self.bags)
