@@ -173,7 +173,8 @@ def bag_regions(
 ) -> Any:
     """Third pass over one file (``item``: its path and the folds that hold it out):
     the explanations of those folds' models, summed on the report's grid
-    (:func:`core.training.regions.explanation_sums`); kilobytes per bag."""
+    (:func:`core.training.regions.explanation_sums`): ``d × 1024 × (outputs + 1)``
+    numbers per bag."""
     from .training.regions import explanation_sums
 
     path, folds_of_sample = item
