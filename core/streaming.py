@@ -15,6 +15,11 @@ file where it runs, reduces it, and returns a summary that is a few kilobytes.
    candidate and fold fits a ridge model on them
    (:meth:`core.DistributionRidge.fit_embedded`) and returns its out-of-fold
    predictions; each worker receives the matrices once. The client fits the final model.
+4. **Regions.** One task per file reads it a third time and explains the bag with the
+   model of each fold that holds it out (the final parameters on the fold's features),
+   returning its cell counts and summed contributions on a grid of each marker
+   (:mod:`core.training.regions`, ``d × 1024`` numbers per output): the report's
+   "where the model looks" without any cell leaving its task.
 
 Every step computes a bag's numbers exactly as the in-memory path does (moments bag by
 bag, features bag by bag), so for the same seed both give the same model, bit for bit.
@@ -62,6 +67,7 @@ __all__ = [
     "LocalExecutor",
     "StreamedFeatures",
     "bag_features",
+    "bag_regions",
     "bag_summary",
     "cross_validate",
     "fitted_representations",
@@ -69,6 +75,7 @@ __all__ = [
     "points_sha256",
     "scalings",
     "stream_features",
+    "stream_regions",
     "stream_summaries",
 ]
 
@@ -88,12 +95,17 @@ class BagSummary:
         Of the bag's cells in panel order as C-ordered float64 bytes: with ``sha256``,
         the fingerprint the manifest records of each training bag, so that evaluation
         recognises the bag in another file (:func:`core.training.bag_fingerprints`).
+    low, high : ndarray of shape (d,) or None
+        The smallest and largest transformed value of each marker (the grid of the
+        report's regions, :mod:`core.training.regions`).
     """
 
     n_cells: int
     sha256: str
     moments: BagMoments | None
     points_sha256: str | None = None
+    low: NDArray[np.float64] | None = None
+    high: NDArray[np.float64] | None = None
 
 
 def _read_bag(
@@ -107,12 +119,16 @@ def _read_bag(
 def bag_summary(path: str, panel: Panel, preprocessing: Preprocessing) -> BagSummary:
     """First pass over one file: cell count, sha256 and moments for the scaling."""
     points, digest = _read_bag(path, panel, preprocessing)
-    moments = (
-        preprocessing.bag_moments(points, panel.markers)
-        if preprocessing.scale == "standard"
-        else None
+    t = preprocessing.transform_points(points, panel.markers)
+    moments = preprocessing.transformed_moments(t) if preprocessing.scale == "standard" else None
+    return BagSummary(
+        int(points.shape[0]),
+        digest,
+        moments,
+        points_sha256(points),
+        t.min(axis=0) if t.shape[0] else None,
+        t.max(axis=0) if t.shape[0] else None,
     )
-    return BagSummary(int(points.shape[0]), digest, moments, points_sha256(points))
 
 
 def bag_features(
@@ -146,6 +162,27 @@ def bag_features(
                 geometries.append(emb.geometry)
             blocks[r][f] = emb.features[0]
     return list(zip(blocks, geometries, strict=True))
+
+
+def bag_regions(
+    item: tuple[str, list[int]],
+    panel: Panel,
+    preprocessings: Sequence[Preprocessing],
+    models: Mapping[int, BaseEstimator],
+    grid: Any,
+) -> Any:
+    """Third pass over one file (``item``: its path and the folds that hold it out):
+    the explanations of those folds' models, summed on the report's grid
+    (:func:`core.training.regions.explanation_sums`): ``d × 1024 × (outputs + 1)``
+    numbers per bag."""
+    from .training.regions import explanation_sums
+
+    path, folds_of_sample = item
+    points, _ = _read_bag(path, panel, preprocessings[0])
+    markers = list(panel.markers)
+    bag = preprocessings[0].subsample(Bags(points, np.array([0, points.shape[0]]), validate=False))
+    x = preprocessings[0].transform_points(bag.points, markers)
+    return explanation_sums(models, folds_of_sample, preprocessings, grid, x, markers, bag.weights)
 
 
 # ------------------------------------------------------------------- executors
@@ -324,6 +361,49 @@ def stream_features(
         for r, (block, _) in enumerate(result):
             blocks[r][:, i] = block
     return StreamedFeatures(blocks, geometries)
+
+
+def stream_regions(
+    executor: Executor,
+    paths: Sequence[str],
+    panel: Panel,
+    preprocessings: Sequence[Preprocessing],
+    models: Mapping[int, BaseEstimator],
+    folds: Sequence[tuple[NDArray[np.int64], NDArray[np.int64]]],
+    summaries: Sequence[BagSummary],
+    progress: bool = False,
+) -> dict[str, Any] | None:
+    """Third pass: where the model looks (:func:`core.training.regions.held_out_regions`),
+    each bag explained by the model of the folds that hold it out (``models[f]``, fitted
+    with ``preprocessings[f]``) where it is read; the client keeps per fold one count
+    and one sum per marker and grid bin. None when the model has no explanation."""
+    from .training.regions import MarkerGrid, RegionSums
+
+    d = len(panel.markers)
+    lows = [s.low for s in summaries if s.low is not None]
+    highs = [s.high for s in summaries if s.high is not None]
+    if not lows:
+        return None
+    grid = MarkerGrid(np.min(lows, axis=0), np.max(highs, axis=0))
+    sums = RegionSums(folds, d)
+    items = [(p, sums.held_out_in(t)) for t, p in enumerate(paths)]
+    for t, got in _progress(
+        executor.map(
+            bag_regions,
+            items,
+            panel=panel,
+            preprocessings=list(preprocessings),
+            models=dict(models),
+            grid=grid,
+        ),
+        len(paths),
+        "regions",
+        progress,
+    ):
+        if got is None:
+            return None
+        sums.add(t, *got)
+    return sums.table(list(panel.markers))
 
 
 def fitted_representations(

@@ -226,9 +226,9 @@ def test_explaining_a_large_bag_in_chunks_changes_nothing(data, monkeypatch):
 
 
 def test_cells_are_placed_among_the_quantiles_exactly():
-    """The binned count of quantiles below each cell is np.searchsorted's, ties and
-    cells beyond the quantiles included, on grids coarse enough to put many cells in
-    the bins that hold a quantile."""
+    """The step function read from the binned table counts the quantiles below each
+    cell as np.searchsorted does, ties and cells beyond the quantiles included, on
+    grids coarse enough to put many cells in the bins that hold a quantile."""
     rng = np.random.default_rng(3)
     cases = []
     for n, L in ((5000, 100), (300, 7), (1000, 1)):
@@ -239,15 +239,23 @@ def test_cells_are_placed_among_the_quantiles_exactly():
     cases.append((u, np.full(5, u[0])))  # one value repeated
     cases.append((u * 1e-300, np.sort(rng.choice(u * 1e-300, 30))))  # spans underflow
     cases.append((u + 1e12, np.sort(rng.choice(u + 1e12, 30))))  # far from zero
+    far = u.copy()
+    far[:3] = (1e300, -1e300, 1e20)  # cells past any index the grid's map can give
+    cases.append((far, np.sort(rng.choice(u[3:], 30))))
     tiny = np.array([0.0, 5e-324, 1e-323, 2e-323, -5e-324])  # a subnormal spread
     cases.append((tiny, np.sort(tiny[[0, 1, 2]])))
     for bins in (2, 64, 1 << 14):
         for u, q in cases:
-            out = np.empty(u.size, dtype=np.min_scalar_type(q.size + 1))
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(cells_module, "_BINS", bins)
-                cells_module._count_below(u, q, out)
-            np.testing.assert_array_equal(out, np.searchsorted(q, u, side="left"))
+            # A step per quantile: the value of a cell counts the quantiles below it.
+            levels = np.arange(q.size + 1, dtype=np.float64)[:, None]
+            expected = np.searchsorted(q, u, side="left")
+            for span in (None, (u.min(), u.max())):  # clipped first, or not
+                out = np.empty((1, u.size))
+                scratch = (np.empty(u.size), np.empty(u.size, dtype=np.intp))
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(cells_module, "_BINS", bins)
+                    cells_module._step_lookup(u, q, levels, out, scratch, span)
+                np.testing.assert_array_equal(out[0], expected)
 
 
 def test_conditional_mean_embedding_is_explained(data):
@@ -358,3 +366,120 @@ def test_training_regions_show_where_the_model_looks(data):
     # carries the model, upwards, more than any other region.
     assert np.all(np.argmax(table[:, :, 0], axis=1) == len(BINS) - 1)
     assert np.all(table[:, -1, 0] > 0)
+
+
+# ------------------------------------------------------------------------------- cost
+def _rows_through_point_features(monkeypatch):
+    """Counts the cells that go through a mean embedding's point feature map."""
+    seen = {"rows": 0}
+    original = MeanEmbedding._point_features
+
+    def counting(self, pts):
+        seen["rows"] += pts.shape[0]
+        return original(self, pts)
+
+    monkeypatch.setattr(MeanEmbedding, "_point_features", counting)
+    return seen
+
+
+@pytest.mark.parametrize("kernel", ["linear", "gaussian"])
+@pytest.mark.parametrize("method", ["rff", "nystroem"])
+def test_mean_embedding_explanations_form_each_cells_features_once(
+    data, monkeypatch, kernel, method
+):
+    """The point features are the cost of a prediction: an explanation forms them once
+    per cell (the linear head's values in the embedding's own pass; otherwise the
+    second pass evaluates ⟨φ(x), ∇f⟩ without forming φ(x))."""
+    bags, _, _ = data
+    model = fit(MeanEmbedding(method=method, bandwidth=1.0, random_state=0), kernel, data)
+    bag = bags[6]
+    seen = _rows_through_point_features(monkeypatch)
+    explain(model, bag)
+    assert seen["rows"] == len(bag)
+
+
+def test_feature_inner_is_the_features_times_the_vector(data):
+    bags, _, _ = data
+    rng = np.random.default_rng(5)
+    cells = rng.normal(size=(300, 3)) * 2.0
+    for method in ("rff", "nystroem"):
+        rep = MeanEmbedding(method=method, bandwidth=0.7, n_components=64, random_state=0)
+        rep.fit(bags)
+        Z = rep._point_features(cells)
+        for k in (1, 3):  # one column takes the amplitude-phase form
+            g = rng.normal(size=(Z.shape[1], k))
+            np.testing.assert_allclose(rep.feature_inner(cells, g), Z @ g, rtol=1e-9, atol=1e-12)
+
+
+def test_cheap_density_evaluations_match_their_definitions():
+    from bagserve.core.representations.grids import (
+        binned_kde,
+        cosine_basis,
+        cosine_basis_inner,
+        smoothed_at,
+    )
+
+    rng = np.random.default_rng(6)
+    for k in (1, 2, 3):
+        u = rng.uniform(size=(200, k))
+        g = rng.normal(size=(6**k, 2))
+        np.testing.assert_allclose(
+            cosine_basis_inner(u, 6, g), cosine_basis(u, 6) @ g, rtol=1e-9, atol=1e-12
+        )
+        # A signed measure on a few points, smoothed and read at many (beyond 2^14:
+        # several chunks), as the binned KDE reads it.
+        pts = rng.uniform(size=(50, k))
+        weights = rng.normal(size=50)
+        at = rng.uniform(size=(20_000, k))
+        np.testing.assert_allclose(
+            smoothed_at(pts, weights, at, 0.1, 17),
+            binned_kde(pts, weights, np.array([0, 50]), at, 0.1, 17)[0],
+            rtol=1e-10,
+            atol=1e-12,
+        )
+
+
+def test_set_kernel_point_sums_are_each_bags_mean_embedding_at_each_point():
+    """By-products of the blocked Gram, mirrored blocks and threads included, against
+    the mean of the point kernel over each bag."""
+    from bagserve.core.representations.mean import set_kernel_gram
+
+    rng = np.random.default_rng(8)
+    A = Bags.from_arrays([rng.normal(size=(n, 2)) for n in (37, 90)])
+    B = Bags.from_arrays([rng.normal(size=(n, 2)) + 1.0 for n in (20, 55, 8)])
+    w = [rng.uniform(0.5, 1.0, n) for n in (37, 90)]
+    weighted = Bags.from_arrays([A[0], A[1]], weights=w)
+    for left, right in ((A, B), (A, None), (weighted, None)):
+        other = left if right is None else right
+        sums = np.zeros((left.n_points, len(other)))
+        set_kernel_gram(left, right, "gaussian", 0.8, block_entries=64, n_jobs=2, point_sums=sums)
+        ow = other.point_weights()
+        K = gaussian_point_kernel(left.points, other.points, 0.8) * ow[None, :]
+        expected = np.add.reduceat(K, other.offsets[:-1], axis=1)
+        np.testing.assert_allclose(sums, expected, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("kernel", ["linear", "gaussian"])
+def test_exact_mean_embedding_explanation_reads_the_prediction_sums(data, monkeypatch, kernel):
+    """Within the budget the cells' values are the prediction's own set-kernel sums (no
+    second pass over the cells); beyond it, the second pass gives the same values."""
+    bags, _, _ = data
+    model = fit(MeanEmbedding(method="exact", bandwidth=1.0), kernel, data)
+    bag = Bags.from_arrays([bags[6]], weights=[np.linspace(0.5, 1.0, len(bags[6]))])
+    calls = {"n": 0}
+    original = cells_module.point_kernel
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cells_module, "point_kernel", counting)
+    one_pass = explain(model, bag)
+    assert calls["n"] == 0
+    monkeypatch.setattr(cells_module, "_POINT_SUMS_BYTES", 0)
+    two_pass = explain(model, bag)
+    assert calls["n"] > 0
+    np.testing.assert_allclose(
+        one_pass.contributions, two_pass.contributions, rtol=1e-9, atol=1e-15
+    )
+    assert one_pass.prediction[0] == model.predict(bag)[0]

@@ -121,6 +121,13 @@ def _assert_same_training(a: TrainingResult, b: TrainingResult) -> None:
     man_b = json.loads((b.path / "manifest.json").read_text())["metadata"]
     for key in ("preprocessing", "training_data_sha256", "training_files", "panel"):
         assert man_a[key] == man_b[key], key
+    # Where the model looks: the same table, streamed bag by bag (sums in another order).
+    ra, rb = a.metrics["explained_regions"], b.metrics["explained_regions"]
+    assert ra is not None and rb is not None
+    table_a, table_b = ra.pop("mean_contribution"), rb.pop("mean_contribution")
+    assert ra == rb and ra["n_samples"] == len(man_a["training_files"])
+    np.testing.assert_allclose(table_b, table_a, rtol=1e-9, atol=1e-12)
+    assert np.abs(table_a).max() > 0
 
 
 def test_preprocessing_moments_match_pooled_statistics() -> None:

@@ -23,7 +23,12 @@ The sliced-Wasserstein quantile ``q_t`` of the projection ``u = ⟨θ, x⟩`` ha
 ``(Q(t+δ) - Q(t-δ)) / 2δ`` with ``δ = n^(-1/3)`` (Siddiqui 1960; Bloch and Gastwirth
 1968; the ``n^(-1/3)`` rate of Hall and Sheather 1988), one-sided at the ends.
 
-Everything is chunked so that no temporary exceeds a few MiB per ``10^5`` cells.
+Cost: each explanation forms each cell's features (or kernel block, or projections
+and sort) once, as the prediction does; where the gradient is known only after the
+embedding, a second pass evaluates the cells against it without forming the features
+again (a cosine per random frequency, a kernel row per Nyström landmark, a table
+lookup per direction). Temporaries are chunked to a few MiB per ``10^5`` cells, but
+for the exact mean embedding's per-cell sums (at most :data:`_POINT_SUMS_BYTES`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from numpy.typing import NDArray
 from ..bags import Bags, subsample_rows
 from ..kernels import point_kernel
 from ..representations.base import Embedding, FeatureEmbedding
-from ..representations.density import DensityFeatures, binned_kde, cosine_basis
+from ..representations.density import DensityFeatures
+from ..representations.grids import cosine_basis_inner, smoothed_at
 from ..representations.mean import MeanEmbedding, SetKernelEmbedding
 from ..representations.sliced import SlicedWasserstein, _sorted_with_cumweights, _work_units
 from .head import Head
@@ -47,15 +53,12 @@ __all__ = ["cell_contributions"]
 
 # Temporaries of one chunk hold at most this many float64 entries (8 MiB).
 _BLOCK = 1 << 20
+# The exact mean embedding's per-cell sums (n cells x T training bags) kept from the
+# prediction's own products up to this size (64 MiB: 10^5 cells and 80 bags).
+_POINT_SUMS_BYTES = 1 << 26
 # Bins of the grid on which cells are placed among a direction's quantiles: about 10^3
 # of 10^5 cells share a bin with a quantile (and are searched) at 2^14.
 _BINS = 1 << 14
-# Grid weights of the cells kept from the density features' KDEs, at most (64 MiB):
-# 10^5 cells in six pairs of markers take 38 MiB.
-_BIN_BYTES = 1 << 26
-# The gathers of the sliced-Wasserstein influence work on chunks of this many entries
-# (2 MiB), which stay in the cache.
-_PASS2_ENTRIES = 1 << 18
 
 HeadAt = Callable[[Embedding], Head]
 
@@ -77,6 +80,14 @@ def _from_cell_values(
     for lo in _chunks(n, width):
         hi = min(n, lo + max(1, _BLOCK // max(1, width)))
         v[lo:hi] = values(lo, hi)
+    return _centred(v, w, head)
+
+
+def _centred(
+    v: NDArray[np.float64], w: NDArray[np.float64], head: Head
+) -> tuple[NDArray[np.float64], bool]:
+    """Contributions from the cells' values ``v_x = ⟨φ(x), ∇f⟩``: ``w_x v_x`` when the
+    head is linear (exact), ``w_x (v_x - ⟨Φ(P), ∇f⟩)`` otherwise (the influence)."""
     if head.linear:
         return w[:, None] * v, True
     mean = w @ v  # ⟨Φ(P), ∇f⟩: the embedding is the w-mean of the φ(x)
@@ -86,34 +97,64 @@ def _from_cell_values(
 def _mean_features(
     rep: MeanEmbedding, bag: Bags, head_at: HeadAt
 ) -> tuple[NDArray[np.float64], bool, Head]:
+    """Random-feature and Nyström mean embeddings.
+
+    A head linear in the embedding has the same gradient everywhere: taken at the
+    origin before the embedding is computed, it turns each chunk of point features
+    into the cells' values as the embedding is summed (one pass over the cells).
+    Otherwise the gradient is known only once the embedding is, and the second pass
+    evaluates ``⟨φ(x), ∇f⟩`` without forming ``φ(x)`` (:meth:`MeanEmbedding.feature_inner`).
+    """
+    pts, w = bag.points, bag.point_weights()
+    probe = head_at(FeatureEmbedding(np.zeros((1, rep.n_output_features_)), "euclidean"))
+    if probe.linear:
+        G = probe.gradient
+        assert G is not None
+        v = np.empty((pts.shape[0], G.shape[1]))
+
+        def visit(c0: int, c1: int, z: NDArray[np.float64]) -> None:
+            v[c0:c1] = z @ G
+
+        emb = FeatureEmbedding(rep._mean_features(bag, visit), "euclidean")
+        head = head_at(emb)
+        return w[:, None] * v, True, head
     emb = rep.embed(bag)
     head = head_at(emb)
-    pts = bag.points
-    width = emb.features.shape[1]
-    G = head.gradient
-    assert G is not None
-
-    def values(lo: int, hi: int) -> NDArray[np.float64]:
-        return rep._point_features(pts[lo:hi]) @ G
-
-    c, exact = _from_cell_values(values, pts.shape[0], width, bag.point_weights(), head)
+    assert head.gradient is not None
+    c, exact = _centred(rep.feature_inner(pts, head.gradient), w, head)
     return c, exact, head
 
 
 def _set_kernel(
     rep: MeanEmbedding, bag: Bags, head_at: HeadAt
 ) -> tuple[NDArray[np.float64], bool, Head]:
-    """Exact mean embedding: the gradient ``h = Σ_i β_i μ_i + β_P μ_P`` at each cell."""
+    """Exact mean embedding: the gradient ``h = Σ_i β_i μ_i + β_P μ_P`` at each cell.
+
+    The prediction's own set-kernel sums give ``μ_i(x)`` and ``μ_P(x)`` at every cell
+    (:meth:`SetKernelEmbedding.keep_point_sums`) when the ``n × T`` of them fit
+    :data:`_POINT_SUMS_BYTES`; otherwise a second pass computes them by chunks.
+    """
     emb = rep.embed(bag)
     assert isinstance(emb, SetKernelEmbedding)
+    emb.keep_point_sums(_POINT_SUMS_BYTES)
     head = head_at(emb)
     train = head.train
     assert train is not None and head.train_coef is not None and head.self_coef is not None
+    assert emb.point_sums is not None
+    pts, w = bag.points, bag.point_weights()
+    uses_self = bool(np.any(head.self_coef != 0))
+    kept_train = emb.point_sums.get("other")
+    kept_self = emb.point_sums.get("self")
+    if kept_train is not None and (kept_self is not None or not uses_self):
+        v = kept_train @ head.train_coef
+        if uses_self:
+            assert kept_self is not None
+            v += kept_self[:, None] * head.self_coef[None, :]
+        c, exact = _centred(v, w, head)
+        return c, exact, head
     tb = train.bags
     tw = tb.point_weights()
     starts = tb.offsets[:-1]
-    pts, w = bag.points, bag.point_weights()
-    uses_self = bool(np.any(head.self_coef != 0))
     width = tb.n_points + (pts.shape[0] if uses_self else 0)
 
     def values(lo: int, hi: int) -> NDArray[np.float64]:
@@ -147,42 +188,59 @@ def _quantile_index(
     return np.clip(out, 0, n - 1)
 
 
-def _count_below(u: NDArray[np.float64], q: NDArray[np.float64], out: NDArray[Any]) -> None:
-    """``out[x] = #{ℓ: q_ℓ < u_x}`` for every cell, exactly; ``q`` sorted (a direction's
-    quantiles), ``out`` of an unsigned type that holds ``q.size + 1``.
+def _step_lookup(
+    u: NDArray[np.float64],
+    q: NDArray[np.float64],
+    values: NDArray[np.float64],
+    out: NDArray[np.float64],
+    scratch: tuple[NDArray[np.float64], NDArray[np.intp]],
+    span: tuple[float, float] | None = None,
+) -> None:
+    """``out[c, x] = values[#{ℓ: q_ℓ < u_x}, c]`` for every cell, exactly: step functions
+    of the cell's projection with a step at each of a direction's quantiles ``q``
+    (sorted); ``values`` (L + 1, k), ``out`` (k, n); ``scratch`` a float and an index
+    buffer of n; ``span`` the smallest and largest ``u``, if known.
 
     ``np.searchsorted`` of 10^5 unsorted cells costs several sorts (a mispredicted
     branch per step); instead each value gets a bin on a fine uniform grid over
-    ``[q_0, q_last]`` by a monotone map (a multiply-add, a clip, a truncation: each
+    ``[q_0, q_last]`` by a monotone map (a multiply-add, a truncation, a clip: each
     step is monotone in floating point), so ``bin(u) < bin(q_ℓ)`` implies ``u < q_ℓ``
-    and ``bin(u) > bin(q_ℓ)`` implies ``u > q_ℓ``: a table per bin gives the count of
-    every cell outside the few bins holding a quantile, and those few cells are
-    searched exactly.
+    and ``bin(u) > bin(q_ℓ)`` implies ``u > q_ℓ``: a table per bin gives the value of
+    every cell outside the few bins holding a quantile (marked NaN in the table), and
+    those few cells are searched exactly.
     """
+    # Python floats: an overflow gives inf, and the checks below catch it.
     lo, hi = float(q[0]), float(q[-1])
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        scale = _BINS / (hi - lo) if hi > lo else math.inf
-        shift = 1.0 - lo * scale  # q_0 falls in bin 1; bins 0 and _BINS + 2 the rest
+    scale = _BINS / (hi - lo) if hi > lo else math.inf
+    shift = 1.0 - lo * scale  # q_0 falls in bin 1; bins 0 and _BINS + 2 the rest
     if not (math.isfinite(scale) and math.isfinite(shift)):
         # One value, or a spread too small for a grid (subnormal): search them all.
-        out[:] = np.searchsorted(q, u, side="left")
+        out[:] = values[np.searchsorted(q, u, side="left")].T
         return
-
-    def bins(x: NDArray[np.float64]) -> NDArray[np.intp]:
-        z = x * scale
-        z += shift
+    z, idx = scratch
+    # The truncation to an index is exact and monotone for |z| < 2^62; the take's
+    # "clip" mode then puts z < 0 in bin 0 and z > _BINS + 2 in the last. Beyond that
+    # (a cell 10^14 quantile ranges out), z is clipped first.
+    clip = span is None or not all(abs(float(v) * scale + shift) < 2.0**62 for v in span)
+    np.multiply(u, scale, out=z)
+    z += shift
+    if clip:
         np.clip(z, 0.0, _BINS + 2.0, out=z)
-        return z.astype(np.intp)
-
-    bq = bins(q)  # sorted, as q is
-    # table[b] = #{ℓ: bq_ℓ < b}: j on the bins (bq_{j-1}, bq_j].
+    np.copyto(idx, z, casting="unsafe")  # truncation, as astype
+    # The same map for the quantiles: the cells' index is in effect trunc(z) clamped
+    # to [0, _BINS + 2] (by the clip, or by the take), so is theirs; sorted, as q is.
+    bq = np.clip((q * scale + shift).astype(np.intp), 0, _BINS + 2)
+    # table[b] = values[#{ℓ: bq_ℓ < b}]: row j on the bins (bq_{j-1}, bq_j].
     runs = np.diff(bq, prepend=-1, append=_BINS + 2)
-    table = np.repeat(np.arange(q.size + 1, dtype=out.dtype), runs)
-    tie = q.size + 1  # a bin holding a quantile: its cells are searched
-    table[bq] = tie
-    np.take(table, bins(u), out=out, mode="clip")  # in range: "clip" spares a buffer
-    tied = np.flatnonzero(out == tie)
-    out[tied] = np.searchsorted(q, u[tied], side="left")
+    tied = np.empty(0, dtype=np.intp)
+    for c in range(values.shape[1]):
+        table = np.repeat(values[:, c], runs)
+        table[bq] = np.nan  # a bin holding a quantile: its cells are searched
+        np.take(table, idx, out=out[c], mode="clip")
+        if c == 0:
+            tied = np.flatnonzero(np.isnan(out[0]))
+            below = np.searchsorted(q, u[tied], side="left")
+        out[c, tied] = values[below, c]
 
 
 def _sliced(
@@ -203,18 +261,16 @@ def _sliced(
     features = np.empty((1, rep.n_output_features_))
     q = np.empty(t.shape)
     inv_density = np.empty(t.shape)
+    span = np.empty((M, 2))  # each direction's smallest and largest projection
     L = t.shape[1]
-    # below[m, x]: how many of direction m's quantiles lie strictly below cell x, all a
-    # cell's influence depends on (one byte per cell and direction for L < 255).
-    below = np.empty((M, n), dtype=np.min_scalar_type(L + 1))
     # Pass 1: the embedding, block by block as SlicedWasserstein.transform computes it
-    # (the same products, the same sorted values and the same quantile rule, so the
-    # features are its features), the quantile function at t ± δ, and each cell's place
-    # among the quantiles (_count_below: no argsort, which costs three sorts).
+    # (the same products, sorted in place, the same quantile rule, so the features are
+    # its features), and the quantile function at t ± δ.
     for _, m0, m1 in _work_units(bag, M):
         proj = theta[m0:m1] @ pts.T
         if weights is None:
-            s, cum = np.sort(proj, axis=1), None
+            proj.sort(axis=1)
+            s, cum = proj, None
         else:
             s, cum = _sorted_with_cumweights(proj, weights)
         rows = np.arange(m1 - m0)[:, None]
@@ -222,9 +278,8 @@ def _sliced(
         upper = s[rows, _quantile_index(cum, n, t_hi[m0:m1])]
         lower = s[rows, _quantile_index(cum, n, t_lo[m0:m1])]
         inv_density[m0:m1] = (upper - lower) / (t_hi[m0:m1] - t_lo[m0:m1])
+        span[m0:m1] = s[:, [0, -1]]
         features[0, m0 * L : m1 * L] = q[m0:m1].ravel()
-        for m in range(m0, m1):  # one direction at a time; vectorised over the cells
-            _count_below(proj[m - m0], q[m], below[m])
     features *= float(rep.n_output_features_) ** (-1.0 / rep.p)
     head = head_at(FeatureEmbedding(features, "euclidean" if rep.p == 2 else "l1"))
     G = head.gradient
@@ -237,45 +292,50 @@ def _sliced(
     # suffix[m, j] = Σ_{ℓ ≥ j} a[m, ℓ], with a zero row at j = L.
     suffix = np.zeros((M, a.shape[1] + 1, k))
     suffix[:, :-1] = np.cumsum(a[:, ::-1], axis=1)[:, ::-1]
-    # Pass 2: IF(x) = const - Σ_m suffix[m, below[m, x]], by chunks of cells small
-    # enough for the cache (a gather per direction and cell from the flat table).
-    flat = suffix.reshape(-1, k)
-    first = (np.arange(M) * (L + 1))[:, None]
-    influence = np.empty((n, k))
-    step = max(1, _PASS2_ENTRIES // (M * k))
-    for lo in range(0, n, step):
-        idx = below[:, lo : lo + step].astype(np.intp)
-        idx += first
-        influence[lo : lo + step] = const - np.take(flat, idx, axis=0).sum(axis=0)
-    return w[:, None] * influence, False, head
+    # Pass 2: IF(x) = const - Σ_m suffix[m, #{ℓ: q_mℓ < u_mx}], the projections made
+    # again by the same products (so equal to those the quantiles were taken from),
+    # each direction's step function read at its cells from a table.
+    influence = np.empty((k, n))  # by output: each row contiguous
+    influence[:] = const[:, None]
+    step = np.empty((k, n))
+    scratch = (np.empty(n), np.empty(n, dtype=np.intp))
+    for _, m0, m1 in _work_units(bag, M):
+        proj = theta[m0:m1] @ pts.T
+        for m in range(m0, m1):  # one direction at a time; vectorised over the cells
+            _step_lookup(proj[m - m0], q[m], suffix[m], step, scratch, span[m])
+            influence -= step
+    influence *= w[None, :]
+    return influence.T.copy(), False, head
 
 
 # ----------------------------------------------------------------- density features
 def _density(
     rep: DensityFeatures, bag: Bags, head_at: HeadAt
 ) -> tuple[NDArray[np.float64], bool, Head]:
-    rows = subsample_rows(bag, rep.max_points, 0)  # the cells the features are made of
-    # The bag subsample_bags makes of those rows, embedded as transform embeds it; the
-    # KDEs of that embedding are the densities the influence is taken at.
-    kept = Bags(
-        bag.points[rows],
-        np.array([0, rows.size]),
-        None if bag.weights is None else bag.weights[rows],
-        validate=False,
+    whole = rep.max_points is None or bag.n_points <= rep.max_points
+    # The cells the features are made of, as subsample_bags keeps them (the bag itself
+    # when it is not subsampled: no copy); the KDEs of their embedding are the densities
+    # the influence is taken at.
+    rows = None if whole else subsample_rows(bag, rep.max_points, 0)
+    kept = (
+        bag
+        if rows is None
+        else Bags(
+            bag.points[rows],
+            np.array([0, rows.size]),
+            None if bag.weights is None else bag.weights[rows],
+            validate=False,
+        )
     )
-    # The cells' grid weights of the binned KDEs are read again below (the smoothed
-    # influence at each cell): kept when they fit _BIN_BYTES, computed twice otherwise.
-    n_corners = sum(2 ** len(g) for g in rep.groups_)
-    keep_bins = rep.divergence != "l2" and rows.size * n_corners * 16 <= _BIN_BYTES
-    features, densities, cell_bins = rep.features_with_densities(kept, keep_bins=keep_bins)
+    n_kept = kept.n_points
+    features, densities, scaled = rep.features_with_densities(kept)
     head = head_at(FeatureEmbedding(features, "euclidean"))
     G = head.gradient
     assert G is not None
     k = G.shape[1]
-    pts = np.clip(rep._scale(kept.points), 0.0, 1.0)
     kept_w = kept.point_weights()
     n_groups = len(rep.groups_)
-    values = np.zeros((rows.size, k))
+    values = np.zeros((n_kept, k))
     offset = 0
     h = rep.bandwidth_
     for gi, group in enumerate(rep.groups_):
@@ -284,13 +344,14 @@ def _density(
         Gg = G[offset : offset + width] / math.sqrt(n_groups)
         offset += width
         if rep.divergence == "l2":
-            for lo in _chunks(rows.size, width):
-                hi = min(rows.size, lo + max(1, _BLOCK // width))
-                values[lo:hi] += cosine_basis(pts[lo:hi, cols], int(rep.n_basis)) @ Gg
+            step = max(1, _BLOCK // max(1, width * k // int(rep.n_basis)))
+            for lo in range(0, n_kept, step):
+                hi = min(n_kept, lo + step)
+                values[lo:hi] += cosine_basis_inner(scaled[lo:hi, cols], int(rep.n_basis), Gg)
             continue
         u = rep.points_[gi]
         n_e = u.shape[0]
-        phi = cosine_basis(u, int(rep.n_basis))  # (n_e, B)
+        n_basis = int(rep.n_basis)
         dens = densities[gi]
         assert dens is not None
         dens = dens[0]
@@ -298,11 +359,11 @@ def _density(
         p = np.maximum(dens, 1e-3)
         if rep.divergence == "hellinger":
             gprime = -math.sqrt(0.5) / (2.0 * np.sqrt(p))  # d/dp of -√Z(√p - 1)
-            psi = gprime[:, None] * (phi @ Gg) / n_e  # (n_e, k)
+            psi = gprime[:, None] * cosine_basis_inner(u, n_basis, Gg) / n_e  # (n_e, k)
         else:
             lam = rep.lambdas_
             M = lam.size
-            Bw = phi.shape[1]
+            Bw = n_basis ** len(cols)
             z = {"js": math.log(2.0) / 2.0, "tv": 0.5}[rep.divergence]
             c = (-0.5 + 1j * lam) / (0.5 + 1j * lam)
             # d/dp of √Z c_λ (p^{½+iλ} - 1), (n_e, M)
@@ -310,7 +371,9 @@ def _density(
             dg = dg * np.exp((-0.5 + 1j * lam[None, :]) * np.log(p)[:, None])
             half = M * Bw
             Gc = (Gg[:half] - 1j * Gg[half:]).reshape(M, Bw, k) / math.sqrt(M)
-            proj = np.einsum("eb,mbk->emk", phi, Gc)  # (n_e, M, k)
+            # Σ_b φ_b(u) Gc[m, b, k] for every (m, k), (n_e, M, k)
+            proj = cosine_basis_inner(u, n_basis, Gc.transpose(1, 0, 2).reshape(Bw, M * k))
+            proj = proj.reshape(n_e, M, k)
             psi = np.real(np.einsum("em,emk->ek", dg, proj)) / n_e
         # IF(x) = Σ_u ψ(u) (K_h(u - x) - p(u)): a Gaussian smoothing of the signed
         # measure ψ on the integration points, read at the cells; binned as the
@@ -318,25 +381,26 @@ def _density(
         base = dens @ psi
         nodes = rep._grid_nodes(len(cols))
         if nodes is not None:
+            at = scaled[:, cols]
             for c in range(k):
-                smooth = binned_kde(
-                    u, psi[:, c], np.array([0, n_e]), pts[:, cols], h, nodes, at_bins=cell_bins[gi]
-                )
-                values[:, c] += smooth[0] - base[c]
+                smooth = smoothed_at(u, psi[:, c], at, h, nodes)
+                smooth -= base[c]
+                values[:, c] += smooth
             continue
         norm = (2.0 * math.pi * h * h) ** (-len(cols) / 2.0)
-        for lo in _chunks(rows.size, n_e):
-            hi = min(rows.size, lo + max(1, _BLOCK // n_e))
-            sq = ((pts[lo:hi, None, cols] - u[None, :, :]) ** 2).sum(axis=2)
+        for lo in _chunks(n_kept, n_e):
+            hi = min(n_kept, lo + max(1, _BLOCK // n_e))
+            sq = ((scaled[lo:hi, None, cols] - u[None, :, :]) ** 2).sum(axis=2)
             values[lo:hi] += norm * np.exp(-sq / (2.0 * h * h)) @ psi - base[None, :]
+    exact = rep.divergence == "l2" and head.linear
+    if rep.divergence == "l2" and not exact:
+        values -= (kept_w @ values)[None, :]  # ⟨Φ(P), ∇f⟩: the w-mean of the cells'
+    values *= kept_w[:, None]
+    if rows is None:
+        return values, exact, head
     contrib = np.zeros((bag.n_points, k))
-    if rep.divergence == "l2":
-        if head.linear:
-            contrib[rows] = kept_w[:, None] * values
-            return contrib, True, head
-        values -= (kept_w @ values)[None, :]
-    contrib[rows] = kept_w[:, None] * values
-    return contrib, False, head
+    contrib[rows] = values
+    return contrib, exact, head
 
 
 def cell_contributions(

@@ -198,7 +198,11 @@ class Preprocessing:
 
     def bag_moments(self, points: NDArray[np.float64], markers: Sequence[str]) -> BagMoments:
         """Count, sum and centred sum of squares of one bag's transformed cells."""
-        t = self._transform(points, markers)
+        return self.transformed_moments(self._transform(points, markers))
+
+    @staticmethod
+    def transformed_moments(t: NDArray[np.float64]) -> BagMoments:
+        """:meth:`bag_moments` of cells already transformed."""
         total = t.sum(axis=0)
         centred = t - total / t.shape[0]
         return BagMoments(int(t.shape[0]), total, np.einsum("ij,ij->j", centred, centred))

@@ -23,7 +23,7 @@ tv             ``(2/π) dλ / (1 + 4λ²)``                     ``½``      ``TV
 Densities are estimated per bag with a Gaussian KDE at integration points shared by all
 bags; the basis is the tensor cosine basis ``φ_0 = 1, φ_k(x) = √2 cos(πkx)``. For groups
 of up to three markers the KDE is computed by linear binning on a grid of spacing at most
-``h/4``, a separable Gaussian convolution and multilinear interpolation at the
+``h/4`` (:mod:`.grids`), a separable Gaussian convolution and multilinear interpolation at the
 integration points (errors ``O((Δ/h)²)``, well under the KDE's own variance; Wand 1994),
 which makes its cost linear in the points instead of ``points × integration points``.
 
@@ -45,6 +45,7 @@ from .._random import check_generator
 from ..bags import Bags, subsample_bags
 from ..kernels import squared_euclidean_distances
 from .base import BagRepresentation, FeatureEmbedding
+from .grids import binned_kde, cosine_basis
 
 __all__ = ["DensityFeatures", "HistogramEmbedding", "lambda_measure", "sample_lambdas"]
 
@@ -55,8 +56,6 @@ MAX_FULL_BASIS = 1000
 #: nodes per axis for a group of k markers (beyond that, the exact KDE).
 BIN_RESOLUTION = 4
 MAX_GRID_NODES = {1: 4096, 2: 256, 3: 64}
-#: Bound on the floats of one block of binned grids (bags x grid cells).
-BLOCK_FLOATS = 1 << 22
 
 
 def lambda_measure(divergence: str, lam: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -106,102 +105,6 @@ def g_lambda(
     power = np.sqrt(p)[..., None, :] * np.exp(1j * phase)
     c = (-0.5 + 1j * lambdas) / (0.5 + 1j * lambdas)
     return math.sqrt(Z[divergence]) * c[:, None] * (power - 1.0)
-
-
-def cosine_basis(u: NDArray[np.float64], n_basis: int) -> NDArray[np.float64]:
-    """Tensor cosine basis at points ``u`` (n, k) in ``[0,1]^k``: shape (n, n_basis^k)."""
-    k = np.arange(n_basis)
-    one_d = np.where(k == 0, 1.0, math.sqrt(2.0)) * np.cos(np.pi * u[:, :, None] * k)  # (n, k, B)
-    out = one_d[:, 0, :]
-    for j in range(1, u.shape[1]):
-        out = (out[:, :, None] * one_d[:, j, None, :]).reshape(u.shape[0], -1)
-    return out
-
-
-#: Per corner of the grid cell around each point, the node and its weight.
-LinearBins = tuple[list[NDArray[np.int64]], list[NDArray[np.float64]]]
-
-
-def linear_bins(x: NDArray[np.float64], n_nodes: int) -> LinearBins:
-    """Cells and weights of the ``2^k`` grid nodes around each point of ``x`` (n, k) in [0,1]^k.
-
-    The nodes are ``j / (n_nodes - 1)``; the weights are the multilinear (tensor hat)
-    weights, so they sum to one per point.
-    """
-    pos = x * (n_nodes - 1)
-    lo = np.minimum(np.floor(pos).astype(np.int64), n_nodes - 2)
-    frac = pos - lo
-    k = x.shape[1]
-    cells, weights = [], []
-    for corner in itertools.product((0, 1), repeat=k):
-        c = np.asarray(corner)
-        idx = lo + c
-        cells.append(np.ravel_multi_index(idx.T, (n_nodes,) * k))
-        weights.append(np.prod(np.where(c == 1, frac, 1.0 - frac), axis=1))
-    return cells, weights
-
-
-def binned_kde(
-    points: NDArray[np.float64],
-    weights: NDArray[np.float64],
-    offsets: NDArray[np.int64],
-    at: NDArray[np.float64],
-    bandwidth: float,
-    n_nodes: int,
-    *,
-    point_bins: LinearBins | None = None,
-    at_bins: LinearBins | None = None,
-) -> NDArray[np.float64]:
-    """Gaussian KDEs of several bags at the points ``at``, by linear binning (Wand 1994).
-
-    Parameters
-    ----------
-    points : ndarray of shape (n, k)
-        Stacked points of the bags, in ``[0, 1]^k``.
-    weights : ndarray of shape (n,)
-        Per-point weights, summing to one within each bag.
-    offsets : ndarray of shape (B + 1,)
-    at : ndarray of shape (m, k)
-        Evaluation points in ``[0, 1]^k``.
-    bandwidth : float
-    n_nodes : int
-        Grid nodes per axis (spacing ``1 / (n_nodes - 1)``).
-    point_bins, at_bins : LinearBins, optional
-        :func:`linear_bins` of ``points`` / ``at`` on this grid, when already known.
-
-    Returns
-    -------
-    ndarray of shape (B, m)
-    """
-    k = points.shape[1]
-    B = offsets.size - 1
-    n_cells = n_nodes**k
-    nodes = np.linspace(0.0, 1.0, n_nodes)
-    smooth = np.exp(-((nodes[:, None] - nodes[None, :]) ** 2) / (2.0 * bandwidth**2))
-    smooth *= (2.0 * math.pi * bandwidth**2) ** -0.5
-    at_cells, at_weights = linear_bins(at, n_nodes) if at_bins is None else at_bins
-    bag_of_point = np.repeat(np.arange(B), np.diff(offsets))
-    out = np.empty((B, at.shape[0]))
-    step = max(1, BLOCK_FLOATS // n_cells)
-    for b0 in range(0, B, step):
-        b1 = min(B, b0 + step)
-        lo, hi = int(offsets[b0]), int(offsets[b1])
-        if point_bins is None:
-            cells, cw = linear_bins(points[lo:hi], n_nodes)
-        else:
-            cells = [c[lo:hi] for c in point_bins[0]]
-            cw = [w[lo:hi] for w in point_bins[1]]
-        rows = (bag_of_point[lo:hi] - b0) * n_cells
-        grid = np.zeros((b1 - b0) * n_cells)
-        for c, w in zip(cells, cw, strict=True):
-            grid += np.bincount(rows + c, weights=weights[lo:hi] * w, minlength=grid.size)
-        grid = grid.reshape((b1 - b0,) + (n_nodes,) * k)
-        # The Gaussian factorises over axes: one matrix product per axis.
-        for axis in range(1, k + 1):
-            grid = np.moveaxis(np.tensordot(grid, smooth, axes=([axis], [0])), -1, axis)
-        flat = grid.reshape(b1 - b0, n_cells)
-        out[b0:b1] = sum(flat[:, c] * w for c, w in zip(at_cells, at_weights, strict=True))
-    return out
 
 
 class DensityFeatures(BagRepresentation):
@@ -437,35 +340,28 @@ class DensityFeatures(BagRepresentation):
         return self.features_with_densities(subsample_bags(bags, self.max_points, 0))[0]
 
     def features_with_densities(
-        self, bags: Bags, *, keep_bins: bool = False
-    ) -> tuple[NDArray[np.float64], list[NDArray[np.float64] | None], list[LinearBins | None]]:
-        """Features of bags already subsampled to ``max_points``, and per group the
-        KDEs at its integration points they were made of (``None`` for ``l2``), so
-        that an explanation reuses them instead of estimating them again; with
-        ``keep_bins``, also the points' :func:`linear_bins` of each binned KDE
-        (``None`` where the KDE is exact), which reading a smoothed grid at the points
-        needs again."""
+        self, bags: Bags
+    ) -> tuple[NDArray[np.float64], list[NDArray[np.float64] | None], NDArray[np.float64]]:
+        """Features of bags already subsampled to ``max_points``, per group the KDEs at
+        its integration points they were made of (``None`` for ``l2``), and the points
+        scaled into ``[0, 1]^d``: an explanation reuses them instead of computing
+        them again."""
         scaled = np.clip(self._scale(bags.points), 0.0, 1.0)
         w = bags.point_weights()
         parts = []
         densities: list[NDArray[np.float64] | None] = []
-        kept: list[LinearBins | None] = []
         for gi, group in enumerate(self.groups_):
             cols = list(group)
             if self.divergence == "l2":
                 basis = cosine_basis(scaled[:, cols], int(self.n_basis)) * w[:, None]
                 parts.append(np.add.reduceat(basis, bags.offsets[:-1], axis=0))
                 densities.append(None)
-                kept.append(None)
                 continue
-            nodes = self._grid_nodes(len(cols))
-            bins = linear_bins(scaled[:, cols], nodes) if keep_bins and nodes else None
-            dens = self._kde(scaled[:, cols], w, bags.offsets, self.points_[gi], bins)
+            dens = self._kde(scaled[:, cols], w, bags.offsets, self.points_[gi])
             parts.append(self.features_from_densities(dens, gi))
             densities.append(dens)
-            kept.append(bins)
         out = np.concatenate(parts, axis=1)
-        return out / math.sqrt(len(self.groups_)), densities, kept
+        return out / math.sqrt(len(self.groups_)), densities, scaled
 
     def _grid_nodes(self, k: int) -> int | None:
         """Nodes per axis of the binned KDE for a group of ``k`` markers, or None (exact)."""
@@ -482,14 +378,12 @@ class DensityFeatures(BagRepresentation):
         w: NDArray[np.float64],
         offsets: NDArray[np.int64],
         u: NDArray[np.float64],
-        point_bins: LinearBins | None = None,
     ) -> NDArray[np.float64]:
-        """KDE of every bag at the integration points ``u``, shape (B, n_e)
-        (``point_bins``: the points' :func:`linear_bins`, when known)."""
+        """KDE of every bag at the integration points ``u``, shape (B, n_e)."""
         h = self.bandwidth_
         nodes = self._grid_nodes(pts.shape[1])
         if nodes is not None:
-            return binned_kde(pts, w, offsets, u, h, nodes, point_bins=point_bins)
+            return binned_kde(pts, w, offsets, u, h, nodes)
         B = offsets.size - 1
         dens = np.empty((B, u.shape[0]))
         norm = (2.0 * math.pi * h * h) ** (-pts.shape[1] / 2.0)

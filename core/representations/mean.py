@@ -15,228 +15,56 @@ the number of points.
 
 from __future__ import annotations
 
-import itertools
-import math
-import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Any, Literal
 
 import numpy as np
-from numpy.typing import ArrayLike, NDArray
-from scipy.spatial.distance import cdist, pdist
+from numpy.typing import NDArray
+from scipy.spatial.distance import pdist
 
 from .._random import check_generator
 from ..bags import Bags
-from ..blas import one_thread
 from ..hashing import points_sha256
 from ..kernels import (
     POINT_KERNELS,
+    batch_invariant_matmul,
     point_kernel,
     random_fourier_features,
     random_fourier_frequencies,
 )
 from ..scopes import scoped_store
 from .base import BagRepresentation, Embedding, FeatureEmbedding
-from .base import n_threads_for as _n_threads
+from .set_kernel import set_kernel_gram
 
 __all__ = ["MeanEmbedding", "SetKernelEmbedding", "set_kernel_gram"]
 
 # Random-feature and Nyström chunks hold at most this many float64 entries (8 MiB).
 _BLOCK_ENTRIES = 1 << 20
-# Point-kernel blocks of the exact Gram hold at most this many float64 entries (2 MiB,
-# 256 x 1024 points): a block is written by the GEMM, then read and written by the exp,
-# then read by the reduction, and at this size those passes stay in the caches. On this
-# 2-core machine 256 x 1024 blocks were as fast as 1024 x 1024 ones or up to 15 % faster
-# in the same runs, the more so under load.
-_GRAM_BLOCK_ENTRIES = 1 << 18
 # The median heuristic looks at pairwise distances of at most this many points.
 _MEDIAN_SUBSAMPLE = 2000
 
 
-def _chunk_bounds(n_points: int, chunk: int) -> list[tuple[int, int]]:
-    return [(lo, min(n_points, lo + chunk)) for lo in range(0, n_points, chunk)]
-
-
-def _segments_in(
-    offsets: NDArray[np.int64], lo: int, hi: int
-) -> tuple[int, int, NDArray[np.int64]]:
-    """Bags overlapping points ``[lo, hi)``: first bag, end bag, local segment starts."""
-    b0 = int(np.searchsorted(offsets, lo, side="right") - 1)
-    b1 = int(np.searchsorted(offsets, hi, side="left"))
-    starts = np.maximum(offsets[b0:b1], lo) - lo
-    return b0, b1, starts
-
-
-def _kernel_factors(
-    A: Bags, B: Bags, kernel: str, bandwidth: float
-) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-    """Row factors whose products are log-kernel values (Gaussian) or the raw points.
-
-    For the Gaussian kernel, ``[x/σ², -‖x‖²/(2σ²), 1] · [y, 1, -‖y‖²/(2σ²)]`` equals
-    ``-‖x - y‖²/(2σ²)``, so one GEMM gives the exponent of a whole block with no extra
-    passes over it. Both sides are shifted by the mean of ``A`` (the kernel is
-    translation invariant) to keep the cancellation in that sum small.
-    """
-    center = A.points.mean(axis=0)
-    pa, pb = A.points - center, B.points - center
-    if kernel != "gaussian":
-        return pa, pb
-    s2 = bandwidth**2
-    na = np.einsum("ij,ij->i", pa, pa) / (2 * s2)
-    nb = np.einsum("ij,ij->i", pb, pb) / (2 * s2)
-    left = np.hstack([pa / s2, -na[:, None], np.ones((pa.shape[0], 1))])
-    right = np.hstack([pb, np.ones((pb.shape[0], 1)), -nb[:, None]])
-    return left, right
-
-
-def _power_steps(ratios: NDArray[np.float64]) -> list[int | None]:
-    """How to get each ``E^{r_k}`` from the previous one: squarings, or ``None`` (an exp).
-
-    With a geometric bandwidth grid of ratio ``√2^j`` (Gaussian) the kernel for the next
-    bandwidth is the previous one squared ``j`` times, a multiplication instead of an
-    ``exp`` per entry.
-    """
-    steps: list[int | None] = [None]
-    for prev, cur in itertools.pairwise(ratios):
-        j = float(np.log2(cur / prev))
-        n = round(j)
-        steps.append(n if abs(j - n) < 1e-9 and 0 <= n <= 8 else None)
-    return steps
-
-
-def set_kernel_gram(
-    A: Bags,
-    B: Bags | None,
-    kernel: str,
-    bandwidth: float | ArrayLike,
-    *,
-    block_entries: int = _GRAM_BLOCK_ENTRIES,
-    n_jobs: int | None = None,
-) -> NDArray[np.float64]:
-    """Set-kernel Gram ``⟨μ_a, μ_b⟩`` between all bags of ``A`` and ``B``, by blocks.
-
-    Points of both sides are cut into chunks (independently of bag boundaries) so a
-    block of the point kernel has at most ``block_entries`` entries (small enough to
-    stay in cache). A Gaussian block is one GEMM of factors that carry the points'
-    squared norms, computed once per call (:func:`_kernel_factors`), then one ``exp``;
-    each block is weighted and reduced to bag pairs with segment sums, and partial bags
-    at chunk edges accumulate into the same cells. With ``B=None`` only chunk pairs on
-    or above the diagonal are computed and mirrored. ``n_jobs`` threads share the row
-    chunks (numpy's ``exp`` and the reductions release the GIL); BLAS is held to one
-    thread throughout (:func:`~bagserve.core.blas.one_thread`).
-
-    Several bandwidths cost one pass over the points: each block's distances are
-    computed once, and on a geometric grid of ratio ``2^(j/2)`` (Gaussian) or
-    ``2^j`` (Laplace) each further kernel is the previous one squared ``j`` times.
-
-    Parameters
-    ----------
-    A, B : Bags
-        ``B=None`` means ``B = A`` (symmetric Gram).
-    kernel : {"gaussian", "laplace"}
-    bandwidth : float or array-like of float
-        ``σ``; a sequence gives one Gram per bandwidth.
-
-    Returns
-    -------
-    ndarray of shape (len(A), len(B)), or (n_bandwidths, len(A), len(B))
-    """
-    sym = B is None
-    B = A if sym else B
-    sigmas = np.atleast_1d(np.asarray(bandwidth, dtype=np.float64))
-    order = np.argsort(-sigmas)  # widest first: smallest exponents, then powers of them
-    q = 2.0 if kernel == "gaussian" else 1.0
-    ratios = (sigmas[order[0]] / sigmas[order]) ** q
-    steps = _power_steps(ratios)
-    left, right = _kernel_factors(A, B, kernel, float(sigmas[order[0]]))
-    wa, wb = A.point_weights(), B.point_weights()
-    inv_b = 1.0 / B.sizes
-    # Short row chunks, column chunks a whole multiple of them (4x where the budget
-    # allows): every column boundary is then a row boundary, which the symmetric case
-    # needs to count each point pair exactly once (directly, or as a mirrored block).
-    rchunk = max(1, math.isqrt(block_entries) // 2)
-    chunk = rchunk * max(1, min(4, block_entries // rchunk**2))
-    rows = _chunk_bounds(A.n_points, rchunk)
-    cols = _chunk_bounds(B.n_points, chunk)
-    # Each column chunk's bags, found once rather than once per row chunk.
-    col_segments = [_segments_in(B.offsets, c0, c1) for c0, c1 in cols]
-    G = np.zeros((sigmas.size, len(A), len(B)))
-    lock = threading.Lock()
-
-    def log_block(r0: int, r1: int, c0: int, c1: int, out: NDArray[np.float64]) -> None:
-        if kernel == "gaussian":
-            np.matmul(left[r0:r1], right[c0:c1].T, out=out)
-        else:
-            out[...] = cdist(left[r0:r1], right[c0:c1], metric="cityblock")
-            out *= -1.0 / sigmas[order[0]]
-
-    def row_task(bounds: tuple[int, int]) -> None:
-        r0, r1 = bounds
-        ra0, ra1, rstarts = _segments_in(A.offsets, r0, r1)
-        # Buffers reused for every block of this row chunk (no allocation per block).
-        n_buf = (r1 - r0) * chunk
-        buf_l = np.empty(n_buf)
-        buf_k = np.empty(n_buf) if sigmas.size > 1 else buf_l
-        buf_w = np.empty(n_buf) if B.is_weighted else None
-        for (c0, c1), (cb0, cb1, cstarts) in zip(cols, col_segments, strict=True):
-            if sym and c1 <= r0:
-                continue  # below the diagonal: the mirror of a block computed elsewhere
-            shape = (r1 - r0, c1 - c0)
-            size = shape[0] * shape[1]
-            L = buf_l[:size].reshape(shape)
-            K = buf_k[:size].reshape(shape)
-            log_block(r0, r1, c0, c1, L)
-            for k, (ratio, step) in enumerate(zip(ratios, steps, strict=True)):
-                if step is None:
-                    if ratio != 1.0:
-                        np.multiply(L, ratio, out=K)
-                        np.exp(K, out=K)
-                    else:
-                        np.exp(L, out=K)
-                else:
-                    for _ in range(step):
-                        np.multiply(K, K, out=K)
-                if buf_w is not None:
-                    scratch = buf_w[:size].reshape(shape)
-                    np.multiply(K, wb[c0:c1], out=scratch)
-                    S = np.add.reduceat(scratch, cstarts, axis=1)
-                else:
-                    # Uniform weights are constant within a bag: scale sums, not the block.
-                    S = np.add.reduceat(K, cstarts, axis=1)
-                    S *= inv_b[cb0:cb1]
-                S *= wa[r0:r1, None]
-                part = np.add.reduceat(S, rstarts, axis=0)
-                with lock:
-                    G[order[k], ra0:ra1, cb0:cb1] += part
-                    if sym and c0 >= r1:
-                        G[order[k], cb0:cb1, ra0:ra1] += part.T
-
-    n_threads = min(_n_threads(n_jobs), len(rows))
-    with one_thread("blas"):
-        if n_threads == 1:
-            for r in rows:
-                row_task(r)
-        else:
-            with ThreadPoolExecutor(n_threads) as pool:
-                list(pool.map(row_task, rows))
-    if sym:
-        G = 0.5 * (G + G.transpose(0, 2, 1))
-    return G if np.ndim(bandwidth) else G[0]
-
-
 def _self_terms(
-    bags: Bags, kernel: str, bandwidth: float, n_jobs: int | None = None
+    bags: Bags,
+    kernel: str,
+    bandwidth: float,
+    n_jobs: int | None = None,
+    point_sums: NDArray[np.float64] | None = None,
 ) -> NDArray[np.float64]:
     """``⟨μ_t, μ_t⟩`` for every bag, each computed from that bag alone (so it never
-    depends on which other bags came with it)."""
-    return np.array(
-        [
-            float(set_kernel_gram(bags[t : t + 1], None, kernel, bandwidth, n_jobs=n_jobs)[0, 0])
-            for t in range(len(bags))
-        ]
-    )
+    depends on which other bags came with it); ``point_sums`` (n_points,) receives each
+    bag's own mean embedding at its points."""
+    out = np.empty(len(bags))
+    for t in range(len(bags)):
+        lo, hi = int(bags.offsets[t]), int(bags.offsets[t + 1])
+        sums = None if point_sums is None else point_sums[lo:hi, None]
+        G = set_kernel_gram(
+            bags[t : t + 1], None, kernel, bandwidth, n_jobs=n_jobs, point_sums=sums
+        )
+        out[t] = float(G[0, 0])
+    return out
 
 
 class SetKernelEmbedding(Embedding):
@@ -246,6 +74,11 @@ class SetKernelEmbedding(Embedding):
     ``MMD²``, both computed by :func:`set_kernel_gram`. Training bags must be kept to
     predict, so models using it store their training points.
     """
+
+    #: With :meth:`keep_point_sums`: the mean embeddings at each point of these bags.
+    #: Class-level defaults, so that a saved model's embedding carries neither.
+    point_sums: dict[str, NDArray[np.float64]] | None = None
+    _point_sums_bytes = 0
 
     def __init__(self, bags: Bags, kernel: str, bandwidth: float, n_jobs: int | None = None):
         self.bags = bags
@@ -257,10 +90,22 @@ class SetKernelEmbedding(Embedding):
     def __len__(self) -> int:
         return len(self.bags)
 
+    def keep_point_sums(self, max_bytes: int) -> None:
+        """From now on the products also keep, per point ``x`` of these bags, the mean
+        embeddings at ``x`` they sum: ``point_sums["self"]`` (n_points,), the point's
+        own bag's (with the self terms), and ``point_sums["other"]`` (n_points,
+        len(other)), each other bag's (with :meth:`inner` against ``other``, when it
+        takes at most ``max_bytes``). An explanation then needs no second pass."""
+        self.point_sums = {}
+        self._point_sums_bytes = int(max_bytes)
+
     def self_inner(self) -> NDArray[np.float64]:
         """``⟨μ_t, μ_t⟩`` for each bag (cached)."""
         if self._self is None:
-            self._self = _self_terms(self.bags, self.kernel, self.bandwidth, self.n_jobs)
+            sums = None
+            if self.point_sums is not None:
+                sums = self.point_sums["self"] = np.zeros(self.bags.n_points)
+            self._self = _self_terms(self.bags, self.kernel, self.bandwidth, self.n_jobs, sums)
         return self._self
 
     def _other(self, other: Embedding | None) -> SetKernelEmbedding | None:
@@ -277,15 +122,26 @@ class SetKernelEmbedding(Embedding):
         o = self._other(other)
         if o is None:
             return self._reused("inner", self._gram)
+        sums = None
+        if self.point_sums is not None and self.bags.n_points * len(o) * 8 <= (
+            self._point_sums_bytes
+        ):
+            sums = self.point_sums["other"] = np.zeros((self.bags.n_points, len(o)))
         # One new bag at a time: its values never depend on the other bags sent with it.
-        return np.vstack(
-            [
+        rows = []
+        for t in range(len(self.bags)):
+            lo, hi = int(self.bags.offsets[t]), int(self.bags.offsets[t + 1])
+            rows.append(
                 set_kernel_gram(
-                    self.bags[t : t + 1], o.bags, self.kernel, self.bandwidth, n_jobs=self.n_jobs
+                    self.bags[t : t + 1],
+                    o.bags,
+                    self.kernel,
+                    self.bandwidth,
+                    n_jobs=self.n_jobs,
+                    point_sums=None if sums is None else sums[lo:hi],
                 )
-                for t in range(len(self.bags))
-            ]
-        )
+            )
+        return np.vstack(rows)
 
     def _gram(self) -> NDArray[np.float64]:
         """The set-kernel Gram among these bags; its diagonal becomes the self terms."""
@@ -468,6 +324,15 @@ class MeanEmbedding(BagRepresentation):
             return SetKernelEmbedding(bags, self.kernel, self.bandwidth_, self.n_jobs)
         return FeatureEmbedding(self._mean_features(bags), "euclidean")
 
+    @property
+    def n_output_features_(self) -> int:
+        """Length ``D`` of the feature vectors (``"rff"`` and ``"nystroem"``)."""
+        if self.method == "rff":
+            return 2 * self.frequencies_.shape[0]
+        if self.method == "nystroem":
+            return self.normalization_.shape[1]
+        raise AttributeError("the exact mean embedding has no feature vector")
+
     def _point_features(self, pts: NDArray[np.float64]) -> NDArray[np.float64]:
         if self.method == "rff":
             return random_fourier_features(pts, self.frequencies_)
@@ -475,12 +340,59 @@ class MeanEmbedding(BagRepresentation):
             point_kernel(pts, self.landmarks_, self.kernel, self.bandwidth_) @ self.normalization_
         )
 
-    def _mean_features(self, bags: Bags) -> NDArray[np.float64]:
+    def feature_inner(
+        self, pts: NDArray[np.float64], g: NDArray[np.float64]
+    ) -> NDArray[np.float64]:
+        """``⟨φ(x), g_k⟩`` at every point ``x``, shape (n, k), for ``g`` of shape (D, k).
+
+        Cheaper than the features themselves: a Nyström map is ``k(x, L) A``, so this
+        is ``k(x, L) (A g)`` without the ``n × D × r`` product; with one column, random
+        Fourier features give ``Σ_j (a_j cos θ_j + b_j sin θ_j) = Σ_j r_j cos(θ_j - ψ_j)``
+        (``θ = Wx``), one cosine per frequency instead of a cosine and a sine.
+        Chunked like the embedding.
+        """
+        g = np.asarray(g, dtype=np.float64)
+        if self.method == "exact":
+            raise TypeError("the exact mean embedding has no feature vector")
+        n, k = pts.shape[0], g.shape[1]
+        out = np.empty((n, k))
+        if self.method == "nystroem":
+            folded = self.normalization_ @ g
+            chunk = max(1, _BLOCK_ENTRIES // self.landmarks_.shape[0])
+            for c0 in range(0, n, chunk):
+                c1 = min(n, c0 + chunk)
+                K = point_kernel(pts[c0:c1], self.landmarks_, self.kernel, self.bandwidth_)
+                out[c0:c1] = K @ folded
+            return out
+        m = self.frequencies_.shape[0]
+        chunk = max(1, _BLOCK_ENTRIES // (2 * m))
+        if k != 1:
+            for c0 in range(0, n, chunk):
+                c1 = min(n, c0 + chunk)
+                out[c0:c1] = random_fourier_features(pts[c0:c1], self.frequencies_) @ g
+            return out
+        a, b = g[:m, 0], g[m:, 0]
+        radius = np.hypot(a, b) / np.sqrt(m)
+        phase = np.arctan2(b, a)
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            theta = batch_invariant_matmul(pts[c0:c1], self.frequencies_.T, 256)
+            theta -= phase
+            np.cos(theta, out=theta)
+            out[c0:c1, 0] = theta @ radius
+        return out
+
+    def _mean_features(
+        self,
+        bags: Bags,
+        visit: Callable[[int, int, NDArray[np.float64]], None] | None = None,
+    ) -> NDArray[np.float64]:
+        """Mean feature vectors; ``visit(c0, c1, z)`` sees each chunk's point features
+        ``z`` of points ``c0:c1`` (an explanation's one pass over the cells)."""
+        width = self.n_output_features_
         if self.method == "rff":
-            width = 2 * self.frequencies_.shape[0]
             chunk = max(1, _BLOCK_ENTRIES // width)
         else:
-            width = self.normalization_.shape[1]
             chunk = max(1, _BLOCK_ENTRIES // self.landmarks_.shape[0])
         out = np.zeros((len(bags), width))
         w = bags.point_weights()
@@ -492,4 +404,6 @@ class MeanEmbedding(BagRepresentation):
                 c1 = min(hi, c0 + chunk)
                 z = self._point_features(bags.points[c0:c1])
                 out[t] += w[c0:c1] @ z
+                if visit is not None:
+                    visit(c0, c1, z)
         return out

@@ -4,7 +4,8 @@
 classifier) without holding the data set: the files are streamed once for their
 summaries (the scaling of every fold), and once per representation for their features
 (:mod:`core.streaming`); the search (:class:`_StreamingSearch`) cross-validates on those
-features. Same folds, same search and same model as in memory.
+features; a last pass explains each bag with its folds' models for the report's regions.
+Same folds, same search, same model and same regions as in memory.
 """
 
 from __future__ import annotations
@@ -92,6 +93,20 @@ class _StreamingSearch:
             self.subjects,
         )
 
+    def fold_models(self, final: BaseEstimator) -> dict[int, BaseEstimator]:
+        """The model of each fold for the report's regions: the final model's
+        parameters fitted on the fold's streamed features (:func:`.regions.fold_explainer`;
+        the models in-memory training fits on the fold's cells)."""
+        from .regions import fold_explainer
+
+        r = self._blocks([final])[0]
+        return {
+            f: fold_explainer(final).fit_embedded(
+                self.reps[r], self.features.embedding(r, f, train), self.y[train]
+            )
+            for f, (train, _) in enumerate(self.folds)
+        }
+
     def fit_final(self, estimator: BaseEstimator) -> BaseEstimator:
         r = self._blocks([estimator])[0]
         full = len(self.folds)  # the last scaling is the one fitted on every bag
@@ -102,6 +117,13 @@ class _StreamingSearch:
             self.y,
             **groups_kw(self.subjects, every),
         )
+
+
+#: The ``[data]`` keys streaming training reads (one label per bag).
+_STREAMING_DATA_KEYS = frozenset(
+    {"files", "labels", "file_column", "label_column", "label_map", "n_jobs", "groups",
+     "group_column", "sample_column"}
+)  # fmt: skip
 
 
 def train_streaming(
@@ -127,21 +149,10 @@ def train_streaming(
     data_cfg = dict(config["data"])
     if data_cfg.get("labels") is None:
         raise ConfigError("[data] streaming training needs labels (one per bag)")
-    known = {
-        "files",
-        "labels",
-        "file_column",
-        "label_column",
-        "label_map",
-        "n_jobs",
-        "groups",
-        "group_column",
-        "sample_column",
-    }
-    if set(data_cfg) - known:
+    if set(data_cfg) - _STREAMING_DATA_KEYS:
         raise ConfigError(
             f"[data] streaming training takes one label per bag; unsupported key(s) "
-            f"{sorted(set(data_cfg) - known)}"
+            f"{sorted(set(data_cfg) - _STREAMING_DATA_KEYS)}"
         )
     paths, labels = labelled_files(
         resolve_path(base, data_cfg["files"]),
@@ -177,6 +188,17 @@ def train_streaming(
         preps = streaming.scalings(pre_spec, summaries, [t for t, _ in folds] + [everything])
         searcher = _StreamingSearch(executor, names, panel, preps, y, folds, progress, subjects)
         outcome = run_search(candidates, estimator, grid, widen, searcher, y, classifier)
+        # Where the model looks: a third pass, each bag explained where it is read.
+        regions = streaming.stream_regions(
+            executor,
+            names,
+            panel,
+            preps,
+            searcher.fold_models(outcome.final),
+            folds,
+            summaries,
+            progress,
+        )
     sha = dataset_fingerprint(paths, [s.sha256 for s in summaries], labels)
     training_bags = [
         {"name": n, "sha256": s.sha256, "points_sha256": s.points_sha256}
@@ -197,4 +219,5 @@ def train_streaming(
         sizes=np.array([s.n_cells for s in summaries]),
         calibration=None,
         grouping=grouping,
+        regions=regions,
     )

@@ -5,27 +5,214 @@ the lowest scatter, doublets at the highest, a compensation error in one channel
 every training sample, the model of its cross-validation fold (preprocessing fitted on
 that fold's training samples, the final model's ``γ`` and ``λ``, so that no search is
 repeated) explains it (:func:`core.explain`); each cell's contribution is added to the
-region it falls in, per marker: the fifth of that marker's range (quintiles of the fold's
-training cells) it lies in. The table is the mean over samples of each region's summed
+region it falls in, per marker: the fifth of that marker's range among the fold's
+training cells it lies in. The table is the mean over samples of each region's summed
 contribution, per output (the value, or each class's score): large entries show the
 regions that carry the model.
+
+The same numbers come from training in memory and from streamed training, which never
+holds the training cells: both count each sample's cells and sum its contributions on
+a fine grid of each marker's transformed values (:data:`GRID` bins between the smallest
+and largest value of the training data; the fold's scaling is increasing, so the
+regions are the same before and after it), one sample at a time, and take the fifths
+from the counts (:class:`RegionSums`). A bin belongs to the fifth its middle cell falls
+in, so a region's edge is placed to within one bin (1/1024 of the marker's range).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sklearn.base import BaseEstimator, clone
+from numpy.typing import NDArray
+from sklearn.base import BaseEstimator
 
 from ..bags import Bags
 from ..io import Preprocessing
 
-__all__ = ["BINS", "held_out_regions"]
+__all__ = [
+    "BINS",
+    "GRID",
+    "MarkerGrid",
+    "RegionSums",
+    "bag_region_sums",
+    "explanation_sums",
+    "fold_explainer",
+    "held_out_regions",
+]
 
 #: The regions of each marker: fifths of its training cells.
 BINS = ("lowest fifth", "second fifth", "middle fifth", "fourth fifth", "highest fifth")
+#: Fine bins per marker on which cells are counted and contributions summed.
+GRID = 1024
+
+
+@dataclass(frozen=True)
+class MarkerGrid:
+    """:data:`GRID` equal bins per marker over ``[low, high]`` (transformed values)."""
+
+    low: NDArray[np.float64]
+    high: NDArray[np.float64]
+
+    def bins(self, x: NDArray[np.float64]) -> NDArray[np.intp]:
+        """The bin of every value, shape (n, d); values outside go to the end bins."""
+        span = np.where(self.high > self.low, self.high - self.low, 1.0)
+        z = (x - self.low) * (GRID / span)
+        np.clip(z, 0.0, GRID - 1.0, out=z)
+        return z.astype(np.intp)
+
+
+def bag_region_sums(
+    grid: MarkerGrid, x: NDArray[np.float64], contributions: Sequence[NDArray[np.float64]]
+) -> tuple[NDArray[np.float64], list[NDArray[np.float64]]]:
+    """One sample's cell counts per bin, (d, GRID), and for each of its explanations
+    (contributions (n, k) of the cells ``x`` (n, d)) the sums per bin, (d, GRID, k)."""
+    b = grid.bins(x)
+    d = x.shape[1]
+    flat = b + (np.arange(d) * GRID)[None, :]  # marker j's bins at j·GRID
+    counts = np.bincount(flat.ravel(), minlength=d * GRID).reshape(d, GRID).astype(np.float64)
+    sums = []
+    for c in contributions:
+        k = c.shape[1]
+        s = np.empty((d, GRID, k))
+        for o in range(k):
+            w = np.broadcast_to(c[:, o, None], flat.shape).ravel()
+            s[:, :, o] = np.bincount(flat.ravel(), weights=w, minlength=d * GRID).reshape(d, GRID)
+        sums.append(s)
+    return counts, sums
+
+
+@dataclass
+class RegionSums:
+    """The folds' training-cell counts and held-out contribution sums, per bin.
+
+    ``add`` takes one sample's :func:`bag_region_sums` (in any order: counts are whole
+    numbers, and the sums differ by rounding only); ``table`` gives the regions.
+    """
+
+    folds: Sequence[tuple[NDArray[np.int64], NDArray[np.int64]]]
+    n_markers: int
+    train_counts: NDArray[np.float64] = field(init=False)
+    held_out: NDArray[np.float64] | None = field(init=False, default=None)
+    n_samples: int = field(init=False, default=0)
+    outputs: list[str] = field(init=False, default_factory=list)
+    method: str = field(init=False, default="exact")
+
+    def __post_init__(self) -> None:
+        self.train_counts = np.zeros((len(self.folds), self.n_markers, GRID))
+        self._training_folds: dict[int, list[int]] = {}
+        self._held_out_folds: dict[int, list[int]] = {}
+        for f, (train, val) in enumerate(self.folds):
+            for t in train:
+                self._training_folds.setdefault(int(t), []).append(f)
+            for t in val:
+                self._held_out_folds.setdefault(int(t), []).append(f)
+
+    def held_out_in(self, t: int) -> list[int]:
+        """The folds that hold sample ``t`` out (one per repeat of the folds)."""
+        return self._held_out_folds.get(int(t), [])
+
+    def add(
+        self,
+        t: int,
+        counts: NDArray[np.float64],
+        sums: Sequence[NDArray[np.float64]],
+        outputs: Sequence[str],
+        method: str,
+    ) -> None:
+        """Sample ``t``'s counts and its sums, one per fold of :meth:`held_out_in`."""
+        self.add_counts(t, counts)
+        for f, s in zip(self.held_out_in(t), sums, strict=True):
+            self.add_held_out(f, s, outputs, method)
+
+    def add_counts(self, t: int, counts: NDArray[np.float64]) -> None:
+        """Sample ``t``'s cell counts, to every fold it trains."""
+        for f in self._training_folds.get(int(t), []):
+            self.train_counts[f] += counts
+
+    def add_held_out(
+        self, f: int, sums: NDArray[np.float64], outputs: Sequence[str], method: str
+    ) -> None:
+        """One held-out sample's contribution sums under fold ``f``'s model."""
+        if self.held_out is None:
+            self.held_out = np.zeros((len(self.folds), self.n_markers, GRID, sums.shape[2]))
+            self.outputs = list(outputs)
+        self.held_out[f] += sums
+        self.n_samples += 1
+        if method == "influence":
+            self.method = "influence"
+
+    def table(self, markers: Sequence[str]) -> dict[str, Any] | None:
+        """The report's table (see :func:`held_out_regions`), or None without samples."""
+        if self.held_out is None or self.n_samples == 0:
+            return None
+        total = np.zeros((self.n_markers, len(BINS), self.held_out.shape[3]))
+        cuts = np.arange(1, len(BINS)) / len(BINS)
+        for f in range(len(self.folds)):
+            counts = self.train_counts[f]
+            cum = np.cumsum(counts, axis=1)
+            n = np.maximum(cum[:, -1:], 1.0)
+            middle = (cum - 0.5 * counts) / n  # the training-cell level of a bin's middle
+            for j in range(self.n_markers):
+                region = np.searchsorted(cuts, middle[j], side="right")
+                for o in range(total.shape[2]):
+                    total[j, :, o] += np.bincount(
+                        region, weights=self.held_out[f, j, :, o], minlength=len(BINS)
+                    )
+        return {
+            "outputs": self.outputs,
+            "markers": list(markers),
+            "regions": list(BINS),
+            "n_samples": self.n_samples,
+            "method": self.method,
+            "mean_contribution": (total / self.n_samples).tolist(),
+        }
+
+
+def fold_explainer(final: BaseEstimator) -> BaseEstimator:
+    """An unfitted copy of the final model for a fold: its chosen ``γ`` and ``λ`` (no
+    search again) and point predictions only (no conformal refits)."""
+    from ..estimators._ridge_calibration import for_point_predictions
+
+    params = {}
+    if getattr(final, "gamma_", None) is not None and "gamma" in final.get_params():
+        params["gamma"] = final.gamma_
+    if getattr(final, "alpha_", None) is not None and "alpha" in final.get_params():
+        params["alpha"] = final.alpha_
+    return for_point_predictions(final).set_params(**params)
+
+
+def explanation_sums(
+    models: Mapping[int, BaseEstimator],
+    folds_of_sample: Sequence[int],
+    preps: Mapping[int, Preprocessing] | Sequence[Preprocessing],
+    grid: MarkerGrid,
+    x: NDArray[np.float64],
+    markers: Sequence[str],
+    weights: NDArray[np.float64] | None = None,
+) -> tuple[NDArray[np.float64], list[NDArray[np.float64]], list[str], str] | None:
+    """One sample's :func:`bag_region_sums` from the explanations of the models of the
+    folds that hold it out (``x``: its transformed cells, with their ``weights`` if
+    any; ``preps[f]`` scales them for fold ``f``), with the outputs and the method;
+    None when the model has none."""
+    from ..explanations import explain
+
+    contributions, outputs, method = [], [], "exact"
+    for f in folds_of_sample:
+        scaled = preps[f].scale_points(x)
+        bag = Bags(scaled, np.array([0, x.shape[0]]), weights, validate=False)
+        try:
+            e = explain(models[f], bag, markers=markers)
+        except TypeError:
+            return None
+        contributions.append(e.contributions)
+        outputs = list(e.outputs)
+        if e.method == "influence":
+            method = "influence"
+    counts, sums = bag_region_sums(grid, x, contributions)
+    return counts, sums, outputs, method
 
 
 def held_out_regions(
@@ -47,46 +234,32 @@ def held_out_regions(
         ``method`` (``"exact"`` or ``"influence"``) and ``mean_contribution``, nested
         lists marker × region × output.
     """
-    from ..explanations import explain
+    base = Preprocessing(**pre_spec)
+    # The grid spans every training cell, transformed (the fold's scaling is increasing).
+    low = np.full(raw.dim, np.inf)
+    high = np.full(raw.dim, -np.inf)
+    for t in range(len(raw)):
+        x = base.transform_points(raw[t], markers)
+        low, high = np.minimum(low, x.min(axis=0)), np.maximum(high, x.max(axis=0))
+    grid = MarkerGrid(low, high)
 
-    params = {}
-    if getattr(final, "gamma_", None) is not None and "gamma" in final.get_params():
-        params["gamma"] = final.gamma_
-    if getattr(final, "alpha_", None) is not None and "alpha" in final.get_params():
-        params["alpha"] = final.alpha_
-    total: np.ndarray | None = None
-    outputs: list[str] = []
-    method = "exact"
-    n = 0
-    for train, val in folds:
+    def cells(t: int) -> Bags:
+        return base.subsample(raw.take(np.array([t])))
+
+    sums = RegionSums(folds, raw.dim)
+    for t in range(len(raw)):
+        counts, _ = bag_region_sums(grid, base.transform_points(cells(t).points, markers), [])
+        sums.add_counts(t, counts)
+    # Fold by fold: one fold's model (with its copy of the training cells) at a time.
+    for f, (train, val) in enumerate(folds):
         pre = Preprocessing(**pre_spec).fit(raw[train], markers)
-        bags_tr, bags_va = pre.apply(raw[train], markers), pre.apply(raw[val], markers)
-        # The cut points of each marker's fifths among the fold's training cells.
-        edges = np.quantile(bags_tr.points, [0.2, 0.4, 0.6, 0.8], axis=0).T  # (d, 4)
-        model = clone(final).set_params(**params).fit(bags_tr, y[train])
-        for t in range(len(bags_va)):
-            try:
-                e = explain(model, bags_va.take(np.array([t])), markers=markers)
-            except TypeError:
+        model = fold_explainer(final).fit(pre.apply(raw[train], markers), y[train])
+        for t in val:
+            one = cells(int(t))
+            x = base.transform_points(one.points, markers)
+            got = explanation_sums({f: model}, [f], {f: pre}, grid, x, markers, one.weights)
+            if got is None:
                 return None
-            c = e.contributions
-            if total is None:
-                total = np.zeros((len(markers), len(BINS), c.shape[1]))
-                outputs = list(e.outputs)
-            if e.method == "influence":
-                method = "influence"
-            for j in range(len(markers)):
-                region = np.searchsorted(edges[j], e.points[:, j], side="right")
-                for k in range(c.shape[1]):
-                    total[j, :, k] += np.bincount(region, weights=c[:, k], minlength=len(BINS))
-            n += 1
-    if total is None or n == 0:
-        return None
-    return {
-        "outputs": outputs,
-        "markers": list(markers),
-        "regions": list(BINS),
-        "n_samples": n,
-        "method": method,
-        "mean_contribution": (total / n).tolist(),
-    }
+            _, held, outputs, method = got
+            sums.add_held_out(f, held[0], outputs, method)
+    return sums.table(markers)
