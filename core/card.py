@@ -258,8 +258,8 @@ def _provenance(
 #: Each calibration and cell model of a per-cell model, as the card says them.
 _CALIBRATE_TEXT = {
     "control": "its batch's reference control (quantile map onto the training control)",
-    "landmarks": "its own populations (the per-marker scale and shift that fit it best "
-    "to the training populations)",
+    "landmarks": "its own populations where they show an instrument effect (the "
+    "per-marker scale and shift that fit it best to the training populations)",
     "standardise": "its own mean and standard deviation per marker",
     "none": "nothing (the cells as measured)",
 }
