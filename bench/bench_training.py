@@ -62,16 +62,12 @@ CASES = ("yeast", "gvhd", "synthetic")
 #: and every median heuristic once per fit) 04bf58d; the fourth (a candidate's folds on
 #: all cores) e4d0385; the fifth (steps worse than the best configuration seen stop
 #: after a round, held-out features from the statistics pass, the median and the
-#: canonical order without sorting every column) c99ae30, with every estimator file; this
-#: one (the caches kept for later fits drop the held-out features once their search is
-#: over: peak memory) is 05f539c, the files below as they were there.
-BEFORE = "05f539c"
-CHANGED = (
-    "core/estimators/transfer.py",
-    "core/estimators/_transfer_cv.py",
-    "core/estimators/_transfer_nystroem.py",
-    "core/estimators/_transfer_strategy.py",
-)
+#: canonical order without sorting every column) c99ae30, with every estimator file; the
+#: sixth (the caches kept for later fits drop the held-out features once their search is
+#: over: peak memory) 05f539c. Issue 44 replaced marginal transfer as a whole (a package
+#: in place of the module): "today" is the whole tree at 2db7065, no file list.
+BEFORE = "2db7065"
+CHANGED: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------- child
@@ -232,17 +228,20 @@ def main() -> None:
         before = args.before_tree
         if before is None:
             before = Path(tmp) / "before"
+            # With a file list, HEAD with those files as they were (other commits made
+            # meanwhile stay on both sides); without one, the whole tree as it was.
+            base = "HEAD" if CHANGED else args.before
             subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), "HEAD"],
+                ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(before), base],
                 check=True,
                 capture_output=True,
             )
-            # Other commits made meanwhile (the estimators' own) stay on both sides.
-            subprocess.run(
-                ["git", "-C", str(before), "checkout", args.before, "--", *CHANGED],
-                check=True,
-                capture_output=True,
-            )
+            if CHANGED:
+                subprocess.run(
+                    ["git", "-C", str(before), "checkout", args.before, "--", *CHANGED],
+                    check=True,
+                    capture_output=True,
+                )
         try:
             rows = _measure(before.resolve(), cases, args.quick, args.rounds, args.gvhd_rounds)
         finally:

@@ -36,9 +36,9 @@ def kind_of(cls: type) -> ModelKind:
     from sklearn.base import ClassifierMixin
 
     from .estimators import ConditionalMeanEmbedding
-    from .estimators.transfer import _MarginalTransfer
+    from .estimators.transfer import is_cell_model
 
-    if issubclass(cls, _MarginalTransfer):
+    if is_cell_model(cls):
         return ModelKind.CELL
     if issubclass(cls, ConditionalMeanEmbedding):
         return ModelKind.CONDITIONAL
@@ -331,7 +331,9 @@ class ArtifactInfo:
         if self.kind is not ModelKind.CELL:
             return "a batch's reference control calibrates per-cell models only"
         state = (self.manifest.get("model") or {}).get("state") or {}
-        if state.get("control_quantiles_") is None:
+        # The design since issue 44 keeps it in its reference; the frozen one, alone.
+        reference = (state.get("reference_") or {}).get("__dict__") or {}
+        if state.get("control_quantiles_") is None and reference.get("control_quantiles") is None:
             return (
                 "this model was trained without a reference control ([data] control in "
                 "its training configuration): a batch's control has nothing to map onto"

@@ -204,7 +204,10 @@ def _evaluation(metadata: Mapping[str, Any]) -> list[str]:
             + ("; widened with the domain score" if cal.get("scaling") == "domain" else "")
         )
     new = metadata.get("new_batches")
-    if isinstance(new, dict):
+    if isinstance(new, dict) and "cell_model" in new:
+        lines += _calibrate_then_label_lines(new)
+    elif isinstance(new, dict):
+        # Models of the design before issue 44 (core.estimators.transfer.legacy).
         primary = _PRIMARY_TEXT.get(str(new.get("primary")))
         if primary:
             lines.append(f"- Samples like the training samples: answered by {primary}")
@@ -249,6 +252,45 @@ def _provenance(
         lines.append(f"- Manifest sha256: `{sha256}`")
     if libraries:
         lines.append("- Libraries: " + ", ".join(f"{k} {v}" for k, v in sorted(libraries.items())))
+    return lines
+
+
+#: Each calibration and cell model of a per-cell model, as the card says them.
+_CALIBRATE_TEXT = {
+    "control": "its batch's reference control (quantile map onto the training control)",
+    "landmarks": "its own populations where they show an instrument effect (the "
+    "per-marker scale and shift that fit it best to the training populations)",
+    "standardise": "its own mean and standard deviation per marker",
+    "none": "nothing (the cells as measured)",
+}
+_CELL_MODEL_TEXT = {
+    "linear": "a pooled linear model",
+    "kernel": "the marginal-transfer kernel (cell and sample context)",
+    "trees": "gradient-boosted trees",
+}
+
+
+def _calibrate_then_label_lines(new: Mapping[str, Any]) -> list[str]:
+    """The card's lines on how a per-cell model calibrates and labels a sample."""
+    how, without = new.get("calibration"), new.get("calibration_without_control")
+    model = _CELL_MODEL_TEXT.get(str(new.get("cell_model")), str(new.get("cell_model")))
+    score = new.get("fold_score")
+    lines = [
+        f"- Every sample: calibrated to the training batch by "
+        f"{_CALIBRATE_TEXT.get(str(how), str(how))}, then every cell labelled by {model}"
+        + (f"; chosen on {new['folds']}" if new.get("folds") else "")
+        + (f" (fold accuracy {_fmt(score)})" if isinstance(score, float) and score >= 0 else "")
+    ]
+    if without and without != how:
+        lines.append(
+            "- A sample whose batch's control is not given: calibrated by "
+            + _CALIBRATE_TEXT.get(str(without), str(without))
+        )
+    threshold = new.get("reject_threshold")
+    if isinstance(threshold, float):
+        lines.append(
+            f"- Rest label: also a cell whose best population score is below {_fmt(threshold)}"
+        )
     return lines
 
 

@@ -88,6 +88,14 @@ class DomainReport:
     calibration_worse : ndarray of bool, shape (n_bags, n_markers), or None
         With a control: the markers its map moved further from the training control
         on control cells it was not fitted on.
+    calibrated : ndarray of str, shape (n_bags,), or None
+        How each bag was calibrated to the training batch before it was labelled
+        (marginal transfer: ``"control"``, ``"landmarks"``, ``"standardise"``; ``""``
+        where it was not); ``None`` for models that do not calibrate.
+    calibration_shift : ndarray of shape (n_bags,) or None
+        How far that calibration moved each bag, in training standard deviations (the
+        largest over markers of a cell's median displacement); beyond what instrument
+        shifts need, the bag is out of range. ``None`` for models that do not calibrate.
     """
 
     score: NDArray[np.float64]
@@ -100,6 +108,8 @@ class DomainReport:
     relabelled: NDArray[np.float64] | None = None
     calibration_moved: NDArray[np.float64] | None = None
     calibration_worse: NDArray[np.bool_] | None = None
+    calibrated: NDArray[np.str_] | None = None
+    calibration_shift: NDArray[np.float64] | None = None
 
     def __post_init__(self) -> None:
         # Frozen: the defaults are set once, as arrays like the others.
@@ -113,6 +123,16 @@ class DomainReport:
     def disagreement_of(self, i: int) -> float | None:
         """Bag ``i``'s disagreement, ``None`` where it was not measured."""
         return _measured(self.disagreement, i)
+
+    def calibration_shift_of(self, i: int) -> float | None:
+        """How far bag ``i``'s calibration moved it, ``None`` where not measured."""
+        return None if self.calibration_shift is None else _measured(self.calibration_shift, i)
+
+    def calibrated_of(self, i: int) -> str | None:
+        """How bag ``i`` was calibrated, ``None`` where it was not."""
+        if self.calibrated is None:
+            return None
+        return str(self.calibrated[i]) or None
 
     def relabelled_of(self, i: int) -> float | None:
         """Bag ``i``'s share of relabelled cells, ``None`` where no refinement ran."""

@@ -273,7 +273,10 @@ class StateDecoder:
         raise ArtifactError(f"malformed manifest: unknown tag {tag!r}")
 
     def estimator(self, spec: dict[str, Any]) -> BaseEstimator:
-        cls = estimator_class(str(spec.get("__estimator__")))
+        from .estimators.transfer import artifact_class
+
+        name = str(spec.get("__estimator__"))
+        cls = artifact_class(name, spec["params"]) or estimator_class(name)
         params = {k: self._value(v) for k, v in spec["params"].items()}
         est = cls(**params)
         for k, v in spec["state"].items():

@@ -332,7 +332,7 @@ class ModelRuntime:
         codes = np.searchsorted(classes, labels)
         added = False
         if unassigned is not None:
-            from .estimators._transfer_reject import UNASSIGNED
+            from .estimators.transfer.open_set import UNASSIGNED
 
             far = self.model.far_from_populations(bags, labels, unassigned, control=cells)
             rest = [k for k, c in enumerate(classes.tolist()) if c == UNASSIGNED]

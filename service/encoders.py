@@ -259,6 +259,9 @@ def _cell_report(result: CellPrediction, i: int, markers: Sequence[str] = ()) ->
         "disagreement": domain.disagreement_of(i),
         # Labels changed by the mixture fitted to this bag's own cells.
         "relabelled": domain.relabelled_of(i),
+        # How the bag was mapped onto the training batch before it was labelled.
+        "calibrated": domain.calibrated_of(i),
+        "calibration_shift": domain.calibration_shift_of(i),
         **_calibration(domain, i, markers),
     }
 

@@ -68,7 +68,7 @@ TRUST_COLUMNS = (
 #: The status of a file that could not be predicted (``bagserve batch``).
 FAILED = "failed"
 #: The label of cells far from every population (per-cell classifiers, on request):
-#: the estimators' own (``_transfer_reject.UNASSIGNED``), restated so that laying out a
+#: the estimators' own (``transfer.open_set.UNASSIGNED``), restated so that laying out a
 #: table does not import them (tests/test_tables.py checks the two agree).
 UNASSIGNED = "unassigned"
 

@@ -26,7 +26,7 @@ from bagserve.core.datasets import make_ellipse_tasks
 
 from .conftest import random_bags
 
-DG_FIXED = {"point_bandwidth": 0.3, "task_gamma": 2.0, "alpha": 1e-4, "tau": 0.2}
+DG_FIXED = {"n_components": 16, "cv": 2, "perturbations": 2, "random_state": 0}
 
 
 def _fitted_models(rng: np.random.Generator) -> dict[str, tuple[object, object]]:
@@ -41,7 +41,6 @@ def _fitted_models(rng: np.random.Generator) -> dict[str, tuple[object, object]]
     sw1 = SlicedWasserstein(p=1, n_directions=8, random_state=0)
     rff8 = MeanEmbedding(method="rff", n_components=8, random_state=0)
     nys = MeanEmbedding(method="nystroem", n_components=20, random_state=0)
-    paper = {"point_bandwidth": 0.3, "task_gamma": 2.0, "alpha": 1e-4}
     dens = DensityFeatures(divergence="js", n_basis=4, n_integration=300, random_state=0)
     return {
         "ridge-sw2": (DistributionRidge(sw).fit(train, y), test),
@@ -71,19 +70,17 @@ def _fitted_models(rng: np.random.Generator) -> dict[str, tuple[object, object]]
             MeanEmbedding(method="rff", n_components=16, random_state=0).fit(train),
             test,
         ),
-        "dg-rf": (MarginalTransferClassifier(random_state=0, **DG_FIXED).fit(tasks, yt), new_tasks),
-        "dg-rf-paper": (
-            MarginalTransferClassifier(task_map="rff", random_state=0, **paper).fit(tasks, yt),
+        "dg-auto": (MarginalTransferClassifier(**DG_FIXED).fit(tasks, yt), new_tasks),
+        "dg-kernel": (
+            MarginalTransferClassifier(cell_model="kernel", **DG_FIXED).fit(tasks, yt),
             new_tasks,
         ),
-        "dg-exact-svm": (
-            MarginalTransferClassifier(solver="exact", random_state=0, **DG_FIXED).fit(tasks, yt),
+        "dg-trees": (
+            MarginalTransferClassifier(cell_model="trees", **DG_FIXED).fit(tasks, yt),
             new_tasks,
         ),
         "dg-regressor": (
-            MarginalTransferRegressor(
-                solver="exact", loss="squared", random_state=0, **DG_FIXED
-            ).fit(tasks, target),
+            MarginalTransferRegressor(cell_model="kernel", **DG_FIXED).fit(tasks, target),
             new_tasks,
         ),
     }
@@ -111,7 +108,7 @@ def models():
 @pytest.mark.parametrize(
     "name",
     ["ridge-sw2", "ridge-sw1-multi", "ridge-mmd-exact", "ridge-rff-primal", "ridge-nystroem",
-     "classifier", "sw", "mean-rff", "dg-rf", "dg-rf-paper", "dg-exact-svm", "dg-regressor",
+     "classifier", "sw", "mean-rff", "dg-auto", "dg-kernel", "dg-trees", "dg-regressor",
      "ridge-density-js", "ridge-density-rff", "ridge-sw1-rff", "histogram-tv"],
 )  # fmt: skip
 @pytest.mark.parametrize("mmap", [False, True])

@@ -16,7 +16,7 @@ from pathlib import Path
 import flowio
 import numpy as np
 import pytest
-from bagserve.core import Bags, MarginalTransferClassifier, MeanEmbedding
+from bagserve.core import Bags, MarginalTransferClassifier
 from bagserve.core.calibration import fit_temperature, probabilities
 from bagserve.core.datasets import make_batched_cytometry_tasks, make_cytometry_tasks
 from bagserve.core.errors import DataError
@@ -407,9 +407,7 @@ def test_population_summary_counts_and_mean_probabilities(tmp_path, rng):
     from bagserve.core import save
 
     tasks, y = make_cytometry_tasks(6, 300, n_markers=2, random_state=0)
-    model = MarginalTransferClassifier(
-        embedding=MeanEmbedding(bandwidth=1.5), tau=0.3, alpha=1e-4, random_state=0
-    ).fit(tasks, y)
+    model = MarginalTransferClassifier(cell_model="kernel", random_state=0).fit(tasks, y)
     calibration = fit_temperature(model.decision_function(tasks), y, model.classes_)
     path = save(model, tmp_path / "m", probability_calibration=calibration)
     rt = ModelRuntime.open(path)
@@ -465,12 +463,8 @@ files = "t*.csv"
 cell_label_column = "label"
 [estimator]
 class = "MarginalTransferClassifier"
-tau = 0.3
-alpha = 1e-4
+cell_model = "kernel"
 random_state = 0
-[estimator.embedding]
-class = "MeanEmbedding"
-bandwidth = 1.5
 [cv]
 n_splits = 3
 """
@@ -483,7 +477,11 @@ n_splits = 3
     assert "Research use: gating synthetic samples" in card and "| leave-tasks-out |" in card
     # A per-cell model has no intervals: its calibration_ is that of new batches.
     assert "Intervals:" not in card
-    assert "- Samples unlike the training samples" in card
+    # How every sample is calibrated and labelled, as the fitted model chose.
+    line = next(x for x in card.splitlines() if x.startswith("- Every sample: calibrated"))
+    # Landmarks are a classifier's one calibration without a control: nothing to choose.
+    assert "its own populations where they show an instrument effect" in line
+    assert "the marginal-transfer kernel" in line and "chosen on" not in line
     page = (result.path / "report" / "report.html").read_text()
     assert "Class probabilities" in page and f"{cal['cells']}" in page
     rt = ModelRuntime.open(result.path)

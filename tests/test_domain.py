@@ -118,13 +118,7 @@ def test_every_bag_model_checks_its_domain_and_stores_it_exactly(make, tmp_path)
 
 def test_marginal_transfer_reports_the_same_shape_from_its_task_reports():
     tasks, y, _ = make_ellipse_tasks(6, 40, random_state=0)
-    fixed = {
-        "normalise": "none",
-        "point_bandwidth": 0.3,
-        "task_gamma": 2.0,
-        "alpha": 1e-4,
-        "tau": 0.2,
-    }
+    fixed = {"calibrate": "none", "cell_model": "kernel"}
     model = MarginalTransferClassifier(random_state=0, **fixed).fit(tasks, y)
     new = make_ellipse_tasks(2, 40, random_state=5)[0]
     far = [t + 10.0 for t in new]
@@ -132,7 +126,8 @@ def test_marginal_transfer_reports_the_same_shape_from_its_task_reports():
     tasks_report = model.task_report(list(new) + far)
     np.testing.assert_array_equal(report.out_of_range, [r.out_of_range for r in tasks_report])
     assert report.out_of_range[2:].all()
-    sq = model.task_sq_distances_
+    mu = model.task_map_["train_embeddings"]
+    sq = ((mu[:, None] - mu[None]) ** 2).sum(axis=2)
     nn = np.sqrt(sq + np.diag(np.full(len(sq), np.inf))).min(axis=1)
     np.testing.assert_allclose(
         report.score, [r.distance / np.median(nn) for r in tasks_report], rtol=1e-12

@@ -157,7 +157,9 @@ def test_wheel_installs_one_bagserve_package(built):
     wheel, _ = built
     names = zipfile.ZipFile(wheel).namelist()
     assert "bagserve/core/__init__.py" in names and "bagserve/service/app.py" in names
-    assert "bagserve/cli/__init__.py" in names and "bagserve/core/estimators/transfer.py" in names
+    assert "bagserve/cli/__init__.py" in names
+    assert "bagserve/core/estimators/transfer/estimator.py" in names
+    assert "bagserve/core/estimators/transfer/legacy/estimator.py" in names
     # The pages' assets ship with the package (offline docs and console).
     for asset in (
         "static/console/index.html",

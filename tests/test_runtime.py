@@ -49,7 +49,7 @@ def artifacts(tmp_path_factory):
     labels = np.array(["low", "high"])[(y > np.median(y)).astype(int)]
     sw = SlicedWasserstein(n_directions=10, n_levels=12, random_state=0)
     tasks, yt, _ = make_ellipse_tasks(5, 40, random_state=0)
-    fixed = {"point_bandwidth": 0.3, "task_gamma": 2.0, "alpha": 1e-4, "tau": 0.2}
+    fixed = {"calibrate": "none", "cell_model": "kernel", "n_components": 32}
     models = {
         "regression": DistributionRidge(sw).fit(train, y),
         "classification": DistributionRidgeClassifier(sw).fit(train, labels),

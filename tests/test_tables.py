@@ -75,7 +75,7 @@ def test_the_layout_follows_the_model_and_the_request_alone(models):
     ]  # fmt: skip
     # A rest class asked for: a column of its own, no mean probabilities (the model's
     # probabilities say nothing of that rule); named as the estimators name it.
-    from bagserve.core.estimators._transfer_reject import UNASSIGNED
+    from bagserve.core.estimators.transfer.open_set import UNASSIGNED
     from bagserve.service import tables
 
     assert tables.UNASSIGNED == UNASSIGNED

@@ -20,7 +20,6 @@ from bagserve.core import (
     ConditionalMeanEmbedding,
     DistributionRidge,
     MarginalTransferRegressor,
-    MeanEmbedding,
     SlicedWasserstein,
     load,
     read_manifest,
@@ -346,60 +345,18 @@ def _transfer_tasks(seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return tasks, labels
 
 
-def test_marginal_transfer_choices_are_its_searched_grids():
+def test_marginal_transfer_searches_no_numeric_grid_and_says_what_it_chose(tmp_path):
+    """The rebuilt marginal transfer (issue 44) chooses among named calibrations and
+    cell models, not along numeric grids: it reports no grid choice, so training has
+    no edge to widen, and its card says which calibration and cell model the folds
+    chose, as the fitted model records them."""
     tasks, labels = _transfer_tasks()
-    y = np.concatenate(labels)
-    grids = {
-        "point_bandwidth": [0.25, 0.5, 1.0],
-        "tau": [0.0, 0.3, 1.0],
-        "task_gamma": [0.5, 2.0, 8.0],
-        "alpha": [1e-4, 1e-2, 1.0],
-    }
-    model = MarginalTransferRegressor(
-        n_components=16, embedding=MeanEmbedding(bandwidth=0.5), cv=3, random_state=0, **grids
-    ).fit(tasks, y)
-    choices = {c.parameter: c for c in estimator_grid_choices(model)}
-    pooled = model.tau_ == 1.0
-    assert set(choices) == set(grids) - ({"task_gamma"} if pooled else set())
-    fitted = {
-        "point_bandwidth": model.point_bandwidth_,
-        "tau": model.tau_,
-        "task_gamma": model.task_gamma_,
-        "alpha": model.alpha_,
-    }
-    for name, c in choices.items():
-        np.testing.assert_allclose(c.grid, grids[name], rtol=1e-12)
-        assert c.chosen == pytest.approx(fitted[name], rel=1e-12) and c.widen_as == name
-    assert (choices["tau"].lower, choices["tau"].upper) == (0.0, 1.0)
-    # Default grids are factors of a median: reported as the absolute values searched
-    # by the final fit, so the fitted value is one of them and the ratios are the
-    # factors' (0.5, 1, 2 for the point bandwidth; 0.3, 1, 3 for the task gamma).
-    model = MarginalTransferRegressor(
-        n_components=16, cv=3, random_state=0, tau=[0.0, 0.3], alpha=[1e-4, 1e-2, 1.0]
-    ).fit(tasks, y)
-    choices = {c.parameter: c for c in estimator_grid_choices(model)}
-    for name, fitted_value, factors in (
-        ("point_bandwidth", model.point_bandwidth_, [0.5, 1.0, 2.0]),
-        ("task_gamma", model.task_gamma_, [0.3, 1.0, 3.0]),
-    ):
-        grid = np.asarray(choices[name].grid)
-        assert np.min(np.abs(grid / fitted_value - 1.0)) < 1e-12
-        np.testing.assert_allclose(grid / grid[1], np.divide(factors, factors[1]), rtol=1e-12)
-    # The embedding's bandwidth stays at its median heuristic: no grid, no choice.
-    assert "embedding_bandwidth_factor" not in choices
-
-
-def test_marginal_transfer_training_widens_its_own_grids(tmp_path):
-    """Cell-level training: relative grids are widened as absolute values, the embedding
-    bandwidth factor cannot be widened, and the cross-validation is the same protocol
-    (recomputed here by refitting on each fold's training tasks)."""
-    from bagserve.core.selection import leave_tasks_out_folds
-
-    tasks, labels = _transfer_tasks()
+    model = MarginalTransferRegressor(n_components=16, cv=3, random_state=0)
+    model.fit(tasks, np.concatenate(labels))
+    assert estimator_grid_choices(model) == []
     (tmp_path / "data").mkdir()
     for t, (x, lab) in enumerate(zip(tasks, labels, strict=True)):
-        table = np.column_stack([x, lab])
-        rows = "\n".join(",".join(repr(float(v)) for v in row) for row in table)
+        rows = "\n".join(",".join(repr(float(v)) for v in row) for row in np.column_stack([x, lab]))
         (tmp_path / "data" / f"t{t}.csv").write_text(f"A,B,y\n{rows}\n")
     cfg = tmp_path / "transfer.toml"
     cfg.write_text(
@@ -418,47 +375,21 @@ def test_marginal_transfer_training_widens_its_own_grids(tmp_path):
             n_components = 16
             cv = 3
             random_state = 0
-            tau = [0.0, 0.3]
-            alpha = [1e-4, 1e-2, 1.0]
             [cv]
             n_splits = 3
             seed = 0
             """
         )
     )
-    result, caught = _train(cfg)
-    edges = {e["parameter"]: e for e in result.metrics["grid_edges"]}
-    model = load(result.path)
-    widened = [e for e in edges.values() if e["widened"]]
-    # On these tasks the task gamma (a grid of factors of the median heuristic) and
-    # alpha are chosen at their smallest values.
-    assert {"task_gamma", "alpha"} <= {e["parameter"] for e in widened}, edges
-    for e in widened:
-        # The widened grid went to the estimator as an explicit parameter.
-        np.testing.assert_allclose(model.get_params()[e["parameter"]], e["widened_grid"])
-        assert e["chosen_after_widening"] == pytest.approx(
-            {"point_bandwidth": model.point_bandwidth_, "task_gamma": model.task_gamma_,
-             "alpha": model.alpha_, "tau": model.tau_}[e["parameter"]], rel=1e-12
-        )  # fmt: skip
-    assert len(caught) == sum(not e["at_domain_bound"] for e in edges.values())
-
-    def cv_rmse(**params) -> float:
-        pred, y = [], []
-        for train_idx, val in leave_tasks_out_folds(len(tasks), 3, 1, 0):
-            m = MarginalTransferRegressor(n_components=16, cv=3, random_state=0, **params)
-            m.fit([tasks[i] for i in train_idx], np.concatenate([labels[i] for i in train_idx]))
-            pred.append(m.predict([tasks[i] for i in val]))
-            y.append(np.concatenate([labels[i] for i in val]))
-        return float(np.sqrt(np.mean((np.concatenate(pred) - np.concatenate(y)) ** 2)))
-
-    base = {"tau": [0.0, 0.3], "alpha": [1e-4, 1e-2, 1.0]}
-    at_edge = cv_rmse(**base)
-    after = cv_rmse(**{**base, **{e["parameter"]: e["widened_grid"] for e in widened}})
-    assert result.metrics["widening"]["cv_at_edge"]["rmse"] == pytest.approx(at_edge, rel=1e-9)
-    assert result.metrics["cv"]["rmse"] == pytest.approx(after, rel=1e-9)
+    result, _ = _train(cfg)
+    assert result.metrics["grid_edges"] == []
+    trained = load(result.path)
+    card = (result.path / "card.md").read_text()
+    line = next(x for x in card.splitlines() if x.startswith("- Every sample: calibrated"))
+    model_text = {"linear": "a pooled linear model", "kernel": "the marginal-transfer kernel"}
+    assert model_text[trained.selection_["cell_model"]] in line
 
 
-# ----------------------------------------------------------------- evaluation
 def _metrics(y: np.ndarray, pred: np.ndarray) -> dict[str, float]:
     return {
         "rmse": float(np.sqrt(np.mean((pred - y) ** 2))),

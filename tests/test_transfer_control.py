@@ -12,18 +12,10 @@ from bagserve.core.datasets import emulate_batches
 
 from .test_datasets_emulate import _sources
 
-#: Fixed hyperparameters: no search, so the test is about the control alone.
-FIXED = {
-    "point_bandwidth": 1.0,
-    "task_gamma": 1.0,
-    "tau": 0.2,
-    "alpha": 1e-4,
-    "normalise": "none",
-    "refine": "none",
-    "calibrate": "none",
-    "n_components": 64,
-    "random_state": 0,
-}
+#: No search: the test is about the control alone. ``PLAIN`` is the same cell model on
+#: the cells as measured, the oracle of what the control's map feeds it.
+FIXED = {"calibrate": "control", "cell_model": "linear", "random_state": 0}
+PLAIN = {"calibrate": "none", "cell_model": "linear", "random_state": 0}
 
 
 @pytest.fixture(scope="module")
@@ -49,49 +41,46 @@ def model(cohort):
     return MarginalTransferClassifier(**FIXED).fit(train, y, control=control.points)
 
 
+def _reference(model):
+    return model.reference_["control_quantiles"], model.reference_["control_scale"]
+
+
 def test_the_control_maps_the_batch_before_the_model_answers(cohort, model):
+    train, y_train = cohort(0, False)
     test, y = cohort(1, False)
     control, _ = cohort(1, True)
     answers = model.predict_tasks(test, control=control.points)
-    # The oracle: the control's map applied by hand, then the model with no control.
-    mapping, quality = control_map(control.points, model.control_quantiles_, model.control_scale_)
-    by_hand = model.predict_tasks(Bags(mapping(test.points), test.offsets))
+    # The oracle: the control's map applied by hand, then the same cell model on the
+    # mapped cells as they are.
+    plain = MarginalTransferClassifier(**PLAIN).fit(train, y_train)
+    mapping, quality = control_map(control.points, *_reference(model))
+    by_hand = plain.predict_tasks(Bags(mapping(test.points), test.offsets))
     for a, b in zip(answers, by_hand, strict=True):
         np.testing.assert_array_equal(a.scores, b.scores)
         assert a.report.calibrated == "control"
         np.testing.assert_array_equal(a.report.calibration.after, quality.after)
     # Each task's own displacement, in the training control's sd.
     first = np.asarray(test[0])
-    moved = np.median(np.abs(mapping(first) - first) / model.control_scale_, axis=0)
+    moved = np.median(np.abs(mapping(first) - first) / _reference(model)[1], axis=0)
     np.testing.assert_allclose(answers[0].report.calibration.moved, moved)
     # And it is what the batch needed: the instrument (strength 2.5) costs the
     # uncalibrated model labels that the control gives back.
     with_control = np.mean(np.concatenate([a.predictions for a in answers]) == y)
-    without = np.mean(model.predict(test) == y)
+    without = np.mean(plain.predict(test) == y)
     assert with_control > without + 0.05 and with_control > 0.9
 
 
-def test_an_invariant_fallback_answers_the_mapped_cells_too(cohort):
-    """A sample unlike every training sample even once mapped (a marker moved far by
-    something the control does not share) is answered by the fallback: from the
-    mapped cells, as every other model."""
-    train, y = cohort(0, False)
-    control, _ = cohort(0, True)
-    params = {**FIXED, "normalise": "auto"}
-    model = MarginalTransferClassifier(**params).fit(train, y, control=control.points)
-    assert model.fallback_ is not None
+def test_without_its_batch_control_a_sample_is_calibrated_by_its_landmarks(cohort, model):
+    """A model fitted with a control, asked without the batch's: each sample is mapped
+    by its own landmarks (the model's calibration without a control) and the report
+    says so; no control quality is made up."""
     test, _ = cohort(1, False)
-    odd = test.points.copy()
-    odd[test.offsets[0] : test.offsets[1], 0] += 8.0
-    test = Bags(odd, test.offsets)
-    new_control, _ = cohort(1, True)
-    answers = model.predict_tasks(test, control=new_control.points)
-    assert answers[0].report.fallback and not answers[1].report.fallback
-    mapping, _ = control_map(new_control.points, model.control_quantiles_, model.control_scale_)
-    mapped = Bags(mapping(test.points), test.offsets)
-    np.testing.assert_array_equal(
-        np.concatenate([a.predictions for a in answers]), model.predict(mapped)
-    )
+    assert model.calibration_without_control_ == "landmarks"
+    answers = model.predict_tasks(test)
+    assert all(a.report.calibrated == "landmarks" for a in answers)
+    assert all(a.report.calibration is None for a in answers)
+    domain = model.domain_report([a.report for a in answers])
+    assert domain.calibrated_of(0) == "landmarks" and domain.calibration_moved is None
 
 
 def test_a_saved_model_keeps_its_control(cohort, model, tmp_path):
@@ -99,7 +88,7 @@ def test_a_saved_model_keeps_its_control(cohort, model, tmp_path):
     control, _ = cohort(1, True)
     save(model, tmp_path / "m")
     again = load(tmp_path / "m")
-    np.testing.assert_array_equal(again.control_quantiles_, model.control_quantiles_)
+    np.testing.assert_array_equal(_reference(again)[0], _reference(model)[0])
     np.testing.assert_array_equal(
         again.decision_function(test, control=control.points),
         model.decision_function(test, control=control.points),
@@ -110,7 +99,7 @@ def test_a_control_the_model_cannot_use_is_refused(cohort, model):
     train, y = cohort(0, False)
     test, _ = cohort(1, False)
     control, _ = cohort(1, True)
-    plain = MarginalTransferClassifier(**FIXED).fit(train, y)
+    plain = MarginalTransferClassifier(**PLAIN).fit(train, y)
     with pytest.raises(ValueError, match="fitted without a reference control"):
         plain.predict_tasks(test, control=control.points)
     with pytest.raises(ValueError, match="the samples have 3 markers"):
@@ -163,15 +152,18 @@ def test_the_command_maps_by_the_control_file_and_names_it(cohort, model, tmp_pa
         assert calibration["by"] == "control" and list(calibration["moved"]) == markers
         moved = [calibration["moved"][m] for m in markers]
         np.testing.assert_allclose(moved, want.report.calibration.moved, atol=1e-4)
-    # Without the control, the same files are answered as they arrived: no report of it.
+    # Without the control, each file is calibrated by its own landmarks, as the
+    # estimator does without one, and no control quality is reported.
     assert main(["predict", str(path), *map(str, files), "--cells"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert "control" not in plain and "calibration" not in plain["results"][0]["report"]
-    assert plain["results"][0]["labels"] != answer["results"][0]["labels"]
+    assert plain["results"][0]["report"]["calibrated"] == "landmarks"
+    alone = model.predict_tasks(test[:2])
+    assert [r["labels"] for r in plain["results"]] == [a.predictions.tolist() for a in alone]
     url = ["--url", "http://127.0.0.1:9"]
     assert main(["predict", "m", str(files[0]), "--control", str(tube), *url]) == 1
     assert "name it with ?control=ID" in capsys.readouterr().err
-    plain_model = MarginalTransferClassifier(**FIXED).fit(*cohort(0, False))
+    plain_model = MarginalTransferClassifier(**PLAIN).fit(*cohort(0, False))
     other = save(
         plain_model,
         tmp_path / "plain",
@@ -205,9 +197,7 @@ def test_a_training_configuration_names_the_reference_control(cohort, tmp_path):
         lo, hi = train_bags.offsets[t], train_bags.offsets[t + 1]
         _write(tmp_path / "data" / f"s{t}.csv", np.asarray(train_bags[t]), y[lo:hi])
     _write(tmp_path / "control.csv", control.points)
-    estimator = "\n".join(
-        f"{k} = {v!r}".replace("'", '"') for k, v in FIXED.items() if k != "n_components"
-    )
+    estimator = "\n".join(f"{k} = {v!r}".replace("'", '"') for k, v in FIXED.items())
     config = (
         textwrap.dedent(
             """
@@ -222,7 +212,6 @@ def test_a_training_configuration_names_the_reference_control(cohort, tmp_path):
         markers = ["M0", "M1", "M2"]
         [estimator]
         class = "MarginalTransferClassifier"
-        n_components = 64
         """
         )
         + estimator
@@ -235,7 +224,7 @@ def test_a_training_configuration_names_the_reference_control(cohort, tmp_path):
     # The file's cells as written (10 significant digits), no preprocessing configured.
     cells = np.loadtxt(tmp_path / "control.csv", delimiter=",", skiprows=1)
     np.testing.assert_allclose(
-        model.control_quantiles_, np.quantile(cells, CONTROL_LEVELS, axis=0), rtol=1e-12
+        _reference(model)[0], np.quantile(cells, CONTROL_LEVELS, axis=0), rtol=1e-12
     )
     digest = hashlib.sha256((tmp_path / "control.csv").read_bytes()).hexdigest()
     assert result.metrics["reference_control"] == {"file": "control.csv", "sha256": digest}
@@ -261,12 +250,12 @@ def test_a_fold_without_a_class_keeps_its_scores_in_their_columns():
         labels.append(y)
     bags, y = Bags.from_arrays(arrays), np.concatenate(labels)
     folds = [(np.array([1, 2, 3]), np.array([0])), (np.array([0, 2, 3]), np.array([1]))]
-    est = MarginalTransferClassifier(**FIXED)
+    est = MarginalTransferClassifier(**PLAIN)
     scores: dict[str, np.ndarray] = {}
     _cv_predictions(est, bags, y, folds, True, {}, ["a", "b"], scores_out=scores)
     (got,) = scores.values()
     assert got.shape == (1200, 3)
-    lone = MarginalTransferClassifier(**FIXED).fit(bags[[1, 2, 3]], y[300:])
+    lone = MarginalTransferClassifier(**PLAIN).fit(bags[[1, 2, 3]], y[300:])
     margin = lone.decision_function(bags[[0]])  # two classes: one margin
     np.testing.assert_array_equal(got[:300], np.column_stack([-margin, margin, -np.ones(300)]))
 
@@ -287,7 +276,7 @@ def test_the_service_takes_the_control_as_a_named_bag(cohort, model, tmp_path):
     models = tmp_path / "models"
     save(model, models / "controlled" / "1", name="controlled", version="1", **meta)
     train, y = cohort(0, False)
-    plain = MarginalTransferClassifier(**FIXED).fit(train, y)
+    plain = MarginalTransferClassifier(**PLAIN).fit(train, y)
     save(plain, models / "plain" / "1", name="plain", version="1", **meta)
     test, _ = cohort(1, False)
     control, _ = cohort(1, True)

@@ -1,23 +1,20 @@
-"""The invariant fallback's boosted trees: their stored form answers as scikit-learn's
-own model does, stored trees are checked before the compiled predictor reads them, and
-the fallback takes them where its folds show axis-aligned gates carrying over better."""
+"""The boosted-trees cell model: its stored form answers as scikit-learn's own model
+does, stored trees are checked before the compiled predictor reads them, each sample
+gives the same cells whatever their order, and a model with trees saves and loads
+without pickle."""
 
 from __future__ import annotations
-
-import warnings
 
 import numpy as np
 import pytest
 from bagserve.core import Bags, MarginalTransferClassifier, artifacts
-from bagserve.core.bags import standardise_each_bag
 from bagserve.core.errors import BagValidationError
-from bagserve.core.estimators._transfer_trees import (
+from bagserve.core.estimators.transfer.trees import (
     TREE_PARAMETERS,
     check_trees,
     fit_trees,
     tree_scores,
 )
-from bagserve.core.selection import GridEdgeWarning
 from sklearn.ensemble import HistGradientBoostingClassifier
 from threadpoolctl import threadpool_limits
 
@@ -138,158 +135,47 @@ def _gated_tasks(n_tasks: int, n: int, seed: int, gain=None) -> tuple[list, list
 @pytest.fixture(scope="module")
 def gated_model():
     xs, ys = _gated_tasks(6, 1500, 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GridEdgeWarning)
-        model = MarginalTransferClassifier(random_state=0).fit(
-            Bags.from_arrays(xs), np.concatenate(ys)
-        )
+    model = MarginalTransferClassifier(cell_model="trees", random_state=0)
+    model.fit(Bags.from_arrays(xs), np.concatenate(ys))
     new, y_new = _gated_tasks(3, 1500, 1, gain=([1.5, 0.7, 2.0, 1.2], [3.0, -2.0, 1.0, 4.0]))
     return model, xs, ys, Bags.from_arrays(new), y_new
 
 
-def test_the_fallback_takes_trees_where_its_folds_show_them_clearly_better(gated_model):
-    model, xs, ys, new, y_new = gated_model
-    record = model.selection_["normalisation"]
-    assert model.normalise_ != "standard" and model.fallback_ is not None
-    assert record["fallback_choice"]["chosen"] == "own kernel"
-    trees = record["fallback_trees"]
-    kernel, boosted = (np.asarray(trees["fold_errors"][k]) for k in ("own kernel", "boosted trees"))
-    assert trees["gain"] == pytest.approx((kernel - boosted).mean())
-    assert trees["gain"] > trees["margin"] >= trees["se"]
-    assert trees["chosen"] == record["fallback_model"] == "boosted trees"
-    assert record["fallback_cv_error"] == pytest.approx(boosted.mean())
-    assert record["fallback_refine"]["chosen"] == "none" == model.fallback_.refine_
-    np.testing.assert_array_equal(record["fallback_fold_errors"], boosted)
-
+def test_trees_on_calibrated_cells_carry_gates_to_a_new_instrument(gated_model):
+    """Boxes drawn on one or two markers, a new batch that scales and shifts every
+    marker: calibrated by its landmarks (the instrument shows in their likelihood),
+    the trees label 94 % of its cells, where they label 99.6 % of a sample of the
+    training batch and 20 % of the new batch uncalibrated. The landmarks' Gaussian
+    populations fit uniform boxes only roughly: that is the gap."""
+    model, _, _, new, y_new = gated_model
+    assert model.calibration_ == "landmarks"
     answers = model.predict_tasks(new)
-    assert all(a.report.fallback for a in answers)
-    # The oracle: scikit-learn's boosting on the same per-sample standardised cells.
-    train = standardise_each_bag(Bags.from_arrays(xs))
-    oracle = HistGradientBoostingClassifier(**TREE_PARAMETERS, random_state=model.seed_)
-    oracle.fit(train.points, np.concatenate(ys))
-    for a, x in zip(answers, standardise_each_bag(new), strict=True):
-        np.testing.assert_array_equal(a.predictions, oracle.predict(np.asarray(x)))
-    with_trees = np.mean([np.mean(a.predictions == v) for a, v in zip(answers, y_new, strict=True)])
-    saved, model.fallback_.trees_ = model.fallback_.trees_, None  # its kernel instead
-    try:
-        kernel_answers = model.predict_tasks(new)
-    finally:
-        model.fallback_.trees_ = saved
-    with_kernel = np.mean(
-        [np.mean(a.predictions == v) for a, v in zip(kernel_answers, y_new, strict=True)]
-    )
-    assert with_trees > with_kernel + 0.01
+    assert all(a.report.calibrated == "landmarks" for a in answers)
+    accuracy = np.mean(np.concatenate([a.predictions for a in answers]) == np.concatenate(y_new))
+    assert accuracy > 0.92
 
 
 def test_a_model_with_trees_saves_and_loads_without_pickle(gated_model, tmp_path):
     model, _, _, new, _ = gated_model
-    assert model.fallback_.trees_ is not None
+    trees = model.cell_model_["trees"]
     artifacts.save(model, tmp_path / "m")
     assert not list((tmp_path / "m").rglob("*.joblib"))
     expected = model.predict_tasks(new)
     for mmap in (False, True):  # the service's workers: sealed shared memory, read-only
         loaded = artifacts.load(tmp_path / "m", mmap=mmap)
-        stored = loaded.fallback_.trees_
-        assert stored["tree_offsets"].size == model.fallback_.trees_["tree_offsets"].size
+        stored = loaded.cell_model_["trees"]
+        assert stored["tree_offsets"].size == trees["tree_offsets"].size
         for a, b in zip(expected, loaded.predict_tasks(new), strict=True):
             np.testing.assert_array_equal(a.scores, b.scores)
-            assert a.report.fallback and b.report.fallback
+            assert a.report.calibrated == b.report.calibrated == model.calibration_
 
 
 # ------------------------------------------------------------------ stopping early
-def _stub_evaluator(n_tasks: int = 6, n: int = 400):
-    """What :func:`choose_trees` reads of a fold evaluator, on small gated tasks: three
-    leave-two-tasks-out folds, every held-out task scored on all its points."""
-    from types import SimpleNamespace
-
-    from bagserve.core.estimators._transfer_cv import misclassification_rate
-
-    xs, ys = _gated_tasks(n_tasks, n, 5)
-    tasks = standardise_each_bag(Bags.from_arrays(xs))
-    Y = _coded(np.concatenate(ys), 4)
-    folds = [
-        (np.setdiff1d(np.arange(n_tasks), val), val)
-        for val in np.array_split(np.arange(n_tasks), 3)
-    ]
-
-    def held_out_points(v):
-        lo, hi = tasks.offsets[v], tasks.offsets[v + 1]
-        return tasks.points[lo:hi], Y[lo:hi]
-
-    setup = SimpleNamespace(
-        folds=folds, data=SimpleNamespace(tasks=tasks, Y=Y), error=misclassification_rate
-    )
-    return SimpleNamespace(setup=setup, held_out_points=held_out_points), tasks, Y
-
-
-def test_the_trees_evaluation_stops_only_where_it_cannot_change_the_choice(monkeypatch):
-    """The oracle: every fold's trees fitted by scikit-learn and the rule applied by hand.
-    Against kernels erring more or less than the trees, the evaluation stops before any
-    fold, after some, or runs to the end, and chooses as the complete evaluation does."""
-    import bagserve.core.estimators._transfer_fallback as fallback_module
-    import bagserve.core.estimators._transfer_trees as trees_module
-    from bagserve.core.estimators._transfer_fallback import CAPACITY_GAIN, choose_trees
-
-    kernel, tasks, Y = _stub_evaluator()
-    labels = np.argmax(Y, axis=1)
-    oracle = []
-    for train, val in kernel.setup.folds:
-        rows = np.concatenate([np.arange(tasks.offsets[t], tasks.offsets[t + 1]) for t in train])
-        model = HistGradientBoostingClassifier(**TREE_PARAMETERS, random_state=0)
-        model.fit(tasks.points[rows], labels[rows])
-        held = [kernel.held_out_points(int(v)) for v in val]
-        oracle.append(np.mean([np.mean(model.predict(x) != np.argmax(y, 1)) for x, y in held]))
-    oracle = np.array(oracle)
-    monkeypatch.setattr(fallback_module, "n_threads_for", lambda n_jobs: 2)  # rounds of 2 folds
-    fitted = []
-    real_fit = trees_module.fit_trees
-    monkeypatch.setattr(trees_module, "fit_trees", lambda *a: fitted.append(1) or real_fit(*a))
-    constant = 0.5
-    least = CAPACITY_GAIN * constant
-    stop_at_two = (3 * least + oracle[0] + oracle[1]) / 2 - 0.001
-    assert stop_at_two * 2 / 3 > least  # so not before the first fold
-    seen = set()
-    for kernel_errors in (
-        np.full(3, 0.2 * least),  # the kernel errs too little to lose to anything
-        np.array([oracle[0], oracle[1] - 0.003, oracle[2] + 0.4]),
-        # After two folds the trees are behind by what the third could at most undo.
-        np.array([stop_at_two, stop_at_two, 0.0]),
-        oracle + 0.05,  # the trees clearly better: every fold
-        oracle - 0.001,
-    ):
-        fitted.clear()
-        record = choose_trees(kernel, kernel_errors, constant, seed=0)
-        diff = kernel_errors - oracle
-        se = diff.std(ddof=1) / np.sqrt(diff.size)
-        expected = "boosted trees" if diff.mean() > max(se, least) else "own kernel"
-        assert record["chosen"] == expected
-        assert len(fitted) == len(record["fold_errors"]["boosted trees"])
-        np.testing.assert_allclose(record["fold_errors"]["boosted trees"], oracle[: len(fitted)])
-        if "stopped_after" in record:
-            assert record["chosen"] == "own kernel" and record["stopped_after"] < 3
-        seen.add(record.get("stopped_after", 3))
-    assert seen == {0, 2, 3}
-
-
-def test_the_card_says_the_trees_answer_new_batches(gated_model):
-    from bagserve.core.card import render_card
-    from bagserve.core.training.saving import _calibration_record, _new_batch_record
-
-    model = gated_model[0]
-    record = _new_batch_record(model)
-    assert record["fallback"] == "boosted trees" and record["fallback_cv"] == "leave-tasks-out"
-    assert _calibration_record(model) is None  # no intervals: calibration_ is of new batches
-    card = render_card({"new_batches": record}, estimator="MarginalTransferClassifier", kind="cell")
-    line = next(x for x in card.splitlines() if x.startswith("- Samples unlike"))
-    assert "gradient-boosted trees on per-sample standardised cells" in line
-    assert f"fold error {record['fallback_cv_error']:.4g}" in line
-
-
 def test_trees_are_fitted_on_at_most_tree_points_cells_of_each_task(monkeypatch):
     """Each task gives at most ``TREE_POINTS`` of its cells with their own targets, the
     same ones in every call (folds and final fit alike) and whatever the order of its
     cells, as ``subsample_bags`` draws them; a smaller task gives all of them."""
-    import bagserve.core.estimators._transfer_trees as trees_module
+    import bagserve.core.estimators.transfer.trees as trees_module
     from bagserve.core.bags import subsample_bags
 
     xs, ys = _gated_tasks(3, 300, 2)

@@ -66,7 +66,7 @@ from ..estimators import (
     MarginalTransferClassifier,
     MarginalTransferRegressor,
 )
-from ..estimators._transfer_reject import UNASSIGNED
+from ..estimators.transfer.open_set import UNASSIGNED
 from ..fhir_coding import OutputCoding
 from ..io import Compensation, Panel
 from ..policy import DEFAULT_POLICY, POLICIES

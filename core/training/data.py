@@ -21,7 +21,7 @@ from numpy.typing import NDArray
 
 from ..bags import Bags
 from ..errors import ConfigError, DataError
-from ..estimators._transfer_reject import UNASSIGNED
+from ..estimators.transfer.open_set import UNASSIGNED
 from ..hashing import file_sha256
 from ..io import Compensation, Dataset, Panel, load_dataset, read_file_table
 from ..streaming import points_sha256

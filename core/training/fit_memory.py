@@ -166,13 +166,8 @@ def train_in_memory(
     searcher = _InMemorySearch(
         data.bags, y, folds, cell_level, pre_spec, markers, progress, fit_groups, control
     )
-    # A widened refit fits the kept candidate on the same folds again: the marginal-
-    # transfer fits then reuse the first fits' fold evaluations (same results).
-    from ..estimators._transfer_cv import reusing_fold_evaluations
-
     try:
-        with reusing_fold_evaluations():
-            outcome = run_search(candidates, estimator, grid, widen, searcher, y, classifier)
+        outcome = run_search(candidates, estimator, grid, widen, searcher, y, classifier)
     finally:
         searcher.fold_cache.close()
     calibration = None

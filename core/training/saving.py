@@ -290,9 +290,9 @@ def _calibration_record(model: Any) -> dict[str, Any] | None:
 
 
 def _new_batch_record(model: Any) -> dict[str, Any] | None:
-    """How a per-cell model answers a sample unlike its training samples (for the card):
-    which invariant fallback, chosen on which folds, and the calibration of such
-    samples, and what its own capacity choice made of the model itself (``primary``);
+    """How a per-cell model calibrates and labels a new sample (for the card): the
+    calibration (and the one without the batch's control), the cell model, the rest
+    threshold, and the folds that chose them, with the chosen candidate's fold score;
     None for other models."""
     from ..artifact_info import kind_of
     from ..results import ModelKind
@@ -300,13 +300,12 @@ def _new_batch_record(model: Any) -> dict[str, Any] | None:
     if kind_of(type(model)) is not ModelKind.CELL:
         return None
     selection = getattr(model, "selection_", None) or {}
-    record = selection.get("normalisation") or {}
-    has_fallback = getattr(model, "fallback_", None) is not None
+    chosen = f"{selection.get('cell_model')}/{selection.get('calibration')}"
     return {
-        "fallback": record.get("fallback_model") if has_fallback else None,
-        "fallback_cv": record.get("fallback_cv"),
-        "fallback_cv_error": record.get("fallback_cv_error"),
-        "calibration": getattr(model, "calibration_", "none"),
-        "normalise": getattr(model, "normalise_", None),
-        "primary": (selection.get("capacity") or {}).get("chosen"),
+        "calibration": getattr(model, "calibration_", None),
+        "calibration_without_control": getattr(model, "calibration_without_control_", None),
+        "cell_model": selection.get("cell_model"),
+        "reject_threshold": getattr(model, "reject_threshold_", None),
+        "folds": selection.get("folds"),
+        "fold_score": (selection.get("scores") or {}).get(chosen),
     }

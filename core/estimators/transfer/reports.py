@@ -1,0 +1,147 @@
+"""What the marginal-transfer models say about each new task besides its labels.
+
+:class:`TaskReport` tells how a new task relates to the training tasks (distance,
+similarity, out of range, which model answered, how much a refinement changed, whether
+it was calibrated); :class:`TaskPrediction` carries it with the task's labels and scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ...alignment import MarkerQuality
+from ...domain import NEAREST, DomainReport
+
+__all__ = ["TaskPrediction", "TaskReport", "calibration_arrays", "domain_report", "task_report"]
+
+
+@dataclass(frozen=True)
+class TaskReport:
+    """How a new task relates to the training tasks.
+
+    Attributes
+    ----------
+    nearest_tasks : ndarray of int
+        Training tasks sorted by decreasing similarity (at most 3).
+    similarities : ndarray of float
+        ``k_P`` to those tasks (1 = identical embedding, → 0 far away).
+    distance : float
+        Hilbertian embedding distance to the nearest training task.
+    out_of_range : bool
+        ``distance`` exceeds ``range_factor`` times the largest nearest-neighbour
+        distance among the training tasks: the task is unlike every training task,
+        and a ``τ > 0`` model answers with its pooled part there. With a fallback,
+        also when ``disagreement`` exceeds ``range_factor`` times what the two
+        models' cross-validation errors allow on tasks like the training ones.
+    fallback : bool
+        The task was out of range and was answered by the model's invariant
+        fallback (``normalise="auto"`` only: a model of per-task standardised tasks,
+        see :class:`MarginalTransferClassifier`).
+    disagreement : float or None
+        How differently the primary model and the fallback answer the task: the
+        share of its points they label differently (classifiers), or the root mean
+        square difference of their values (regressors). ``None`` without a fallback,
+        or where only the fallback was asked (the task was already out of range).
+    relabelled : float or None
+        Share of the task's points whose label the per-task mixture changed (the
+        model that answered refines, ``refine_ == "mixture"``); ``None`` where no
+        refinement ran.
+    calibrated : str or None
+        How the task, out of range, was calibrated to the training reference before
+        the primary model answered it (``calibration_``: ``"quantile"`` or ``"mmd"``),
+        or ``"control"`` where its batch's reference control mapped it before any
+        model saw it; ``None`` where it was not. Without a control, the distance and
+        the flag are the task's own, as it arrived; with one, the mapped task's.
+    calibration : MarkerQuality or None
+        With a control: per marker, how far the map moved this task's cells, and the
+        control's distance to the training control before and after the map on
+        cells it was not fitted on (``worse``: the markers it made worse).
+    shift : float or None
+        How far the calibration moved the task (the largest over markers of a cell's
+        median displacement, in training standard deviations;
+        :func:`~.calibration.shift`). Beyond what the drawn instruments needed
+        (times ``range_factor``), the task is out of range however it looks once
+        calibrated. ``None`` for models before issue 44.
+    """
+
+    nearest_tasks: NDArray[np.int64]
+    similarities: NDArray[np.float64]
+    distance: float
+    out_of_range: bool
+    fallback: bool = False
+    disagreement: float | None = None
+    relabelled: float | None = None
+    calibrated: str | None = None
+    calibration: MarkerQuality | None = None
+    shift: float | None = None
+
+
+@dataclass
+class TaskPrediction:
+    """Labels (or values) and scores of every point of one task, plus its report."""
+
+    predictions: NDArray[Any]
+    scores: NDArray[np.float64]
+    report: TaskReport = field(repr=False)
+
+
+def calibration_arrays(reports: list[TaskReport]) -> dict[str, Any]:
+    """The :class:`~core.domain.DomainReport` fields of how tasks were calibrated:
+    by which calibration each, and with a control, how its map moved each marker."""
+    out: dict[str, Any] = {"calibrated": np.array([r.calibrated or "" for r in reports])}
+    if any(r.shift is not None for r in reports):
+        out["calibration_shift"] = np.array(
+            [np.nan if r.shift is None else r.shift for r in reports]
+        )
+    if reports and all(r.calibration is not None for r in reports):
+        out["calibration_moved"] = np.array([r.calibration.moved for r in reports])
+        out["calibration_worse"] = np.array([r.calibration.worse for r in reports])
+    return out
+
+
+def task_report(
+    task_map: Any,
+    sq: NDArray[np.float64],
+    how: str,
+    quality: Any,
+    moved: float,
+    limit: float,
+) -> TaskReport:
+    """A new task's report from its squared embedding distances ``sq`` to the training
+    tasks (:class:`~.task_map.TaskMap`), the calibration it had, that calibration's
+    quality and shift ``moved``, and the largest shift in range (``limit``)."""
+    dist = np.sqrt(sq)
+    order = np.argsort(dist, kind="stable")[:3]
+    return TaskReport(
+        nearest_tasks=order,
+        similarities=np.exp(-task_map.gamma * sq[order]),
+        distance=float(dist[order[0]]),
+        out_of_range=bool(dist[order[0]] > task_map.range_threshold or moved > limit),
+        calibrated=None if how == "none" else how,
+        calibration=quality,
+        shift=moved,
+    )
+
+
+def domain_report(reports: list[TaskReport], distance_scale: float) -> DomainReport:
+    """The :class:`~core.domain.DomainReport` of tasks from their reports: the distance
+    to the nearest training task in units of ``distance_scale`` (the median such
+    distance among the training tasks), and the out-of-range flag."""
+    nearest = np.full((len(reports), NEAREST), -1, dtype=np.int64)
+    sims = np.zeros((len(reports), NEAREST))
+    for i, r in enumerate(reports):
+        nearest[i, : r.nearest_tasks.size] = r.nearest_tasks[:NEAREST]
+        sims[i, : r.similarities.size] = r.similarities[:NEAREST]
+    distance = np.array([r.distance for r in reports], dtype=np.float64)
+    return DomainReport(
+        score=distance / distance_scale,
+        out_of_range=np.array([r.out_of_range for r in reports], dtype=bool),
+        nearest=nearest,
+        similarities=sims,
+        distance=distance,
+        **calibration_arrays(reports),
+    )
