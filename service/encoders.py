@@ -19,6 +19,7 @@ from bagserve.core.results import (
     CellPrediction,
     ClassificationPrediction,
     ConditionalPrediction,
+    ModelKind,
     Prediction,
 )
 
@@ -58,7 +59,7 @@ T = TypeVar("T")
 async def encode_off_loop(result: Prediction, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)``: in a worker thread when ``result`` is a large per-cell
     answer (the event loop keeps answering meanwhile), else at once."""
-    if isinstance(result, CellPrediction) and int(result.sizes.sum()) > ENCODE_INLINE_CELLS:
+    if result.kind is ModelKind.CELL and int(result.sizes.sum()) > ENCODE_INLINE_CELLS:
         return await asyncio.to_thread(fn, *args, **kwargs)
     return fn(*args, **kwargs)
 
@@ -241,8 +242,9 @@ def _trust(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
         return out
     if result.interval is not None:
         out["interval"] = result.interval[i].tolist()
-    if isinstance(result, ClassificationPrediction) and result.sets is not None:
-        out["set"] = result.set_of(i)
+    members = result.prediction_set(i)
+    if members is not None:
+        out["set"] = members
     return out
 
 

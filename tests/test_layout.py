@@ -344,3 +344,53 @@ def test_the_layout_check_can_fail():
     # A neighbour's text names fit.py; io/'s text does not name core/ files.
     assert _undocumented(entries, files[2:]) == []
     assert _undocumented({"core/io/": "io/ bags.py"}, ["core/bags.py"]) == ["core/bags.py"]
+
+
+_RESULT_TYPES = {
+    "Prediction",
+    "RegressionPrediction",
+    "ClassificationPrediction",
+    "ConditionalPrediction",
+    "CellPrediction",
+}
+
+
+def _result_type_checks(source: str) -> list[int]:
+    """Lines of ``source`` that test a value against a result type with ``isinstance``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and len(node.args) == 2
+        ):
+            continue
+        kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+        named = {k.id if isinstance(k, ast.Name) else getattr(k, "attr", "") for k in kinds}
+        if named & _RESULT_TYPES:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_answers_are_shaped_by_dispatch_on_the_result_type():
+    """Every output format of the service (JSON, CSV, NPY, FHIR, HL7, /v2 tensors) takes
+    its shape from the result's type by dispatch (functools.singledispatch or a method
+    of the result), never from an isinstance ladder that a new result type would fall
+    through silently."""
+    offenders = [
+        f"{rel}:{line}"
+        for rel, path in _sources().items()
+        if rel.startswith("service/")
+        for line in _result_type_checks(path.read_text())
+    ]
+    assert offenders == []
+
+
+def test_the_result_type_check_can_fail():
+    source = (
+        "if isinstance(r, CellPrediction):\n    pass\n"
+        "elif isinstance(r, (int, results.ClassificationPrediction)):\n    pass\n"
+        "ok = isinstance(r, str)\n"
+    )
+    assert _result_type_checks(source) == [1, 3]
