@@ -38,6 +38,7 @@ from bagserve.core.results import (
 
 from .audit import AuditLog
 from .codecs import MULTIPART, BodySpec, media_type
+from .encoders import Answer
 from .errors import Problem
 from .explanations import explanations_sha256
 from .metrics import Metrics
@@ -153,6 +154,20 @@ class Outcome:
             "warnings": self.warnings,
             "notes": self.notes,
         }
+
+    def answer(self, request_id: str) -> Answer:
+        """What every output format takes of this prediction (:class:`.encoders.Answer`),
+        headed by its :meth:`provenance`."""
+        return Answer(
+            self.result,
+            self.ids,
+            self.provenance(request_id),
+            self.entry.info,
+            inputs=self.inputs,
+            acquired=self.acquired,
+            plots=self.plots,
+            explanations=self.explanations,
+        )
 
     def summary(self, values: bool = False) -> dict[str, Any]:
         """What the audit trail keeps of the output: per bag its status, domain score

@@ -394,3 +394,35 @@ def test_the_result_type_check_can_fail():
         "ok = isinstance(r, str)\n"
     )
     assert _result_type_checks(source) == [1, 3]
+
+
+def _outcome_fields_passed(source: str) -> list[int]:
+    """Lines of ``source`` that pass a field of an ``outcome`` on as a keyword argument."""
+    fields = {"inputs", "plots", "acquired", "explanations"}
+    return [
+        node.value.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.keyword)
+        and isinstance(node.value, ast.Attribute)
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "outcome"
+        and node.value.attr in fields
+    ]
+
+
+def test_what_the_formats_take_of_a_prediction_is_bundled_in_one_place():
+    """The inputs, plots, acquisition times and explanations of a finished
+    prediction reach the output formats as one Answer (Outcome.answer), never
+    unpacked into keyword arguments at each door."""
+    offenders = [
+        f"{rel}:{line}"
+        for rel, path in _sources().items()
+        if rel.startswith("service/")
+        for line in _outcome_fields_passed(path.read_text())
+    ]
+    assert offenders == []
+
+
+def test_the_outcome_field_check_can_fail():
+    source = "f(outcome.ids, inputs=outcome.inputs, e=outcome.explanations)\ng(inputs=x.inputs)\n"
+    assert _outcome_fields_passed(source) == [1, 1]
