@@ -102,6 +102,11 @@ class Prediction(abc.ABC):
         """Whether bag ``i``'s value may be shown (not withheld by the policy)."""
         return self.status_of(i) != WITHHELD
 
+    def prediction_set(self, i: int) -> list[Any] | None:
+        """The classes in bag ``i``'s conformal prediction set; None where the answer
+        has no sets (every kind but a classification asked with a coverage)."""
+        return None
+
     @property
     @abc.abstractmethod
     def estimate(self) -> NDArray[Any]:
@@ -172,6 +177,9 @@ class ClassificationPrediction(Prediction):
         """The classes in bag ``i``'s prediction set."""
         assert self.sets is not None
         return self.classes[self.sets[i]].tolist()
+
+    def prediction_set(self, i: int) -> list[Any] | None:
+        return None if self.sets is None else self.set_of(i)
 
     @property
     def estimate(self) -> NDArray[Any]:

@@ -1,8 +1,9 @@
 """Typed predictions out: the native API's JSON, CSV, NPY and FHIR answers.
 
-One function per answer format, each taking the runtime's typed result
-(:mod:`bagserve.core.results`) and the ids and provenance of the request. The shape of
-each answer follows the kind of the result, never the estimator's class.
+One builder per answer format, each taking the runtime's typed result
+(:mod:`bagserve.core.results`) and the ids and provenance of the request, bundled once
+as an :class:`Answer` (:meth:`.prediction.Outcome.answer`). The shape of each answer
+follows the kind of the result (a dispatch on its type), never the estimator's class.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -19,6 +21,7 @@ from bagserve.core.results import (
     CellPrediction,
     ClassificationPrediction,
     ConditionalPrediction,
+    ModelKind,
     Prediction,
 )
 
@@ -33,6 +36,7 @@ __all__ = [
     "CSV_OUT",
     "FHIR_JSON",
     "FORMATS",
+    "Answer",
     "encode",
     "encode_document",
     "encode_off_loop",
@@ -58,7 +62,7 @@ T = TypeVar("T")
 async def encode_off_loop(result: Prediction, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)``: in a worker thread when ``result`` is a large per-cell
     answer (the event loop keeps answering meanwhile), else at once."""
-    if isinstance(result, CellPrediction) and int(result.sizes.sum()) > ENCODE_INLINE_CELLS:
+    if result.kind is ModelKind.CELL and int(result.sizes.sum()) > ENCODE_INLINE_CELLS:
         return await asyncio.to_thread(fn, *args, **kwargs)
     return fn(*args, **kwargs)
 
@@ -91,90 +95,139 @@ def negotiate(accept: str | None) -> str:
     raise Problem(406, f"cannot answer {accept!r}; available: {', '.join(FORMATS)}")
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A finished prediction as every output format takes it: the one bundle of what
+    the request sent and the model answered (:meth:`.prediction.Outcome.answer`).
+
+    Attributes
+    ----------
+    result : Prediction
+        The runtime's typed answer.
+    ids : list of str
+        Bag ids, in request order.
+    meta : dict
+        The provenance that heads the answer (:meth:`.prediction.Outcome.provenance`).
+    info : ArtifactInfo
+        The model's: the training bags of the domain report and the out-of-domain
+        policy whose status each bag carries.
+    inputs : list of str, optional
+        Per bag, the sha256 of its input (its file, or its cells).
+    acquired : list of str or None, optional
+        Per bag, when its instrument acquired it.
+    plots : list of dict, optional
+        Per bag, cells for a scatter plot (``?plot=N``); JSON only.
+    explanations : list of dict, optional
+        Per bag, its explanation (``?explain=true``): in JSON whole, in FHIR and HL7 as
+        one line of text (:func:`.explanations.summary_text`), not in CSV or NPY.
+    """
+
+    result: Prediction
+    ids: list[str]
+    meta: dict[str, Any]
+    info: ArtifactInfo
+    inputs: list[str] | None = None
+    acquired: list[str | None] | None = None
+    plots: list[dict[str, Any]] | None = None
+    explanations: list[dict[str, Any]] | None = None
+
+    def document(self, *, cells: bool = True) -> dict[str, Any]:
+        """The JSON answer as a document (:func:`encode_document`)."""
+        return encode_document(
+            self.result,
+            self.ids,
+            self.meta,
+            self.info,
+            inputs=self.inputs,
+            cells=cells,
+            plots=self.plots,
+            explanations=self.explanations,
+        )
+
+    def fhir(
+        self,
+        *,
+        coverage: float | None = None,
+        refs: dict[str, Any] | None = None,
+        performer: str | None = None,
+        timezone: str | None = None,
+    ) -> dict[str, Any]:
+        """The FHIR R4 Bundle (:func:`.fhir.bundle`)."""
+        return bundle(
+            self.result,
+            self.ids,
+            self.meta,
+            self.info,
+            inputs=self.inputs,
+            coverage=coverage,
+            refs=refs,
+            acquired=self.acquired,
+            performer=performer,
+            timezone=timezone,
+            explanations=self.explanations,
+        )
+
+    def hl7(
+        self,
+        *,
+        coverage: float | None = None,
+        refs: dict[str, Any] | None = None,
+        parties: Parties | None = None,
+        control_id: str | None = None,
+    ) -> str:
+        """The HL7 v2.5.1 ORU^R01 message (:func:`.hl7.oru_r01`)."""
+        return oru_r01(
+            self.result,
+            self.ids,
+            self.meta,
+            self.info,
+            inputs=self.inputs,
+            coverage=coverage,
+            refs=refs,
+            acquired=self.acquired,
+            parties=parties,
+            control_id=control_id,
+            explanations=self.explanations,
+        )
+
+
 def encode(
-    result: Prediction,
-    ids: list[str],
+    answer: Answer,
     fmt: str,
-    meta: dict[str, Any],
-    info: ArtifactInfo,
     options: PredictOptions,
     *,
-    inputs: list[str] | None = None,
-    plots: list[dict[str, Any]] | None = None,
     refs: dict[str, Any] | None = None,
-    acquired: list[str | None] | None = None,
     performer: str | None = None,
     timezone: str | None = None,
     parties: Parties | None = None,
-    explanations: list[dict[str, Any]] | None = None,
 ) -> bytes:
-    """The answer in ``fmt`` (one of :data:`FORMATS`); ``meta`` heads a JSON answer.
+    """The answer in ``fmt`` (one of :data:`FORMATS`); its ``meta`` heads a JSON answer.
 
-    ``info`` is the model's: it names the training bags of the domain report and holds
-    the out-of-domain policy whose status each bag carries (a withheld bag's value,
-    interval and set are left out of every format: NaN in NPY tables). ``options``:
-    what the request asked (CSV columns follow from it and the model alone,
-    :mod:`.tables`; ``cells=False`` leaves out a per-cell model's label of every cell,
-    its population summary stays; ``coverage``: the interval's). ``inputs``: the
-    sha256 of each bag's input (its file, or its cells). Per-cell
+    A withheld bag's value, interval and set are left out of every format (NaN in NPY
+    tables). ``options``: what the request asked (CSV columns follow from it and the
+    model alone, :mod:`.tables`; ``cells=False`` leaves out a per-cell model's label of
+    every cell, its population summary stays; ``coverage``: the interval's). Per-cell
     classifiers in NPY: every cell's class probabilities when they were asked for, else
     the population counts per bag with ``cells=False``, else the labels; columns follow
     the model's classes. FHIR (:mod:`.fhir`): ``meta`` is the provenance, ``refs`` the
-    subject, specimen and effective time,
-    ``acquired`` each bag's acquisition time, ``performer`` and ``timezone`` the
-    service's settings (:func:`.fhir.bundle`). HL7 (:func:`.hl7.oru_r01`): ``refs``
-    the patient and placer order numbers, ``parties`` MSH-3..6. ``explanations``: per
-    bag, its explanation (``?explain=true``): in JSON whole, in FHIR and HL7 as one line
-    of text (:func:`.explanations.summary_text`), not in CSV or NPY.
+    subject, specimen and effective time, ``performer`` and ``timezone`` the service's
+    settings (:func:`.fhir.bundle`). HL7 (:func:`.hl7.oru_r01`): ``refs`` the patient
+    and placer order numbers, ``parties`` MSH-3..6.
     """
     cells, coverage = options.cells, options.coverage
     if fmt == FHIR_JSON:
         return orjson.dumps(
-            bundle(
-                result,
-                ids,
-                meta,
-                info,
-                inputs=inputs,
-                coverage=coverage,
-                refs=refs,
-                acquired=acquired,
-                performer=performer,
-                timezone=timezone,
-                explanations=explanations,
-            )
+            answer.fhir(coverage=coverage, refs=refs, performer=performer, timezone=timezone)
         )
     if fmt == HL7_V2:
-        message = oru_r01(
-            result,
-            ids,
-            meta,
-            info,
-            inputs=inputs,
-            coverage=coverage,
-            refs=refs,
-            acquired=acquired,
-            parties=parties,
-            explanations=explanations,
-        )
-        return message.encode("utf-8")
+        return answer.hl7(coverage=coverage, refs=refs, parties=parties).encode("utf-8")
     if fmt == NPY:
-        return npy_bytes(np.asarray(_table(result, cells)))
+        return npy_bytes(np.asarray(_table(answer.result, cells)))
     if fmt == CSV_OUT:
-        layout = TableLayout.of(info.answer_shape(), options)
-        return csv_bytes(layout.columns, layout.rows(result, ids, info, inputs=inputs))
-    return orjson.dumps(
-        encode_document(
-            result,
-            ids,
-            meta,
-            info,
-            inputs=inputs,
-            cells=cells,
-            plots=plots,
-            explanations=explanations,
-        )
-    )
+        layout = TableLayout.of(answer.info.answer_shape(), options)
+        rows = layout.rows(answer.result, answer.ids, answer.info, inputs=answer.inputs)
+        return csv_bytes(layout.columns, rows)
+    return orjson.dumps(answer.document(cells=cells))
 
 
 def encode_document(
@@ -241,8 +294,9 @@ def _trust(result: Prediction, i: int, info: ArtifactInfo) -> dict[str, Any]:
         return out
     if result.interval is not None:
         out["interval"] = result.interval[i].tolist()
-    if isinstance(result, ClassificationPrediction) and result.sets is not None:
-        out["set"] = result.set_of(i)
+    members = result.prediction_set(i)
+    if members is not None:
+        out["set"] = members
     return out
 
 

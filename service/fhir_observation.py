@@ -4,6 +4,7 @@ codes and building blocks they share with the rest of the Bundle (:mod:`.fhir`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -102,7 +103,7 @@ class Observations:
         if self.performer:
             obs["performer"] = [{"reference": self.performer}]
         if self.result.released(i):
-            value, components = self._value(i)
+            value, components = self._value(self.result, i)
         else:
             value, components = self._withheld(i), []
         obs.update(value)
@@ -155,53 +156,87 @@ class Observations:
         }
 
     # ------------------------------------------------------------------ values
-    def _value(self, i: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The Observation's ``value[x]`` and its components."""
-        r, name = self.result, self.model["name"]
+    @functools.singledispatchmethod
+    def _value(self, r: Prediction, i: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The Observation's ``value[x]`` and its components, by the kind of the
+        result ``r`` (this builder's own): here a value (or one per output) and its
+        interval."""
+        return self._estimate(r, i)
+
+    @_value.register
+    def _(self, r: CellPrediction, i: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         components: list[dict[str, Any]] = []
-        if isinstance(r, CellPrediction):
-            if r.classes is None:
-                # A per-cell regressor: the bag's mean cell value.
-                cells = np.asarray(r.labels_of(i), dtype=np.float64)
-                components.append(
-                    _component(
-                        _own("cell-mean", "Mean over the bag's cells"),
-                        {"valueQuantity": self._quantity(float(cells.mean()))},
-                    )
+        if r.classes is None:
+            # A per-cell regressor: the bag's mean cell value.
+            cells = np.asarray(r.labels_of(i), dtype=np.float64)
+            components.append(
+                _component(
+                    _own("cell-mean", "Mean over the bag's cells"),
+                    {"valueQuantity": self._quantity(float(cells.mean()))},
                 )
-                return {}, components
-            counts = r.counts[i] if r.counts is not None else None
-            assert counts is not None
-            total = int(counts.sum())
-            for k, label in enumerate(r.classes.tolist()):
-                coding = self.coding.class_coding(name, label)
-                components.append(
-                    _component(
-                        coding,
-                        {
-                            "valueRatio": {
-                                "numerator": _cells(int(counts[k])),
-                                "denominator": _cells(total),
-                            }
-                        },
-                        text=f"{label} cells",
-                    )
-                )
+            )
             return {}, components
-        if isinstance(r, ClassificationPrediction):
-            label = r.labels[i].item()
-            coding = self.coding.class_coding(name, label)
-            value = {"valueCodeableConcept": {"coding": [coding.to_json()], "text": str(label)}}
-            if r.probabilities is not None:
-                for k, c in enumerate(r.classes.tolist()):
-                    components.append(
-                        _component(
-                            self.coding.class_coding(name, c),
-                            {"valueQuantity": _probability(float(r.probabilities[i, k]))},
-                            text=f"probability of {c}",
-                        )
+        counts = r.counts[i] if r.counts is not None else None
+        assert counts is not None
+        total = int(counts.sum())
+        for k, label in enumerate(r.classes.tolist()):
+            coding = self.coding.class_coding(self.model["name"], label)
+            components.append(
+                _component(
+                    coding,
+                    {
+                        "valueRatio": {
+                            "numerator": _cells(int(counts[k])),
+                            "denominator": _cells(total),
+                        }
+                    },
+                    text=f"{label} cells",
+                )
+            )
+        return {}, components
+
+    @_value.register
+    def _(self, r: ClassificationPrediction, i: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        name = self.model["name"]
+        label = r.labels[i].item()
+        coding = self.coding.class_coding(name, label)
+        value = {"valueCodeableConcept": {"coding": [coding.to_json()], "text": str(label)}}
+        components: list[dict[str, Any]] = []
+        if r.probabilities is not None:
+            for k, c in enumerate(r.classes.tolist()):
+                components.append(
+                    _component(
+                        self.coding.class_coding(name, c),
+                        {"valueQuantity": _probability(float(r.probabilities[i, k]))},
+                        text=f"probability of {c}",
                     )
-            return value, components
+                )
+        return value, components
+
+    @_value.register
+    def _(self, r: ConditionalPrediction, i: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        # The mean as any value, then the quantiles and exceedance probabilities.
+        value, components = self._estimate(r, i)
+        for level, q in zip(r.levels.tolist(), r.quantiles[i].tolist(), strict=True):
+            components.append(
+                _component(
+                    _own(f"quantile-{level:g}", f"Quantile {level:g}"),
+                    {"valueQuantity": self._quantity(q)},
+                )
+            )
+        for t, p in zip(r.thresholds.tolist(), r.exceedance[i].tolist(), strict=True):
+            components.append(
+                _component(
+                    _own(f"exceedance-{t:g}", f"Probability above {t:g}"),
+                    {"valueQuantity": _probability(p)},
+                )
+            )
+        return value, components
+
+    def _estimate(self, r: Prediction, i: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Bag ``i``'s estimate as a quantity (one component per output for several)
+        and its prediction interval."""
+        components: list[dict[str, Any]] = []
         estimate = np.atleast_1d(np.asarray(r.estimate[i], dtype=np.float64))
         if estimate.size == 1:
             value = {"valueQuantity": self._quantity(float(estimate[0]))}
@@ -222,21 +257,6 @@ class Observations:
                     {"valueRange": {"low": self._quantity(lo), "high": self._quantity(hi)}},
                 )
             )
-        if isinstance(r, ConditionalPrediction):
-            for level, q in zip(r.levels.tolist(), r.quantiles[i].tolist(), strict=True):
-                components.append(
-                    _component(
-                        _own(f"quantile-{level:g}", f"Quantile {level:g}"),
-                        {"valueQuantity": self._quantity(q)},
-                    )
-                )
-            for t, p in zip(r.thresholds.tolist(), r.exceedance[i].tolist(), strict=True):
-                components.append(
-                    _component(
-                        _own(f"exceedance-{t:g}", f"Probability above {t:g}"),
-                        {"valueQuantity": _probability(p)},
-                    )
-                )
         return value, components
 
     def _quantity(self, value: float) -> dict[str, Any]:
@@ -274,10 +294,10 @@ class Observations:
                 flags.append(flag(code="EX", text="outside the model's applicability domain"))
             notes.append(self.info.domain_note(domain, i))
         r = self.result
-        if isinstance(r, ClassificationPrediction) and r.sets is not None and r.released(i):
+        members = r.prediction_set(i) if r.released(i) else None
+        if members is not None:
             level = f"{100 * self.coverage:g}% " if self.coverage is not None else ""
-            members = ", ".join(str(c) for c in r.set_of(i)) or "empty"
-            notes.append(f"{level}prediction set: {members}.")
+            notes.append(f"{level}prediction set: {', '.join(str(c) for c in members) or 'empty'}.")
         if getattr(r, "clipped", None) is not None and int(r.clipped[i]):
             notes.append(
                 f"{int(r.clipped[i])} cells lay outside the training range and were clipped "

@@ -50,6 +50,7 @@ bagserve always writes the two limits separated by a hyphen between spaces, ``-1
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -361,31 +362,13 @@ def _obx(
     obx.obx_17, obx.obx_18 = producer
 
 
+@functools.singledispatch
 def _observations(
     result: Prediction, i: int, info: ArtifactInfo, name: str, code: str
 ) -> list[tuple[str, str, str, str, dict[str, str]]]:
-    """Bag ``i``'s OBX rows: (value type, identifier, value, unit, extra fields)."""
+    """Bag ``i``'s OBX rows: (value type, identifier, value, unit, extra fields), by the
+    kind of the result: here a value (or one per output) with its unit and range."""
     coding = info.output_coding
-    if isinstance(result, CellPrediction):
-        rows = []
-        counts = result.counts[i] if result.counts is not None else None
-        if counts is None or result.classes is None:
-            # A per-cell regressor: the mean of the bag's cell values (as in FHIR).
-            mean = float(np.mean(np.asarray(result.labels_of(i), dtype=np.float64)))
-            return [("NM", code, f"{mean:.15g}", "", {"sub": "mean"})]
-        total = max(int(counts.sum()), 1)
-        for k, label in enumerate(result.classes.tolist()):
-            c = coding.class_coding(name, label)
-            ident = _cwe(c.code, c.display or c.code, "L")
-            rows.append(("NM", ident, str(int(counts[k])), "{cells}^cells^UCUM", {"sub": "1"}))
-            rows.append(
-                ("NM", ident, f"{100 * int(counts[k]) / total:.6g}", "%^percent^UCUM", {"sub": "2"})
-            )
-        return rows
-    if isinstance(result, ClassificationPrediction):
-        label = result.labels[i].item()
-        c = coding.class_coding(name, label)
-        return [("CWE", code, _cwe(c.code, c.display or c.code, "L"), "", {})]
     unit = (
         f"{_text(coding.unit, 20)}^{_text(coding.unit_display or coding.unit, 199)}^UCUM"
         if coding.unit
@@ -412,6 +395,37 @@ def _observations(
     return [("NM", code, f"{value:.15g}", unit, extra)]
 
 
+@_observations.register
+def _(
+    result: CellPrediction, i: int, info: ArtifactInfo, name: str, code: str
+) -> list[tuple[str, str, str, str, dict[str, str]]]:
+    coding = info.output_coding
+    rows = []
+    counts = result.counts[i] if result.counts is not None else None
+    if counts is None or result.classes is None:
+        # A per-cell regressor: the mean of the bag's cell values (as in FHIR).
+        mean = float(np.mean(np.asarray(result.labels_of(i), dtype=np.float64)))
+        return [("NM", code, f"{mean:.15g}", "", {"sub": "mean"})]
+    total = max(int(counts.sum()), 1)
+    for k, label in enumerate(result.classes.tolist()):
+        c = coding.class_coding(name, label)
+        ident = _cwe(c.code, c.display or c.code, "L")
+        rows.append(("NM", ident, str(int(counts[k])), "{cells}^cells^UCUM", {"sub": "1"}))
+        rows.append(
+            ("NM", ident, f"{100 * int(counts[k]) / total:.6g}", "%^percent^UCUM", {"sub": "2"})
+        )
+    return rows
+
+
+@_observations.register
+def _(
+    result: ClassificationPrediction, i: int, info: ArtifactInfo, name: str, code: str
+) -> list[tuple[str, str, str, str, dict[str, str]]]:
+    label = result.labels[i].item()
+    c = info.output_coding.class_coding(name, label)
+    return [("CWE", code, _cwe(c.code, c.display or c.code, "L"), "", {})]
+
+
 def _notes(result: Prediction, i: int, info: ArtifactInfo, coverage: float | None) -> list[str]:
     """NTE texts for bag ``i``, always in this order: interval or set, domain, withheld."""
     out = []
@@ -420,9 +434,9 @@ def _notes(result: Prediction, i: int, info: ArtifactInfo, coverage: float | Non
     if released and result.interval is not None:
         lo, hi = (float(v) for v in result.interval[i])
         out.append(f"{level}prediction interval: {lo:.6g} to {hi:.6g}")
-    if released and isinstance(result, ClassificationPrediction) and result.sets is not None:
-        members = ", ".join(str(c) for c in result.set_of(i)) or "empty"
-        out.append(f"{level}prediction set: {members}")
+    members = result.prediction_set(i) if released else None
+    if members is not None:
+        out.append(f"{level}prediction set: {', '.join(str(c) for c in members) or 'empty'}")
     domain = result.domain
     if domain is not None:
         out.append(info.domain_note(domain, i))

@@ -15,9 +15,9 @@ import asyncio
 import time
 
 from .codecs import BodySpec
-from .encoders import encode_document, encode_off_loop
+from .encoders import encode_off_loop
 from .errors import Problem
-from .hl7 import Parties, new_control_id, oru_r01
+from .hl7 import Parties, new_control_id
 from .hl7_delivery import DeliveryQueue
 from .jobs import JobStore
 from .options import PredictOptions
@@ -97,18 +97,8 @@ class JobRunner:
                 problem = {"status": exc.status, "detail": exc.detail, "errors": exc.errors}
                 await asyncio.to_thread(store.finish, job_id, "failed", problem)
                 return
-        document = await encode_off_loop(
-            outcome.result,
-            encode_document,
-            outcome.result,
-            outcome.ids,
-            outcome.provenance(meta["request_id"]),
-            entry.info,
-            inputs=outcome.inputs,
-            cells=options.cells,
-            plots=outcome.plots,
-            explanations=outcome.explanations,
-        )
+        answer = outcome.answer(meta["request_id"])
+        document = await encode_off_loop(outcome.result, answer.document, cells=options.cells)
         settings, deliveries = self.predictor.settings, self.deliveries
         also = None
         if settings.hl7_forward and deliveries is not None:
@@ -116,18 +106,11 @@ class JobRunner:
             try:
                 message = await encode_off_loop(
                     outcome.result,
-                    oru_r01,
-                    outcome.result,
-                    outcome.ids,
-                    outcome.provenance(meta["request_id"]),
-                    entry.info,
-                    inputs=outcome.inputs,
+                    answer.hl7,
                     coverage=options.coverage,
                     refs=meta.get("hl7"),
-                    acquired=outcome.acquired,
                     parties=Parties.from_settings(settings),
                     control_id=control_id,
-                    explanations=outcome.explanations,
                 )
             except Problem as exc:  # placer order numbers that are not one per bag
                 problem = {"status": exc.status, "detail": exc.detail, "errors": exc.errors}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,10 +29,16 @@ from typing import Any
 import numpy as np
 from bagserve.core.hashing import bytes_sha256
 from bagserve.core.policy import review_warnings
-from bagserve.core.results import CellPrediction, ModelKind, Prediction, prediction_from_arrays
+from bagserve.core.results import (
+    CellPrediction,
+    ClassificationPrediction,
+    Prediction,
+    prediction_from_arrays,
+)
 
 from .audit import AuditLog
 from .codecs import MULTIPART, BodySpec, media_type
+from .encoders import Answer
 from .errors import Problem
 from .explanations import explanations_sha256
 from .metrics import Metrics
@@ -148,6 +155,20 @@ class Outcome:
             "notes": self.notes,
         }
 
+    def answer(self, request_id: str) -> Answer:
+        """What every output format takes of this prediction (:class:`.encoders.Answer`),
+        headed by its :meth:`provenance`."""
+        return Answer(
+            self.result,
+            self.ids,
+            self.provenance(request_id),
+            self.entry.info,
+            inputs=self.inputs,
+            acquired=self.acquired,
+            plots=self.plots,
+            explanations=self.explanations,
+        )
+
     def summary(self, values: bool = False) -> dict[str, Any]:
         """What the audit trail keeps of the output: per bag its status, domain score
         and flag, and no patient value unless ``values`` (``BAGSERVE_AUDIT_VALUES``):
@@ -163,19 +184,28 @@ class Outcome:
         if self.explanations is not None:
             # The explanations hold cell values: the trail keeps their hash only.
             out["explanations_sha256"] = explanations_sha256(self.explanations)
-        if not values:
-            return out
-        if isinstance(r, CellPrediction):
-            if r.counts is not None and r.classes is not None:
-                names = [str(c) for c in r.classes.tolist()]
-                out["class_counts"] = [
-                    dict(zip(names, row, strict=True)) for row in r.counts.tolist()
-                ]
-        elif r.kind in (ModelKind.REGRESSION, ModelKind.CONDITIONAL):
-            out["values"] = np.asarray(r.estimate, dtype=np.float64).tolist()
-        else:
-            out["values"] = [str(v) for v in np.asarray(r.estimate).tolist()]
-        return out
+        return {**out, **_audited_values(r)} if values else out
+
+
+@functools.singledispatch
+def _audited_values(result: Prediction) -> dict[str, Any]:
+    """The patient values the audit trail keeps when told to, by the kind of the
+    result: here each bag's value (or values)."""
+    return {"values": np.asarray(result.estimate, dtype=np.float64).tolist()}
+
+
+@_audited_values.register
+def _(result: ClassificationPrediction) -> dict[str, Any]:
+    return {"values": [str(v) for v in np.asarray(result.estimate).tolist()]}
+
+
+@_audited_values.register
+def _(result: CellPrediction) -> dict[str, Any]:
+    # The population summary, never a label per cell.
+    if result.counts is None or result.classes is None:
+        return {}
+    names = [str(c) for c in result.classes.tolist()]
+    return {"class_counts": [dict(zip(names, row, strict=True)) for row in result.counts.tolist()]}
 
 
 def provenance_headers(entry: ModelEntry, outcome: Outcome) -> dict[str, str]:

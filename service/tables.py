@@ -33,6 +33,7 @@ file's are empty and ``error`` says why.
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -220,11 +221,9 @@ class TableLayout:
             ]
             if not released:
                 yield [bag_id, *[""] * len(self.values), *trust]
-            elif isinstance(result, CellPrediction) and self.cells:
-                for cell in self._cell_rows(result, i):
-                    yield [bag_id, *cell, *trust]
-            else:
-                yield [bag_id, *self._bag_values(result, i), *trust]
+                continue
+            for values in _values(result, self, i):
+                yield [bag_id, *values, *trust]
 
     def _check(self, result: Prediction) -> None:
         """Refuse an answer whose values would not fit this layout's columns."""
@@ -236,75 +235,114 @@ class TableLayout:
         problems = []
         if found != self.classes:
             problems.append(f"classes {list(found)} (the table's: {list(self.classes)})")
-        if isinstance(result, ConditionalPrediction):
-            levels = tuple(level_names(result.levels.tolist()))
-            thresholds = tuple(level_names(result.thresholds.tolist()))
-            if (levels, thresholds) != (self.levels, self.thresholds):
-                problems.append(f"quantiles {levels} and thresholds {thresholds}")
-        if self.kind in (ModelKind.REGRESSION, ModelKind.CONDITIONAL):
-            if (result.interval is not None) != self.interval:
-                problems.append("no interval" if self.interval else "an interval")
-            width = 1 if result.estimate.ndim == 1 else result.estimate.shape[1]
-            if width != self.n_outputs:
-                problems.append(f"{width} outputs (the table's: {self.n_outputs})")
-        if isinstance(result, ClassificationPrediction):
-            if (result.sets is not None) != self.sets:
-                problems.append("no prediction set" if self.sets else "a prediction set")
-            if (result.probabilities is not None) != self.probabilities:
-                problems.append(
-                    "no class probabilities" if self.probabilities else "class probabilities"
-                )
-        if isinstance(result, CellPrediction):
-            if self.cells and (result.probabilities is not None) != self.probabilities:
-                problems.append(
-                    "no cell probabilities" if self.probabilities else "cell probabilities"
-                )
-            means = result.mean_probabilities is not None
-            if not self.cells and self.classes and means != self.mean_probabilities:
-                problems.append(
-                    "no mean probabilities" if self.mean_probabilities else "mean probabilities"
-                )
+        problems += _misfits(result, self)
         if problems:
             raise ValueError(
                 "the answer does not fit its table's columns: it has " + "; ".join(problems)
             )
 
-    def _cell_rows(self, result: CellPrediction, i: int) -> Iterator[list[Any]]:
+
+def _interval(result: Prediction, layout: TableLayout, i: int) -> list[Any]:
+    """Bag ``i``'s interval cells, where the layout has them."""
+    return result.interval[i].tolist() if layout.interval and result.interval is not None else []
+
+
+@functools.singledispatch
+def _values(result: Prediction, layout: TableLayout, i: int) -> Iterator[list[Any]]:
+    """The value cells of released bag ``i``'s rows, by the kind of the result: here
+    one row, the estimate (one cell per output) and the interval."""
+    yield np.atleast_1d(result.estimate[i]).tolist() + _interval(result, layout, i)
+
+
+@_values.register
+def _(result: ConditionalPrediction, layout: TableLayout, i: int) -> Iterator[list[Any]]:
+    out = [result.mean[i].item(), *result.quantiles[i].tolist()]
+    yield out + result.exceedance[i].tolist() + _interval(result, layout, i)
+
+
+@_values.register
+def _(result: ClassificationPrediction, layout: TableLayout, i: int) -> Iterator[list[Any]]:
+    out = [result.labels[i].item(), *result.scores[i].tolist()]
+    if layout.probabilities and result.probabilities is not None:
+        out += result.probabilities[i].tolist()
+    if layout.sets:
+        out.append("|".join(str(c) for c in result.set_of(i)))
+    yield out
+
+
+@_values.register
+def _(result: CellPrediction, layout: TableLayout, i: int) -> Iterator[list[Any]]:
+    if layout.cells:
+        # One row per cell: its index, its label and (asked for) its probabilities.
         labels = result.labels_of(i).tolist()
-        p = result.probabilities_of(i) if self.probabilities else None
+        p = result.probabilities_of(i) if layout.probabilities else None
         if p is None:
             for j, label in enumerate(labels):
                 yield [j, label]
             return
         for j, (label, row) in enumerate(zip(labels, p.tolist(), strict=True)):
             yield [j, label, *row]
+        return
+    out: list[Any] = [int(result.sizes[i])]
+    if result.counts is not None:
+        counts = result.counts[i]
+        total = max(int(counts.sum()), 1)
+        out += counts.tolist()
+        out += (100.0 * counts / total).tolist()
+        if layout.mean_probabilities and result.mean_probabilities is not None:
+            out += result.mean_probabilities[i].tolist()
+    yield out
 
-    def _bag_values(self, result: Prediction, i: int) -> list[Any]:
-        if isinstance(result, CellPrediction):
-            out: list[Any] = [int(result.sizes[i])]
-            if result.counts is not None:
-                counts = result.counts[i]
-                total = max(int(counts.sum()), 1)
-                out += counts.tolist()
-                out += (100.0 * counts / total).tolist()
-                if self.mean_probabilities and result.mean_probabilities is not None:
-                    out += result.mean_probabilities[i].tolist()
-            return out
-        if isinstance(result, ClassificationPrediction):
-            out = [result.labels[i].item(), *result.scores[i].tolist()]
-            if self.probabilities and result.probabilities is not None:
-                out += result.probabilities[i].tolist()
-            if self.sets:
-                out.append("|".join(str(c) for c in result.set_of(i)))
-            return out
-        if isinstance(result, ConditionalPrediction):
-            out = [result.mean[i].item(), *result.quantiles[i].tolist()]
-            out += result.exceedance[i].tolist()
-        else:
-            out = np.atleast_1d(result.estimate[i]).tolist()
-        if self.interval and result.interval is not None:
-            out += result.interval[i].tolist()
-        return out
+
+@functools.singledispatch
+def _misfits(result: Prediction, layout: TableLayout) -> list[str]:
+    """What of ``result`` (its kind already the layout's) does not fit the layout's
+    columns, by the kind of the result: here a regression's interval and outputs."""
+    return _estimate_misfits(result, layout)
+
+
+def _estimate_misfits(result: Prediction, layout: TableLayout) -> list[str]:
+    """A bag-level value's misfits: its interval and its number of outputs."""
+    problems = []
+    if (result.interval is not None) != layout.interval:
+        problems.append("no interval" if layout.interval else "an interval")
+    width = 1 if result.estimate.ndim == 1 else result.estimate.shape[1]
+    if width != layout.n_outputs:
+        problems.append(f"{width} outputs (the table's: {layout.n_outputs})")
+    return problems
+
+
+@_misfits.register
+def _(result: ConditionalPrediction, layout: TableLayout) -> list[str]:
+    problems = []
+    levels = tuple(level_names(result.levels.tolist()))
+    thresholds = tuple(level_names(result.thresholds.tolist()))
+    if (levels, thresholds) != (layout.levels, layout.thresholds):
+        problems.append(f"quantiles {levels} and thresholds {thresholds}")
+    return problems + _estimate_misfits(result, layout)
+
+
+@_misfits.register
+def _(result: ClassificationPrediction, layout: TableLayout) -> list[str]:
+    problems = []
+    if (result.sets is not None) != layout.sets:
+        problems.append("no prediction set" if layout.sets else "a prediction set")
+    if (result.probabilities is not None) != layout.probabilities:
+        problems.append("no class probabilities" if layout.probabilities else "class probabilities")
+    return problems
+
+
+@_misfits.register
+def _(result: CellPrediction, layout: TableLayout) -> list[str]:
+    problems = []
+    if layout.cells and (result.probabilities is not None) != layout.probabilities:
+        problems.append("no cell probabilities" if layout.probabilities else "cell probabilities")
+    means = result.mean_probabilities is not None
+    if not layout.cells and layout.classes and means != layout.mean_probabilities:
+        problems.append(
+            "no mean probabilities" if layout.mean_probabilities else "mean probabilities"
+        )
+    return problems
 
 
 def csv_bytes(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> bytes:

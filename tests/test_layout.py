@@ -338,3 +338,85 @@ def test_the_layout_check_can_fail():
     # A neighbour's text names fit.py; io/'s text does not name core/ files.
     assert _undocumented(entries, files[2:]) == []
     assert _undocumented({"core/io/": "io/ bags.py"}, ["core/bags.py"]) == ["core/bags.py"]
+
+
+_RESULT_TYPES = {
+    "Prediction",
+    "RegressionPrediction",
+    "ClassificationPrediction",
+    "ConditionalPrediction",
+    "CellPrediction",
+}
+
+
+def _result_type_checks(source: str) -> list[int]:
+    """Lines of ``source`` that test a value against a result type with ``isinstance``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and len(node.args) == 2
+        ):
+            continue
+        kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+        named = {k.id if isinstance(k, ast.Name) else getattr(k, "attr", "") for k in kinds}
+        if named & _RESULT_TYPES:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_answers_are_shaped_by_dispatch_on_the_result_type():
+    """Every output format of the service (JSON, CSV, NPY, FHIR, HL7, /v2 tensors) takes
+    its shape from the result's type by dispatch (functools.singledispatch or a method
+    of the result), never from an isinstance ladder that a new result type would fall
+    through silently."""
+    offenders = [
+        f"{rel}:{line}"
+        for rel, path in _sources().items()
+        if rel.startswith("service/")
+        for line in _result_type_checks(path.read_text())
+    ]
+    assert offenders == []
+
+
+def test_the_result_type_check_can_fail():
+    source = (
+        "if isinstance(r, CellPrediction):\n    pass\n"
+        "elif isinstance(r, (int, results.ClassificationPrediction)):\n    pass\n"
+        "ok = isinstance(r, str)\n"
+    )
+    assert _result_type_checks(source) == [1, 3]
+
+
+def _outcome_fields_passed(source: str) -> list[int]:
+    """Lines of ``source`` that pass a field of an ``outcome`` on as a keyword argument."""
+    fields = {"inputs", "plots", "acquired", "explanations"}
+    return [
+        node.value.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.keyword)
+        and isinstance(node.value, ast.Attribute)
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "outcome"
+        and node.value.attr in fields
+    ]
+
+
+def test_what_the_formats_take_of_a_prediction_is_bundled_in_one_place():
+    """The inputs, plots, acquisition times and explanations of a finished
+    prediction reach the output formats as one Answer (Outcome.answer), never
+    unpacked into keyword arguments at each door."""
+    offenders = [
+        f"{rel}:{line}"
+        for rel, path in _sources().items()
+        if rel.startswith("service/")
+        for line in _outcome_fields_passed(path.read_text())
+    ]
+    assert offenders == []
+
+
+def test_the_outcome_field_check_can_fail():
+    source = "f(outcome.ids, inputs=outcome.inputs, e=outcome.explanations)\ng(inputs=x.inputs)\n"
+    assert _outcome_fields_passed(source) == [1, 1]

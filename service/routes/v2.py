@@ -12,6 +12,7 @@ worker process (:mod:`..tensors`), like every other body.
 
 from __future__ import annotations
 
+import functools
 import struct
 import time
 from typing import Any
@@ -71,42 +72,61 @@ def _produced(result: Prediction) -> dict[str, np.ndarray]:
     set memberships, zero counts) in every per-bag and per-cell tensor; its ``status``
     says why there is nothing."""
     withheld = np.array([not result.released(i) for i in range(result.n_bags)], dtype=bool)
-    cells = np.repeat(withheld, result.sizes)
+    return _tensors(result, withheld)
 
-    def masked(values: np.ndarray | None, rows: np.ndarray) -> np.ndarray | None:
-        if values is None or not rows.any():
-            return values
-        values = np.array(values, copy=True)
-        kind = values.dtype.kind
-        values[rows] = (
-            "" if kind in "US" else False if kind == "b" else 0 if kind in "iu" else np.nan
-        )
+
+def _masked(values: np.ndarray | None, rows: np.ndarray) -> np.ndarray | None:
+    """``values`` with ``rows`` (a withheld bag's, or its cells') emptied."""
+    if values is None or not rows.any():
         return values
+    values = np.array(values, copy=True)
+    kind = values.dtype.kind
+    values[rows] = "" if kind in "US" else False if kind == "b" else 0 if kind in "iu" else np.nan
+    return values
 
-    if isinstance(result, CellPrediction):
-        out = {"labels": masked(result.estimate, cells)}
-        optional = {
-            "population_counts": masked(result.counts, withheld),
-            "population_mean_probability": masked(result.mean_probabilities, withheld),
-            "cell_probabilities": masked(result.probabilities, cells),
-        }
-        out.update({k: v for k, v in optional.items() if v is not None})
-    elif isinstance(result, ClassificationPrediction):
-        out = {
-            "prediction": masked(result.labels, withheld),
-            "scores": masked(result.scores, withheld),
-        }
-        if result.probabilities is not None:
-            out["probabilities"] = masked(result.probabilities, withheld)
-    else:
-        out = {"prediction": masked(result.estimate, withheld)}
-    out["status"] = np.array([result.status_of(i) for i in range(result.n_bags)])
+
+def _trust_tensors(result: Prediction, withheld: np.ndarray) -> dict[str, np.ndarray]:
+    """Every kind's status, domain and interval tensors."""
+    out = {"status": np.array([result.status_of(i) for i in range(result.n_bags)])}
     if result.domain is not None:
         out.update(out_of_range=result.domain.out_of_range, domain_score=result.domain.score)
     if result.interval is not None:
-        out["interval"] = masked(result.interval, withheld)
-    if isinstance(result, ClassificationPrediction) and result.sets is not None:
-        out["prediction_set"] = masked(result.sets, withheld)
+        out["interval"] = _masked(result.interval, withheld)  # type: ignore[assignment]
+    return out
+
+
+@functools.singledispatch
+def _tensors(result: Prediction, withheld: np.ndarray) -> dict[str, np.ndarray]:
+    """The output tensors by the kind of the result, in the order they are answered:
+    here the estimate, then the trust tensors."""
+    out = {"prediction": _masked(result.estimate, withheld)}
+    return {**out, **_trust_tensors(result, withheld)}  # type: ignore[dict-item]
+
+
+@_tensors.register
+def _(result: CellPrediction, withheld: np.ndarray) -> dict[str, np.ndarray]:
+    cells = np.repeat(withheld, result.sizes)
+    out = {"labels": _masked(result.estimate, cells)}
+    optional = {
+        "population_counts": _masked(result.counts, withheld),
+        "population_mean_probability": _masked(result.mean_probabilities, withheld),
+        "cell_probabilities": _masked(result.probabilities, cells),
+    }
+    out.update({k: v for k, v in optional.items() if v is not None})
+    return {**out, **_trust_tensors(result, withheld)}  # type: ignore[dict-item]
+
+
+@_tensors.register
+def _(result: ClassificationPrediction, withheld: np.ndarray) -> dict[str, np.ndarray]:
+    out = {
+        "prediction": _masked(result.labels, withheld),
+        "scores": _masked(result.scores, withheld),
+    }
+    if result.probabilities is not None:
+        out["probabilities"] = _masked(result.probabilities, withheld)
+    out.update(_trust_tensors(result, withheld))
+    if result.sets is not None:
+        out["prediction_set"] = _masked(result.sets, withheld)
     return out  # type: ignore[return-value]
 
 
