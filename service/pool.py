@@ -29,8 +29,8 @@ is no fork server (Windows), they are spawned.
 
 from __future__ import annotations
 
-import asyncio
 import os
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -40,16 +40,24 @@ from .pool_placement import Placement
 from .wire import BufferPool
 from .worker import model_id
 from .worker_handle import WorkerHandle
-from .worker_server import worker_context
 
 if TYPE_CHECKING:
+    import numpy as np
     from bagserve.core.artifacts import VerifiedArtifact
+
+    from .wire import SharedBuffer
 
 __all__ = ["WorkerPool", "model_id"]
 
 
-class WorkerPool(Lifecycle, Placement, Dispatch):
+class WorkerPool:
     """``n`` worker processes and the model versions they hold (see the module docstring).
+
+    Made of its three jobs, each an object of its own that gets what it needs from
+    here: :attr:`lifecycle` (start, watch, replace and stop the workers),
+    :attr:`placement` (the model versions every worker holds) and :attr:`dispatch` (a
+    request to an idle worker). They share the running workers by index, which only
+    the lifecycle changes.
 
     Parameters
     ----------
@@ -75,13 +83,7 @@ class WorkerPool(Lifecycle, Placement, Dispatch):
         self.n = n
         self.queue_size = queue_size
         self.start_timeout = start_timeout
-        self._ctx = worker_context()
         self._workers: dict[int, WorkerHandle] = {}
-        self._idle: asyncio.Queue[int] | None = None
-        self._waiting = 0
-        self._busy = 0
-        self._respawning: set[int] = set()
-        self._executor = ThreadPoolExecutor(max_workers=n + 2, thread_name_prefix="bagserve-io")
         # Starting workers and loading models wait on the workers for a while: threads
         # of their own, so that no request waits for a thread behind them.
         self._control = ThreadPoolExecutor(max_workers=n + 2, thread_name_prefix="bagserve-control")
@@ -92,32 +94,96 @@ class WorkerPool(Lifecycle, Placement, Dispatch):
             if hasattr(os, "memfd_create")
             else None
         )
-        self._closed = False
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._queued: set[int] = set()
-        self._in_use: set[int] = set()
-        #: Model id to its verified bytes: what every worker should hold (served, or
-        #: loading), kept for the workers that start later. Replaced, never changed in
-        #: place: threads read it as it was.
-        self._wanted: dict[str, VerifiedArtifact] = {}
-        #: The ids every running worker holds: the only ones requests may ask for.
-        self._serving: set[str] = set()
-        #: Ids whose last load failed, with the reason.
-        self._failed: dict[str, str] = {}
-        #: Who waits for ids to be served or failed (:meth:`_settle`).
-        self._waiters: list[asyncio.Future[None]] = []
-        self._loading = asyncio.Lock()
+        self.placement = Placement(self._workers, self._control, start_timeout, self._replace)
+        self.dispatch = Dispatch(
+            self._workers,
+            queue_size,
+            n + 2,
+            self.buffers,
+            routable=self.placement.routable,
+            replace=self._replace,
+        )
+        self.lifecycle = Lifecycle(
+            n,
+            self.limits,
+            start_timeout,
+            self._workers,
+            self._control,
+            catch_up=self.placement.catch_up,
+            joined=self.placement.joined,
+            left=self.placement.refresh,
+            available=self.dispatch.release,
+            in_use=self.dispatch.in_use,
+        )
+
+    def _replace(self, index: int) -> None:
+        """Have worker ``index`` replaced (the placement and the dispatch notice dead
+        workers; the lifecycle, made after them, replaces them)."""
+        self.lifecycle.replace(index)
+
+    async def start(self) -> None:
+        """Start the workers and the monitor that replaces dead ones, and return at once:
+        :attr:`ready` says when every worker is up, :meth:`serves` which models they
+        hold (see :meth:`load`)."""
+        self.dispatch.start()
+        self.lifecycle.start()
+
+    async def stop(self) -> None:
+        """Stop the workers and release the shared buffers."""
+        self.placement.close()
+        self.lifecycle.close()
+        self.dispatch.close()
+        self._control.shutdown(wait=False, cancel_futures=True)
+        if self.buffers is not None:
+            self.buffers.close()
+
+    async def load(
+        self,
+        models: Mapping[str, VerifiedArtifact],
+        keep: Collection[str] = (),
+        timeout: float | None = None,
+    ) -> dict[str, str]:
+        """Have every worker hold ``models`` besides ``keep``; returns the ids that could
+        not be loaded, with the reasons (see :meth:`.Placement.load`)."""
+        return await self.placement.load(models, keep, timeout)
+
+    def serves(self, mid: str) -> bool:
+        """Every running worker holds model version ``mid``: requests for it are served."""
+        return self.placement.serves(mid)
+
+    @property
+    def loading(self) -> list[str]:
+        """Model ids being loaded (wanted, not yet held by every running worker)."""
+        return self.placement.loading
+
+    async def submit(
+        self,
+        header: dict[str, Any],
+        arrays: Mapping[str, np.ndarray],
+        timeout: float,
+        lent: Sequence[SharedBuffer] = (),
+        meanwhile: Callable[[], Any] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, np.ndarray], float, Any]:
+        """Run one request on a worker; returns its answer, the seconds spent queued,
+        and what ``meanwhile()`` returned (see :meth:`.Dispatch.submit`)."""
+        return await self.dispatch.submit(header, arrays, timeout, lent, meanwhile)
+
+    @property
+    def saturated(self) -> bool:
+        """Every worker is busy and the waiting line is full: the next request would be
+        refused (checked before a request's body is read, too)."""
+        return self.dispatch.saturated
 
     def status(self) -> dict[str, Any]:
         """Configured, alive, busy and waiting counts, workers starting or being
         replaced, pids, and the model versions being loaded."""
-        alive = [w for w in self._workers.values() if w.alive()]
+        alive = self.lifecycle.alive
         return {
             "configured": self.n,
             "alive": len(alive),
-            "busy": self._busy,
-            "waiting": self._waiting,
-            "respawning": sorted(self._respawning),
+            "busy": self.dispatch.busy,
+            "waiting": self.dispatch.waiting,
+            "respawning": self.lifecycle.respawning,
             "pids": [w.pid for w in alive],
             "loading": sorted({mid.rsplit("@", 1)[0] for mid in self.loading}),
         }
@@ -125,4 +191,4 @@ class WorkerPool(Lifecycle, Placement, Dispatch):
     @property
     def ready(self) -> bool:
         """Every configured worker is alive."""
-        return not self._closed and len([w for w in self._workers.values() if w.alive()]) == self.n
+        return self.lifecycle.ready

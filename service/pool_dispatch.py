@@ -10,25 +10,95 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from .errors import Problem
-from .wire import SharedBuffer, fits_one_write
+from .wire import BufferPool, SharedBuffer, fits_one_write
 from .worker import INPUT_ERROR, PROBLEM_ERROR
 from .worker_handle import (
     LOOP_EXCHANGE,
     ComputeFailed,
     InputRejected,
     QueueFull,
+    WorkerHandle,
     WorkerLost,
     WorkerTimeout,
 )
 
 
 class Dispatch:
-    """Queue requests for idle workers (a part of :class:`~.pool.WorkerPool`)."""
+    """Queue requests for idle workers (a part of :class:`~.pool.WorkerPool`).
+
+    Parameters
+    ----------
+    workers : mapping of int to WorkerHandle
+        The running workers by index (kept by :class:`~.pool_lifecycle.Lifecycle`).
+    queue_size : int
+        Requests that may wait for a worker before :class:`QueueFull`.
+    threads : int
+        Threads that carry requests to the workers.
+    buffers : BufferPool or None
+        Where large requests are written for the worker (None: through the pipe).
+    routable : callable
+        ``routable(key, sha256)``: requests for that model may go to any worker.
+    replace : callable
+        ``replace(index)``: worker ``index`` died or overran; have it replaced.
+    """
+
+    def __init__(
+        self,
+        workers: Mapping[int, WorkerHandle],
+        queue_size: int,
+        threads: int,
+        buffers: BufferPool | None,
+        routable: Callable[[str, str | None], bool],
+        replace: Callable[[int], None],
+    ):
+        self._workers = workers
+        self.queue_size = queue_size
+        self.buffers = buffers
+        self._routable = routable
+        self._replace = replace
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bagserve-io")
+        self._idle: asyncio.Queue[int] | None = None
+        #: Idle workers in ``_idle``, and workers with a request.
+        self._queued: set[int] = set()
+        self._in_use: set[int] = set()
+        self._waiting = 0
+        self._busy = 0
+
+    def start(self) -> None:
+        """Open the line of idle workers (:meth:`release` puts them in)."""
+        self._idle = asyncio.Queue()
+
+    def close(self) -> None:
+        """Stop carrying requests (what is waiting for a thread is cancelled)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def release(self, index: int) -> None:
+        """Make a worker available (once, however many paths release it)."""
+        assert self._idle is not None
+        self._in_use.discard(index)
+        if index not in self._queued:
+            self._queued.add(index)
+            self._idle.put_nowait(index)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for an idle worker."""
+        return self._waiting
+
+    @property
+    def busy(self) -> int:
+        """Requests on a worker."""
+        return self._busy
+
+    def in_use(self, index: int) -> bool:
+        """Worker ``index`` has a request (its death is noticed by that request)."""
+        return index in self._in_use
 
     async def submit(
         self,
@@ -69,7 +139,7 @@ class Dispatch:
             if worker is not None and worker.alive():
                 break
             # Died while idle: replace it and take the next idle worker.
-            self._respawn_later(index)
+            self._replace(index)
         queued = time.monotonic() - t0
         self._in_use.add(index)
         self._busy += 1
@@ -93,16 +163,16 @@ class Dispatch:
                 )
         except (WorkerLost, WorkerTimeout):
             self._taint(lent)
-            self._respawn_later(index)
+            self._replace(index)
             raise
         except BaseException:
             # Cancelled while computing: the worker's answer would come out of turn.
             self._taint(lent)
-            self._respawn_later(index)
+            self._replace(index)
             raise
         finally:
             self._busy -= 1
-        self._release(index)
+        self.release(index)
         if not out_header.get("ok"):
             error = out_header.get("error") or {}
             if error.get("type") == PROBLEM_ERROR:

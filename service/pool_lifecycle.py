@@ -1,8 +1,8 @@
 """The worker pool's first job: starting, watching, replacing and stopping its workers.
 
-A worker is forked (:mod:`.worker_server`), greets on its control pipe, loads every
-served model version before it takes a request (:mod:`.pool_placement`), and is
-replaced when it dies or is killed; :meth:`Lifecycle.stop` ends them all.
+A worker is forked (:mod:`.worker_server`), greets on its control pipe, catches up with
+the served model versions before it takes a request (:mod:`.pool_placement`), and is
+replaced when it dies or is killed; :meth:`Lifecycle.close` ends them all.
 """
 
 from __future__ import annotations
@@ -10,17 +10,87 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
 from multiprocessing.connection import wait
 from typing import Any
 
 from .worker import worker_main
 from .worker_handle import WorkerHandle
+from .worker_server import worker_context
 
 log = logging.getLogger("bagserve.workers")
 
 
 class Lifecycle:
-    """Start, watch, replace and stop the workers (a part of :class:`~.pool.WorkerPool`)."""
+    """Start, watch, replace and stop the workers (a part of :class:`~.pool.WorkerPool`).
+
+    Parameters
+    ----------
+    n : int
+        Worker processes.
+    limits : dict
+        The request limits the workers decode within.
+    start_timeout : float
+        Seconds a worker may take to start.
+    workers : dict of int to WorkerHandle
+        The running workers by index, kept up to date here (the other parts read it).
+    control : Executor
+        The threads that wait on the workers while they start and stop.
+    catch_up : callable
+        ``await catch_up(worker)``: a started worker loads what is served; raises if it
+        cannot.
+    joined, left : callable
+        ``joined(worker)`` once a worker runs, ``left()`` once one is gone.
+    available : callable
+        ``available(index)``: worker ``index`` may take a request.
+    in_use : callable
+        ``in_use(index)``: worker ``index`` has a request (its death is noticed there).
+    """
+
+    def __init__(
+        self,
+        n: int,
+        limits: dict[str, int],
+        start_timeout: float,
+        workers: dict[int, WorkerHandle],
+        control: Executor,
+        *,
+        catch_up: Callable[[WorkerHandle], Awaitable[None]],
+        joined: Callable[[WorkerHandle], None],
+        left: Callable[[], None],
+        available: Callable[[int], None],
+        in_use: Callable[[int], bool],
+    ):
+        self.n = n
+        self.limits = limits
+        self.start_timeout = start_timeout
+        self._ctx = worker_context()
+        self._workers = workers
+        self._control = control
+        self._catch_up = catch_up
+        self._joined = joined
+        self._left = left
+        self._available = available
+        self._in_use = in_use
+        self._respawning: set[int] = set()
+        self._closed = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @property
+    def alive(self) -> list[WorkerHandle]:
+        """The running workers whose process is alive."""
+        return [w for w in self._workers.values() if w.alive()]
+
+    @property
+    def respawning(self) -> list[int]:
+        """Indexes of the workers being started or replaced."""
+        return sorted(self._respawning)
+
+    @property
+    def ready(self) -> bool:
+        """Every configured worker is alive."""
+        return not self._closed and len(self.alive) == self.n
 
     def _spawn(self, index: int) -> WorkerHandle:
         """Start worker ``index``, in a thread: it waits for the worker's greeting."""
@@ -47,29 +117,12 @@ class Lifecycle:
         return worker
 
     async def _bring_up(self, index: int) -> WorkerHandle | None:
-        """Start worker ``index``; it takes requests once it holds every served version,
-        then loads those being loaded (:meth:`_converge`)."""
+        """Start worker ``index``; it takes requests once it has caught up (it holds
+        every served version), and is then announced (``joined``)."""
         loop = asyncio.get_running_loop()
         worker = await loop.run_in_executor(self._control, self._spawn, index)
-        failed: dict[str, str] = {}
         try:
-            # What became served while it started, until nothing is missing: checked and
-            # registered with no await in between, so no version served meanwhile is
-            # missing from it.
-            while True:
-                failed = {k: v for k, v in failed.items() if k in self._serving}
-                if failed:
-                    raise RuntimeError(
-                        f"worker {index} could not load a served model: "
-                        + "; ".join(f"{k}: {v}" for k, v in sorted(failed.items()))
-                    )
-                missing = sorted(self._serving - worker.held)
-                if not missing:
-                    break
-                for mid in missing:
-                    reason = await self._load_one(worker, mid)
-                    if reason is not None:
-                        failed[mid] = reason
+            await self._catch_up(worker)
         except BaseException:
             await loop.run_in_executor(self._control, worker.kill)
             raise
@@ -77,55 +130,38 @@ class Lifecycle:
             worker.kill()
             return None
         self._workers[index] = worker
-        self._release(index)
-        self._refresh()
-        self._converge(worker)
+        self._available(index)
+        self._joined(worker)
         return worker
 
-    async def start(self) -> None:
-        """Start the workers and the monitor that replaces dead ones, and return at once:
-        :attr:`ready` says when every worker is up, :meth:`serves` which models they
-        hold (see :meth:`load`)."""
+    def start(self) -> None:
+        """Start the workers and the monitor that replaces dead ones, and return at once
+        (:attr:`ready` says when every worker is up)."""
         loop = asyncio.get_running_loop()
-        self._idle = asyncio.Queue()
         for index in range(self.n):
-            self._respawn_later(index)
+            self.replace(index)
         monitor = loop.create_task(self._monitor())
         self._tasks.add(monitor)
-
-    def _release(self, index: int) -> None:
-        """Make a worker available (once, however many paths release it)."""
-        assert self._idle is not None
-        self._in_use.discard(index)
-        if index not in self._queued:
-            self._queued.add(index)
-            self._idle.put_nowait(index)
 
     async def _monitor(self, period: float = 0.25) -> None:
         """Notice workers that die while idle (a request notices its own worker)."""
         while not self._closed:
             await asyncio.sleep(period)
             for index, worker in list(self._workers.items()):
-                if index not in self._in_use and not worker.alive():
-                    self._respawn_later(index)
+                if not self._in_use(index) and not worker.alive():
+                    self.replace(index)
 
-    async def stop(self) -> None:
-        """Stop the workers and release the shared buffers."""
+    def close(self) -> None:
+        """Stop the workers and what starts or watches them."""
         self._closed = True
         for task in list(self._tasks):
             task.cancel()
-        for waiter in self._waiters:
-            waiter.cancel()
         for w in list(self._workers.values()):
             w.unwatch()
             w.kill()
         self._workers.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._control.shutdown(wait=False, cancel_futures=True)
-        if self.buffers is not None:
-            self.buffers.close()
 
-    def _respawn_later(self, index: int) -> None:
+    def replace(self, index: int) -> None:
         """Start worker ``index``, or replace a dead or killed one, in the background."""
         if self._closed or index in self._respawning:
             return
@@ -137,7 +173,7 @@ class Lifecycle:
                 old = self._workers.pop(index, None)
                 if old is not None:
                     # The others may now be every running worker holding a version.
-                    self._refresh()
+                    self._left()
                     old.unwatch()  # on the loop's thread, before its descriptors close
                     await loop.run_in_executor(self._control, old.kill)
                 pause = 1.0
@@ -157,8 +193,6 @@ class Lifecycle:
             finally:
                 self._respawning.discard(index)
 
-        self._track(loop.create_task(respawn()))
-
-    def _track(self, task: asyncio.Task[Any]) -> None:
+        task = loop.create_task(respawn())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

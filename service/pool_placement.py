@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
 from .worker import model_id
@@ -23,7 +24,56 @@ log = logging.getLogger("bagserve.workers")
 
 
 class Placement:
-    """Load and drop model versions in every worker (a part of :class:`~.pool.WorkerPool`)."""
+    """Load and drop model versions in every worker (a part of :class:`~.pool.WorkerPool`).
+
+    Parameters
+    ----------
+    workers : mapping of int to WorkerHandle
+        The running workers by index (kept by :class:`~.pool_lifecycle.Lifecycle`).
+    control : Executor
+        The threads that wait on the workers' control pipes.
+    start_timeout : float
+        Seconds a worker may take to load one model version.
+    replace : callable
+        ``replace(index)``: worker ``index`` stopped answering; have it replaced.
+    """
+
+    def __init__(
+        self,
+        workers: Mapping[int, WorkerHandle],
+        control: Executor,
+        start_timeout: float,
+        replace: Callable[[int], None],
+    ):
+        self._workers = workers
+        self._control = control
+        self.start_timeout = start_timeout
+        self._replace = replace
+        self._closed = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        #: Model id to its verified bytes: what every worker should hold (served, or
+        #: loading), kept for the workers that start later. Replaced, never changed in
+        #: place: threads read it as it was.
+        self._wanted: dict[str, VerifiedArtifact] = {}
+        #: The ids every running worker holds: the only ones requests may ask for.
+        self._serving: set[str] = set()
+        #: Ids whose last load failed, with the reason.
+        self._failed: dict[str, str] = {}
+        #: Who waits for ids to be served or failed (:meth:`_settle`).
+        self._waiters: list[asyncio.Future[None]] = []
+        self._loading = asyncio.Lock()
+
+    def close(self) -> None:
+        """Stop loading: the background loads end, whoever waits for one is cancelled."""
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        for waiter in self._waiters:
+            waiter.cancel()
+
+    def _track(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def load(
         self,
@@ -61,7 +111,7 @@ class Placement:
             for mid in new:
                 self._failed.pop(mid, None)
             self._wanted = {**new, **self._wanted}
-            self._refresh()  # what every worker holds already (a reload of the same)
+            self.refresh()  # what every worker holds already (a reload of the same)
             for worker in list(self._workers.values()):
                 self._converge(worker)
             limit = 2 * self.start_timeout if timeout is None else timeout
@@ -80,6 +130,37 @@ class Placement:
     def loading(self) -> list[str]:
         """Model ids being loaded (wanted, not yet held by every running worker)."""
         return sorted(set(self._wanted) - self._serving)
+
+    async def catch_up(self, worker: WorkerHandle) -> None:
+        """Have a started ``worker`` hold every served version, before it takes a request.
+
+        Raises :class:`RuntimeError` if it cannot load one of them (still served), or
+        :class:`WorkerLost` or :class:`WorkerTimeout`.
+        """
+        failed: dict[str, str] = {}
+        # What became served while it started, until nothing is missing: checked here,
+        # and the worker registered by the caller, with no await in between, so no
+        # version served meanwhile is missing from it.
+        while True:
+            failed = {k: v for k, v in failed.items() if k in self._serving}
+            if failed:
+                raise RuntimeError(
+                    f"worker {worker.index} could not load a served model: "
+                    + "; ".join(f"{k}: {v}" for k, v in sorted(failed.items()))
+                )
+            missing = sorted(self._serving - worker.held)
+            if not missing:
+                return
+            for mid in missing:
+                reason = await self._load_one(worker, mid)
+                if reason is not None:
+                    failed[mid] = reason
+
+    def joined(self, worker: WorkerHandle) -> None:
+        """A worker now runs (it caught up): serve what every worker holds, and have it
+        load the versions being loaded (:meth:`_converge`)."""
+        self.refresh()
+        self._converge(worker)
 
     async def _command(
         self, worker: WorkerHandle, message: dict[str, Any], fds: Sequence[int] = ()
@@ -124,14 +205,14 @@ class Placement:
                 reason = await self._load_one(worker, mid)
             except PoolError as exc:
                 self._fail(mid, f"worker {worker.index} stopped while loading it ({exc})")
-                self._respawn_later(worker.index)
+                self._replace(worker.index)
                 return
             if reason is not None:
                 failed.add(mid)
                 self._fail(mid, reason)
-            self._refresh()
+            self.refresh()
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
         """Serve every wanted version that every running worker holds."""
         running = list(self._workers.values())
         if not running:
@@ -185,7 +266,7 @@ class Placement:
             await waiter
 
     # -- routing
-    def _routable(self, key: str, sha256: str | None) -> bool:
+    def routable(self, key: str, sha256: str | None) -> bool:
         """Requests for ``key`` (at ``sha256``) may go to any worker."""
         if sha256 is not None:
             return model_id(key, sha256) in self._serving

@@ -266,6 +266,66 @@ def test_the_size_check_can_fail():
     assert (name, first, length) == ("f", 1, 101)
 
 
+def _borrowed_attributes(tree: ast.Module) -> dict[str, list[str]]:
+    """Each class that inherits nothing, to the attributes it reads on ``self`` without
+    defining them (in its body or by assigning them): what a mixin takes from the
+    classes it is mixed into."""
+    out = {}
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef) or any(
+            not (isinstance(b, ast.Name) and b.id == "object") for b in cls.bases
+        ):
+            continue
+        own = set()
+        for node in cls.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                own.add(node.target.id)
+            elif isinstance(node, ast.Assign):
+                own.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        read = set()
+        for node in ast.walk(cls):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
+                (own if isinstance(node.ctx, ast.Store) else read).add(node.attr)
+        borrowed = sorted(a for a in read - own if not a.startswith("__"))
+        if borrowed:
+            out[cls.name] = borrowed
+    return out
+
+
+def test_parts_talk_through_inputs_not_mixins():
+    """A part of a larger object (the worker pool's lifecycle, placement and
+    dispatch) gets what it needs as arguments; none reads state that only the class
+    it is mixed into defines (docs/development.md)."""
+    mixins = [
+        f"{rel}: {name} reads {', '.join(attrs)}"
+        for rel, path in _sources().items()
+        if not _rebuilt_elsewhere(rel)
+        for name, attrs in _borrowed_attributes(ast.parse(path.read_text())).items()
+    ]
+    assert not mixins, mixins
+
+
+def test_the_mixin_check_can_fail():
+    code = (
+        "class Part:\n"
+        "    n: int\n"
+        "    def __init__(self):\n"
+        "        self.size = 1\n"
+        "    def go(self):\n"
+        "        return self.n + self.size + self.other + self.go()\n"
+        "class Whole(Part):\n"
+        "    def run(self):\n"
+        "        return self.inherited\n"
+    )
+    assert _borrowed_attributes(ast.parse(code)) == {"Part": ["other"]}
+
+
 def _layout_entries() -> dict[str, str]:
     """docs/development.md's layout map: each entry's path (``core/io/``,
     ``core/bags.py``) -> its text (names and description, continuation lines
