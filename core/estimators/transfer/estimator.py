@@ -18,7 +18,6 @@ from ...bags import BagValidationError
 from ...blas import one_thread
 from ...domain import DomainReport
 from .calibration import (
-    CALIBRATIONS,
     SD_FLOOR,
     Reference,
     calibrate,
@@ -28,7 +27,7 @@ from .calibration import (
     shift,
     standardised,
 )
-from .cell_models import CELL_MODELS, cell_scores, fit_cell_model
+from .cell_models import cell_scores, fit_cell_model
 from .envelope import shift_envelope
 from .inputs import (
     as_task_list,
@@ -42,7 +41,7 @@ from .inputs import (
 )
 from .open_set import apply_reject, far_from_populations, population_statistics
 from .reports import TaskPrediction, TaskReport, domain_report, task_report
-from .search import Problem, Selection, choose, without_control
+from .search import Problem, Selection, candidates, choose, without_control
 from .task_map import TaskMap, fit_task_map
 
 __all__ = ["MarginalTransferClassifier", "MarginalTransferRegressor"]
@@ -79,27 +78,6 @@ class _MarginalTransfer(BaseEstimator):
         self.random_state = random_state
 
     # ================================================================= fitting
-    def _candidates(self, has_control: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        # A classifier's sample is calibrated by its control or its landmarks, which
-        # keep its biology (its populations' proportions); the moments erase it (on the
-        # 12 real GvHD samples, 0.805 of the cells against 0.842). A regressor has no
-        # populations, and a sample's level may be its signal (Munnell's states), so
-        # its candidates are the moments and the cells as measured.
-        wanted = (
-            ("control", "landmarks") if self._is_classifier else ("control", "standardise", "none")
-        )
-        calibrations = tuple(
-            c for c in CALIBRATIONS if c in wanted and (c != "control" or has_control)
-        )
-        if self.calibrate == "control" and not has_control:
-            raise ValueError("calibrate='control' needs fit(..., control=)")
-        models = tuple(m for m in CELL_MODELS if m != "trees" or self._is_classifier)
-        fixed_calibration = self.calibrate != "auto"
-        return (
-            (self.calibrate,) if fixed_calibration else calibrations,
-            (self.cell_model,) if self.cell_model != "auto" else models,
-        )
-
     def fit(
         self,
         X: Any,
@@ -136,7 +114,9 @@ class _MarginalTransfer(BaseEstimator):
             )
         codes = np.argmax(Y, axis=1) if self._is_classifier else None
         rest = self._rest_code()
-        calibrations, models = self._candidates(cells is not None)
+        calibrations, models = candidates(
+            self.calibrate, self.cell_model, self._is_classifier, cells is not None
+        )
         seed = seed_of(self.random_state)
         with one_thread():
             gain_limit = None

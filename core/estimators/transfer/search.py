@@ -24,13 +24,20 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .calibration import SD_FLOOR, calibrate, fit_control, fit_reference, standardised
-from .cell_models import cell_scores, fit_cell_model
+from .calibration import (
+    CALIBRATIONS,
+    SD_FLOOR,
+    calibrate,
+    fit_control,
+    fit_reference,
+    standardised,
+)
+from .cell_models import CELL_MODELS, cell_scores, fit_cell_model
 from .open_set import choose_reject
 from .perturbation import draw_instruments
 from .task_map import TaskMap, fit_task_map
 
-__all__ = ["Candidate", "Problem", "Selection", "choose", "without_control"]
+__all__ = ["Candidate", "Problem", "Selection", "candidates", "choose", "without_control"]
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,29 @@ def _one_se(candidates: list[Candidate], table: dict[Candidate, list[float]]) ->
         if means[best] - means[c] <= se:
             return c
     return best
+
+
+def candidates(
+    calibrate: str, cell_model: str, classifier: bool, has_control: bool
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The calibrations and cell models the search chooses among (one of each where
+    the parameters fix it).
+
+    A classifier's sample is calibrated by its control or its landmarks, which keep its
+    biology (its populations' proportions); the moments erase it (on the 12 real GvHD
+    samples, 0.805 of the cells against 0.842). A regressor has no populations, and a
+    sample's level may be its signal (Munnell's states), so its candidates are the
+    moments and the cells as measured.
+    """
+    if calibrate == "control" and not has_control:
+        raise ValueError("calibrate='control' needs fit(..., control=)")
+    wanted = ("control", "landmarks") if classifier else ("control", "standardise", "none")
+    calibrations = tuple(c for c in CALIBRATIONS if c in wanted and (c != "control" or has_control))
+    models = tuple(m for m in CELL_MODELS if m != "trees" or classifier)
+    return (
+        (calibrate,) if calibrate != "auto" else calibrations,
+        (cell_model,) if cell_model != "auto" else models,
+    )
 
 
 def without_control(calibration: str, classifier: bool) -> str:
