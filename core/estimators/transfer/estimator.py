@@ -195,11 +195,15 @@ class _MarginalTransfer(BaseEstimator):
         if bad:
             raise BagValidationError(bad)
         how = self.calibration_
+        if control is None and how == "control":
+            how = self.calibration_without_control_
         fitted = None
         if control is not None:
-            fitted = fit_control(control_cells(control, self.n_features_in_), reference)
-        elif how == "control":
-            how = self.calibration_without_control_
+            cells = control_cells(control, self.n_features_in_)
+            # The map is fitted where it is used; a model without a training control
+            # refuses a batch's control whatever it was to calibrate by.
+            if how == "control" or reference.control_quantiles is None:
+                fitted = fit_control(cells, reference)
         out = [calibrate(how, x, reference, fitted) for x in tasks]
         ran = [r for _, _, r in out]
         moved = [shift(r, x, z, reference) for x, (z, _, r) in zip(tasks, out, strict=True)]
@@ -216,7 +220,7 @@ class _MarginalTransfer(BaseEstimator):
         tasks, qualities, how = self._calibrated(X, control)
         emb = task_map.embed(tasks)
         sq = task_map.sq_distances(emb)
-        psi = np.einsum("tn,nr->tr", np.exp(-task_map.gamma * sq), task_map.basis)
+        psi = task_map.context_at(sq)
         scores, codes, reports = [], [], []
         with one_thread():
             for i, z in enumerate(tasks):
@@ -259,12 +263,6 @@ class _MarginalTransfer(BaseEstimator):
     def predict(self, X: Any, control: ArrayLike | None = None) -> NDArray[Any]:
         """A label (or value) for every cell, task after task."""
         return np.concatenate([t.predictions for t in self.predict_tasks(X, control)])
-
-    def _squeeze(self, s: NDArray[np.float64]) -> NDArray[np.float64]:
-        return s
-
-    def _decode(self, s: NDArray[np.float64], codes: NDArray[np.int64]) -> NDArray[Any]:
-        raise NotImplementedError
 
 
 class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):

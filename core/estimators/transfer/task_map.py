@@ -89,8 +89,11 @@ class TaskMap:
 
     def context(self, embeddings: NDArray[np.float64]) -> NDArray[np.float64]:
         """The Nyström task features ``ψ`` of task embeddings (tasks x components)."""
-        similarity = np.exp(-self.gamma * self.sq_distances(embeddings))
-        return np.einsum("tn,nr->tr", similarity, self.basis)
+        return self.context_at(self.sq_distances(embeddings))
+
+    def context_at(self, sq: NDArray[np.float64]) -> NDArray[np.float64]:
+        """:meth:`context` from the tasks' squared distances to the training tasks."""
+        return np.einsum("tn,nr->tr", np.exp(-self.gamma * sq), self.basis)
 
 
 def _sq_distances(a: NDArray[np.float64], b: NDArray[np.float64]) -> NDArray[np.float64]:
