@@ -111,13 +111,6 @@ _MAX_MODULE_LINES = 600
 _MAX_FUNCTION_LINES = 100
 
 
-def _rebuilt_elsewhere(rel: str) -> bool:
-    """The design of marginal transfer before issue 44, frozen in
-    core/estimators/transfer/legacy/ so that models saved with it load and answer as
-    they did: kept as it was, never edited, and only it is let off here."""
-    return rel.startswith("core/estimators/transfer/legacy/")
-
-
 def _sources() -> dict[str, Path]:
     """Every Python file of the three folders by its path from the root."""
     return {
@@ -246,8 +239,6 @@ def test_modules_and_functions_fit_in_a_readers_mind():
     service and bagserve: past that, split along the concepts (docs/development.md)."""
     too_long = []
     for rel, path in _sources().items():
-        if _rebuilt_elsewhere(rel):
-            continue
         text = path.read_text()
         n = len(text.splitlines())
         if n > _MAX_MODULE_LINES:
@@ -305,7 +296,6 @@ def test_parts_talk_through_inputs_not_mixins():
     mixins = [
         f"{rel}: {name} reads {', '.join(attrs)}"
         for rel, path in _sources().items()
-        if not _rebuilt_elsewhere(rel)
         for name, attrs in _borrowed_attributes(ast.parse(path.read_text())).items()
     ]
     assert not mixins, mixins
@@ -384,9 +374,7 @@ def test_the_layout_map_names_every_module():
     """docs/development.md's layout map names every module of core, service and
     bagserve (a package by its folder; __init__.py goes without saying), so that a
     newcomer finds each file's purpose there."""
-    files = [
-        rel for rel in _sources() if not rel.endswith("__init__.py") and not _rebuilt_elsewhere(rel)
-    ]
+    files = [rel for rel in _sources() if not rel.endswith("__init__.py")]
     assert _undocumented(_layout_entries(), files) == []
 
 
