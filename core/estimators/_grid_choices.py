@@ -19,7 +19,7 @@ import numpy as np
 
 from ..selection import CME_ALPHA_GRID, GridEdgeWarning, as_grid, grid_edge
 
-__all__ = ["GridChoice", "cme_choices", "ridge_choices", "transfer_choices", "warn_grid_edges"]
+__all__ = ["GridChoice", "cme_choices", "ridge_choices", "warn_grid_edges"]
 
 
 @dataclass(frozen=True)
@@ -92,53 +92,6 @@ def cme_choices(model: Any) -> list[GridChoice]:
         values = np.asarray(grid, dtype=np.float64).ravel()
         if values.size > 1 and np.all(np.isfinite(values)):
             out.append(GridChoice(name, float_list(values), float(chosen), name))
-    return out
-
-
-def transfer_choices(model: Any) -> list[GridChoice]:
-    """Marginal transfer's coordinate search (``selection_``: every configuration it
-    evaluated and the best one); each coordinate's grid is the set of values it
-    evaluated, since the search visits every value of every coordinate once."""
-    sel = getattr(model, "selection_", None) or {}
-    evaluated = sel.get("evaluated") or []
-    best = sel.get("best") or {}
-    if not evaluated or not best:
-        return []
-    out: list[GridChoice] = []
-    pooled = best.get("tau") == 1.0
-
-    def specs(key: str, task_kernel_only: bool) -> list[Any]:
-        seen: list[Any] = []
-        for entry in evaluated:
-            # A pooled entry (tau = 1) is recorded with gamma None and emb 1.0: those
-            # coordinates were not visited there.
-            if task_kernel_only and entry["tau"] == 1.0:
-                continue
-            if entry[key] is not None and entry[key] not in seen:
-                seen.append(entry[key])
-        return seen
-
-    def resolved(key: str, fitted: float | None, name: str, task_kernel_only: bool) -> None:
-        values = specs(key, task_kernel_only)
-        chosen = best.get(key)
-        if len(values) < 2 or chosen is None or fitted is None:
-            return
-        kind, factor = chosen
-        # Relative specs are factors of a median resolved on the tasks at hand; the
-        # final fit's value divided by its factor is that median on all tasks.
-        scale = float(fitted) / float(factor) if kind == "relative" else 1.0
-        grid = sorted(float(v) * scale for _, v in values)
-        out.append(GridChoice(name, grid, float(fitted), name))
-
-    resolved("sigma", getattr(model, "point_bandwidth_", None), "point_bandwidth", False)
-    taus = sorted({float(e["tau"]) for e in evaluated})
-    if len(taus) > 1:
-        out.append(GridChoice("tau", taus, float(best["tau"]), "tau", lower=0.0, upper=1.0))
-    if not pooled:
-        resolved("gamma", getattr(model, "task_gamma_", None), "task_gamma", True)
-    alphas = np.asarray(sel.get("alpha_grid", []), dtype=np.float64).ravel()
-    if alphas.size > 1:
-        out.append(GridChoice("alpha", float_list(alphas), float(best["alpha"]), "alpha"))
     return out
 
 
