@@ -111,10 +111,10 @@ def test_audit_and_idempotency_records_that_wait_together_share_one_commit(tmp_p
     db.close()
 
 
-def test_threads_wait_for_the_gil_briefly_while_serving():
-    """While the service runs, a thread that wants the GIL (the writer, after each
-    SQLite call) gets it within half a millisecond, not the interpreter's 5 ms; a
-    shorter interval set by someone else is kept; both are put back afterwards."""
+def test_prompt_threads_shortens_the_gil_switch_interval_and_puts_it_back():
+    """What the service's lifespan runs in: a thread that wants the GIL (the writer,
+    after each SQLite call) gets it within half a millisecond, not the interpreter's
+    5 ms; a shorter interval set by someone else is kept; either is put back after."""
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
