@@ -24,7 +24,10 @@ Measured, every figure beside the other server's in the same run, requests inter
   raw float64 after a JSON header) against MLServer's JSON;
 * 8 concurrent clients (httpx, one connection each): requests per second and p99;
 * bagserve's own ``Server-Timing`` stages (read, parse, queue, transfer, compute,
-  audit, encode, app), median per request with one client and mean under 8.
+  audit, encode, app), median per request with one client and mean under 8;
+* the latency of one ``fdatasync`` in bagserve's data directory, before and after the
+  cases: the floor of each audit commit, which is the disk's (``--data-dir`` on a
+  tmpfs takes the disk out, to tell the disk's share from the code's).
 
 Ratios are bagserve / MLServer. The run ends with the rows of issue 47's table, each
 against its goal, and the machine's load average (1 minute) before and after each
@@ -90,10 +93,10 @@ def mlserver_venv() -> Path:
     return venv / "bin"
 
 
-def start_bagserve(stack: ExitStack, models: Path, tmp: Path) -> str:
+def start_bagserve(stack: ExitStack, models: Path, data_dir: Path) -> str:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BAGSERVE_")}
-    env.update(BAGSERVE_DATA_DIR=str(tmp / "bagserve-data"), BAGSERVE_QUEUE_SIZE="64")
+    env.update(BAGSERVE_DATA_DIR=str(data_dir), BAGSERVE_QUEUE_SIZE="64")
     exe = str(Path(sys.executable).parent / "bagserve")
     cmd = [exe, "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--models", str(models), "--workers", str(WORKERS)]
@@ -177,6 +180,30 @@ def binary_body(points: np.ndarray) -> tuple[bytes, dict[str, str]]:
 def load_average() -> float:
     """The machine's load average over the last minute."""
     return os.getloadavg()[0]
+
+
+def flush_latency(directory: Path, n: int = 200) -> tuple[float, float]:
+    """Median and 90th percentile, in ms, of one ``fdatasync`` after rewriting five
+    pages of a file in ``directory``: what the disk under bagserve's database takes
+    for the one flush of each audit commit (SQLite rewrites its WAL in place once
+    it has wrapped), measured beside the servers rather than inside them."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "flush-probe"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        page = b"\x00" * (5 * 4096)
+        os.write(fd, page * n)
+        os.fdatasync(fd)
+        seconds = []
+        for i in range(n):
+            os.pwrite(fd, page, i * len(page))
+            t0 = time.perf_counter()
+            os.fdatasync(fd)
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return ms(seconds, 50), ms(seconds, 90)
 
 
 def stages(header: str | None) -> dict[str, float]:
@@ -324,9 +351,12 @@ def compare(
     return out
 
 
-def summary(results: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+def summary(
+    results: list[dict[str, Any]], flushes: list[tuple[float, float]]
+) -> tuple[dict[str, Any], str]:
     """The rows of issue 47's table from one run, each against its goal, as figures
-    and as the text table printed last."""
+    and as the text table printed last; ``flushes``: :func:`flush_latency` before and
+    after the run."""
     rows: dict[str, Any] = {"case": "issue 47's table (bagserve / MLServer)"}
     lines = [f"{'row':44s} {'ratio':>7s}  goal"]
     for label, key, index, op, goal in GOALS:
@@ -345,6 +375,16 @@ def summary(results: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
         f"machine: {rows['machine']}; load average (1 min) "
         f"{rows['load_average_min']:.2f}-{rows['load_average_max']:.2f} during the run"
     )
+    for when, (p50, p90) in zip(("before", "after"), flushes, strict=True):
+        rows[f"data_dir_fdatasync_{when}_p50_ms"] = p50
+        rows[f"data_dir_fdatasync_{when}_p90_ms"] = p90
+    lines.append(
+        "bagserve's data directory, fdatasync (ms, median / p90): "
+        + ", ".join(
+            f"{when} the run {p50:.2f} / {p90:.2f}"
+            for when, (p50, p90) in zip(("before", "after"), flushes, strict=True)
+        )
+    )
     return rows, "\n".join(lines)
 
 
@@ -357,6 +397,12 @@ def main() -> None:
     parser.add_argument("--large-total", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=6, help="load rounds per server")
     parser.add_argument("--quick", action="store_true", help="a smoke run (not saved)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        help="bagserve's data directory (its database), e.g. on a tmpfs to take the disk "
+        "out of the audit commit; default: a temporary directory (not saved when given)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.repeat, args.large_repeat, args.total, args.large_total, args.rounds = 30, 3, 80, 8, 2
@@ -372,9 +418,11 @@ def main() -> None:
             models = tmp / "models"
             build_demo_models(models)
         runtime = ModelRuntime.open(models / MODEL / "1", mmap=True)
+        data_dir = (args.data_dir or tmp) / "bagserve-data"
+        flushes = [flush_latency(data_dir)]
         with ExitStack() as stack:
             urls = {
-                "bagserve": start_bagserve(stack, models, tmp),
+                "bagserve": start_bagserve(stack, models, data_dir),
                 "mlserver": start_mlserver(stack, bin_dir, models, tmp),
             }
             results = []
@@ -382,11 +430,15 @@ def main() -> None:
                 bags, _, _ = make_dose_response_bags(1, n, random_state=[7, seed])
                 points = np.ascontiguousarray(bags[0], dtype=np.float64)
                 results.append(compare(urls, points, runtime, args))
-        rows, table = summary(results)
-        report([*results, rows], "bench_mlserver", save=not args.quick, width=44)
+        flushes.append(flush_latency(data_dir))
+        rows, table = summary(results, flushes)
+        save = not args.quick and args.data_dir is None
+        report([*results, rows], "bench_mlserver", save=save, width=44)
         print(f"\n{table}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if args.data_dir is not None:
+            shutil.rmtree(args.data_dir / "bagserve-data", ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from .deps import Services, ServicesDep
 from .errors import install_handlers
 from .exposure import anonymous_exposure
 from .file_import import import_files
-from .group_commit import GroupCommit
+from .group_commit import GroupCommit, prompt_threads
 from .hl7_delivery import DeliveryQueue
 from .idempotency import IdempotencyStore
 from .job_runner import JobRunner
@@ -190,7 +190,8 @@ def _lifespan(
             },
         )
         try:
-            yield
+            with prompt_threads():
+                yield
         finally:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signal.SIGHUP)

@@ -31,7 +31,6 @@ the chain to still hold that record with that hash.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -168,10 +167,9 @@ class AuditLog:
     async def append_async(self, **fields: Any) -> dict[str, Any]:
         """:meth:`append` for the event loop: waits for the commit without a thread.
 
-        The record is written even if the awaiting task is cancelled (shield the call
-        to wait for it all the same).
+        The record is written even if the awaiting task is cancelled.
         """
-        return await asyncio.wrap_future(self.submit(fields))
+        return await self.writer.run(partial(self._append, fields))
 
     def submit(self, fields: dict[str, Any]) -> Future[dict[str, Any]]:
         """Queue one record for the writer; the future holds the record once committed.

@@ -27,11 +27,13 @@ is durable does not depend on the server's configuration. Stronger settings (``o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -40,13 +42,36 @@ from .database import Cursor, Database, unavailable
 
 log = logging.getLogger("bagserve.commit")
 
-__all__ = ["GroupCommit", "Transaction", "Write"]
+__all__ = ["SWITCH_INTERVAL", "GroupCommit", "Transaction", "Write", "prompt_threads"]
 
 T = TypeVar("T")
 S = TypeVar("S")
 
 #: Any fixed number: the advisory lock that orders the group transactions of replicas.
 _GROUP_LOCK = 0x6261677367726F75
+#: Seconds a thread waits for the GIL, at most, while the serving process's event loop
+#: runs Python (the interpreter's default is 5 ms): see :func:`prompt_threads`.
+SWITCH_INTERVAL = 0.0005
+
+
+@contextlib.contextmanager
+def prompt_threads(interval: float = SWITCH_INTERVAL) -> Iterator[None]:
+    """Within the block, a thread waiting for the GIL gets it after ``interval``
+    seconds at most (unless it is shorter already); the previous interval after.
+
+    The writer thread takes the GIL back after every SQLite call (BEGIN, the head,
+    the rows, the commit's fsync) and to release its callers; while the event loop
+    runs Python it gets it only when the loop blocks or the interval forces a
+    switch. Under 8 concurrent clients the interpreter's 5 ms made the wait for a
+    record of a few hundred microseconds' work several milliseconds
+    (``bench/README.md``). A shorter interval costs only when a thread does wait.
+    """
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, interval))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 @dataclass
@@ -78,11 +103,13 @@ class Transaction:
 @dataclass
 class Write(Generic[T]):
     """A write waiting for its group: the function, the bytes it writes (for the
-    transaction's deadline) and the future its caller waits on."""
+    transaction's deadline) and what its caller waits on: a thread's future, or an
+    event loop's (:meth:`GroupCommit.run`)."""
 
     run: Callable[[Transaction], T]
     size: int
     future: Future[T] | None
+    waiter: asyncio.Future[T] | None = None
 
 
 class GroupCommit:
@@ -132,25 +159,40 @@ class GroupCommit:
             The writer was closed.
         """
         future: Future[T] = Future()
+        self._queue(Write(run, size, future))
+        return future
+
+    async def run(self, run: Callable[[Transaction], T], size: int = 0) -> T:
+        """:meth:`submit` for the event loop: waits for the commit without a thread.
+
+        The write is done even if the awaiting task is cancelled (there is nothing to
+        shield: a cancelled wait withdraws nothing). The writer wakes the loop once
+        per transaction for all of the loop's callers, and each caller's task resumes
+        in the loop's next turn. On a busy loop every turn takes a while: a future
+        wrapped per caller (``asyncio.wrap_future``) woke the loop once per record, and
+        the shielded coroutine the prediction awaited took two more turns
+        (``bench/README.md``).
+
+        Raises
+        ------
+        RuntimeError
+            The writer was closed.
+        """
+        waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._queue(Write(run, size, None, waiter))
+        return await waiter
+
+    def _queue(self, write: Write[Any]) -> None:
         with self._wake:
             if self._closed:
                 raise RuntimeError("the database writer is closed")
-            self._pending.append(Write(run, size, future))
+            self._pending.append(write)
             if self._writer is None:
                 self._writer = threading.Thread(
                     target=self._run, name="bagserve-commit", daemon=True
                 )
                 self._writer.start()
             self._wake.notify()
-        return future
-
-    async def run(self, run: Callable[[Transaction], T], size: int = 0) -> T:
-        """:meth:`submit` for the event loop: waits for the commit without a thread.
-
-        The write is done even if the awaiting task is cancelled (shield the call to
-        wait for it all the same).
-        """
-        return await asyncio.wrap_future(self.submit(run, size))
 
     def close(self, timeout: float | None = None) -> None:
         """Write what is queued, then stop the writer (later writes raise)."""
@@ -206,11 +248,10 @@ class GroupCommit:
                     queued = list(self._pending)
                     self._pending.clear()
                 for item in queued:
-                    if item.future is not None and item.future.set_running_or_notify_cancel():
-                        batch.append(item)
-            for item in batch:
-                if item.future is not None:
-                    item.future.set_exception(exc)
+                    if item.future is not None and not item.future.set_running_or_notify_cancel():
+                        item.future = None
+                    batch.append(item)
+            _release(batch, [None] * len(batch), exc)
             if not isinstance(exc, Exception):
                 raise
             return
@@ -220,9 +261,7 @@ class GroupCommit:
             except Exception:
                 # Only the metrics fail: the writes are in, and their callers go on.
                 log.exception("commit callback failed")
-        for item, result in zip(batch, results, strict=True):
-            if item.future is not None:
-                item.future.set_result(result)
+        _release(batch, results)
 
     def _transaction(self, batch: list[Write[Any]]) -> list[Any]:
         """Run the writes in order in one transaction; their results once committed."""
@@ -243,3 +282,33 @@ class GroupCommit:
             for finish in tx._finish:
                 finish(cur)
         return results
+
+
+def _release(batch: list[Write[Any]], results: list[Any], exc: BaseException | None = None) -> None:
+    """Release the callers of a committed (or failed) batch: the threads' futures here,
+    each event loop's waiters in one call on that loop."""
+    woken: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
+    for item, result in zip(batch, results, strict=True):
+        if item.future is not None:
+            if exc is None:
+                item.future.set_result(result)
+            else:
+                item.future.set_exception(exc)
+        if item.waiter is not None:
+            woken.setdefault(item.waiter.get_loop(), []).append((item.waiter, result))
+    for loop, waiters in woken.items():
+        # A closed loop (RuntimeError) has no caller waiting any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_settle, waiters, exc)
+
+
+def _settle(waiters: list[tuple[asyncio.Future[Any], Any]], exc: BaseException | None) -> None:
+    """On the waiters' loop: each one's result (or the batch's error), unless its caller
+    stopped waiting (a cancelled task)."""
+    for waiter, result in waiters:
+        if waiter.done():
+            continue
+        if exc is None:
+            waiter.set_result(result)
+        else:
+            waiter.set_exception(exc)

@@ -329,8 +329,9 @@ class Predictor:
                 if fields is not None and self.audit_log is not None:
                     t1 = time.perf_counter()
                     # Group commit (:class:`~.audit.AuditLog`): released once the record
-                    # is durable. Shielded: an abandoned request is still recorded.
-                    await asyncio.shield(self.audit_log.append_async(**fields))
+                    # is durable. An abandoned request is still recorded: the record is
+                    # queued before the wait, and a cancelled wait does not withdraw it.
+                    await self.audit_log.append_async(**fields)
                     # The outcome shares this dict: the answer's Server-Timing shows it.
                     timings["audit"] = time.perf_counter() - t1
             finally:

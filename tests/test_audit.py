@@ -283,6 +283,74 @@ def test_records_queued_behind_a_commit_the_database_refused_fail_with_it(tmp_pa
     log.db.close()
 
 
+def test_callers_on_an_event_loop_are_woken_once_per_commit(tmp_path):
+    """The writer wakes an event loop once per transaction for all of the loop's
+    callers in it: every wake-up is a turn of a busy loop. A future wrapped per caller
+    (``asyncio.wrap_future``) woke it once per record."""
+    log, release, sizes = _held_log(tmp_path)
+    wakeups: list[int] = []
+
+    async def twenty() -> tuple[list[dict], int]:
+        loop = asyncio.get_running_loop()
+        plain = loop.call_soon_threadsafe
+
+        def counted(*args, **kwargs):
+            wakeups.append(threading.get_ident())
+            return plain(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        tasks = [
+            asyncio.ensure_future(log.append_async(request_id=f"r{i}", status=200))
+            for i in range(1, 21)
+        ]
+        deadline = time.monotonic() + 30
+        while len(log.writer._pending) < 20 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        release.set()
+        records = await asyncio.gather(*tasks)
+        return records, len(wakeups)
+
+    records, woken = asyncio.run(twenty())
+    assert sizes == [1, 20]  # the 20 records committed together
+    assert woken == 1
+    assert [r["request_id"] for r in records] == [f"r{i}" for i in range(1, 21)]
+    assert all(b["prev"] == a["hash"] for a, b in itertools.pairwise(records))
+    assert log.count() == 21 and log.verify().ok
+    log.close()
+    log.db.close()
+
+
+def test_awaited_records_queued_behind_a_refused_commit_fail_with_it(tmp_path, monkeypatch):
+    """Callers on an event loop hear of a database that does not answer as the
+    threads' callers do: at once, with the commit's error."""
+    log = AuditLog(Database(None, tmp_path, pool_size=1))
+    started, attempts = threading.Event(), []
+
+    def down(batch: list) -> list:
+        attempts.append(len(batch))
+        started.set()
+        time.sleep(0.3)  # the database's timeout
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(log.writer, "_transaction", down)
+    first = log.submit({"request_id": "a", "status": 200})
+    assert started.wait(10)
+
+    async def five() -> list:
+        calls = (log.append_async(request_id=f"b{i}", status=200) for i in range(5))
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+
+    outcomes = asyncio.run(five())
+    assert [type(o) for o in outcomes] == [sqlite3.OperationalError] * 5
+    with pytest.raises(sqlite3.OperationalError):
+        first.result(10)
+    assert attempts == [1]  # the queued records were not tried again
+    monkeypatch.undo()
+    assert log.append(request_id="c", status=200)["prev"] == "0" * 64 and log.count() == 1
+    log.close()
+    log.db.close()
+
+
 #: Tampering with the chain's head and table, and what ``audit verify`` must say of it
 #: (each a clear message and exit 1, never a traceback).
 HEAD_TAMPERING = [

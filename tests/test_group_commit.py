@@ -28,7 +28,7 @@ import pytest
 from bagserve.core.demo import build_demo_models, demo_samples
 from bagserve.service.audit import AuditLog
 from bagserve.service.database import Database
-from bagserve.service.group_commit import GroupCommit
+from bagserve.service.group_commit import GroupCommit, prompt_threads
 from bagserve.service.idempotency import IdempotencyStore
 from starlette.responses import Response
 
@@ -109,6 +109,24 @@ def test_audit_and_idempotency_records_that_wait_together_share_one_commit(tmp_p
     assert kept[0] == 3
     writer.close()
     db.close()
+
+
+def test_prompt_threads_shortens_the_gil_switch_interval_and_puts_it_back():
+    """What the service's lifespan runs in: a thread that wants the GIL (the writer,
+    after each SQLite call) gets it within half a millisecond, not the interpreter's
+    5 ms; a shorter interval set by someone else is kept; either is put back after."""
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        with prompt_threads():
+            assert sys.getswitchinterval() <= 0.0005
+        assert sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
+        sys.setswitchinterval(0.0001)
+        with prompt_threads():
+            assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
+        assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def _sqlite_handles(path: Path) -> int:
