@@ -57,6 +57,9 @@ _KNOWN_KINDS: dict[str, ModelKind] = {
     "MarginalTransferClassifier": ModelKind.CELL,
     "MarginalTransferRegressor": ModelKind.CELL,
 }
+#: Of those, the classifiers: ``classifies`` answers from it, so that describing a
+#: model (``GET /v1/models`` on the server's event loop) imports no estimator.
+_KNOWN_CLASSIFIERS = frozenset({"DistributionRidgeClassifier", "MarginalTransferClassifier"})
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,8 @@ class ArtifactInfo:
     @cached_property
     def classifies(self) -> bool:
         """The model answers classes (per bag, or per point for per-cell models)."""
+        if self.estimator in _KNOWN_KINDS:
+            return self.estimator in _KNOWN_CLASSIFIERS
         from sklearn.base import ClassifierMixin
 
         return issubclass(estimator_class(self.estimator), ClassifierMixin)

@@ -100,6 +100,13 @@ def workdir(tmp_path_factory):
     y = np.array([b.mean() for b in bags])
     model = DistributionRidge(SlicedWasserstein(random_state=0), gamma=0.1, alpha=0.01)
     save(model.fit(bags, y), root / "models" / "toy" / "1", panel={"markers": ["a", "b", "c"]})
+    from bagserve.core import MarginalTransferClassifier
+
+    cells = MarginalTransferClassifier(calibrate="none", cell_model="linear", random_state=0)
+    labels = [(b[:, 0] > 0).astype(int) for b in bags]
+    save(
+        cells.fit(bags, labels), root / "models" / "cells" / "1", panel={"markers": ["a", "b", "c"]}
+    )
     log = AuditLog(Database(None, root / "data", pool_size=1))
     for i in range(30):
         log.append(request_id=f"r{i}", api_key_id=None, route="/v1/x", status=200)
@@ -118,6 +125,17 @@ def test_models_list_reads_manifests_with_numpy_only(workdir):
     status, heavy = _cli(["models", "list", str(workdir / "models")], workdir)
     assert status == 0
     assert heavy == {"numpy"}
+
+
+def test_describing_a_model_imports_no_estimator(workdir):
+    """The server describes every model on its event loop (``GET /v1/models``): the
+    first call for a per-cell model once imported scikit-learn there, 1-1.7 s with
+    every request waiting."""
+    statement = (
+        "from bagserve.core.artifact_info import ArtifactInfo; "
+        f"ArtifactInfo.read({str(workdir / 'models' / 'cells' / '1')!r}).describe()"
+    )
+    assert _imported(statement, workdir) == {"numpy"}
 
 
 def test_audit_verify_needs_the_settings_only(workdir):
@@ -165,3 +183,8 @@ def test_the_manifest_kinds_table_agrees_with_the_class_hierarchy():
         assert kind_of(_registry()[name]) is kind, name
     estimators = {n for n, c in _registry().items() if hasattr(c, "predict")}
     assert estimators == set(_KNOWN_KINDS)
+    from bagserve.core.artifact_info import _KNOWN_CLASSIFIERS
+    from sklearn.base import ClassifierMixin
+
+    classifiers = {n for n in estimators if issubclass(_registry()[n], ClassifierMixin)}
+    assert classifiers == _KNOWN_CLASSIFIERS
