@@ -18,7 +18,7 @@ from bagserve.core import (
     SlicedWasserstein,
 )
 from bagserve.core.explanations import cells as cells_module
-from bagserve.core.explanations import explain, task_embedding_contributions
+from bagserve.core.explanations import explain
 
 N_CELLS = 400
 
@@ -316,27 +316,6 @@ def test_bad_inputs_are_named():
         explain(model, rng.normal(size=(30, 3)))
     with pytest.raises(ValueError, match="one bag"):
         explain(model, Bags.from_arrays(bags[:2]))
-
-
-def test_task_embedding_part_of_a_per_cell_model(data):
-    bags, _, _ = data
-    rep = MeanEmbedding(method="rff", bandwidth=1.0, random_state=0).fit(bags)
-    train = rep.embed(bags)
-    a = np.random.default_rng(3).normal(size=len(bags))
-    # Linear task kernel: s(P) = Σ_j a_j ⟨Φ(P), Φ_j⟩ is a sum over the task's cells.
-    e = task_embedding_contributions(rep, bags[0], train, a, kernel="linear")
-    z = rff(bags[0], rep.frequencies_)
-    means = np.array([rff(c, rep.frequencies_).mean(axis=0) for c in bags])
-    np.testing.assert_allclose(e.contributions[:, 0], z @ (means.T @ a) / len(bags[0]), rtol=1e-9)
-    assert e.method == "exact" and abs(e.total[0] - e.prediction[0]) < 1e-12
-    # Gaussian task kernel: removing the cells that raise s lowers it.
-    g = task_embedding_contributions(rep, bags[4], train, a, kernel="gaussian", gamma=1.0)
-    top = np.argsort(-g.contributions[:, 0])[:4]
-    moved = np.exp(-rep.embed([np.delete(bags[4], top, axis=0)]).sq_distances(train)[0]) @ a
-    assert moved - g.prediction[0] < 0
-    np.testing.assert_allclose(
-        g.prediction[0], np.exp(-rep.embed([bags[4]]).sq_distances(train)[0]) @ a, rtol=1e-12
-    )
 
 
 def test_the_public_name_is_the_function():

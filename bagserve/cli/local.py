@@ -57,7 +57,11 @@ def predict_local(
     with one_thread():
         bags = runtime.align(samples, compensated=compensated)
         result = runtime.predict(bags, coverage=coverage, control=reference)
-        explained = list(zip(samples, runtime.explain(bags), strict=True)) if explain else None
+        explained = (
+            list(zip(samples, runtime.explain(bags, control=reference), strict=True))
+            if explain
+            else None
+        )
     meta = {
         "model": {
             "name": info.metadata.get("name"),

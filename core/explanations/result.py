@@ -55,12 +55,16 @@ class Explanation:
 
     Attributes
     ----------
-    method : {"exact", "influence"}
+    method : {"exact", "influence", "assignment"}
         ``"exact"``: ``baseline + contributions.sum(axis=0) == prediction`` to rounding
         (the model is linear in the bag's measure). ``"influence"``: each contribution
         is the cell's weight times the derivative of the model along the empirical
         measure towards that cell (:mod:`core.explanations.cells`); they sum to about zero,
-        and the baseline is the prediction minus their sum.
+        and the baseline is the prediction minus their sum. ``"assignment"``: a
+        per-cell model's answer (the share of cells in each class, or their mean value),
+        each cell's own part of it plus, where the model reads the sample's context, the
+        cell's first-order effect through it (:mod:`core.estimators.transfer.explain`);
+        ``baseline`` is 0 and the sum holds to rounding.
     outputs : list of str
         What each column is: ``["prediction"]``, an output's index, or a class.
     prediction : ndarray of shape (k,)
@@ -74,7 +78,7 @@ class Explanation:
         Marker names of the columns of ``points`` (``"x0"``, ... when unnamed).
     """
 
-    method: Literal["exact", "influence"]
+    method: Literal["exact", "influence", "assignment"]
     outputs: list[str]
     prediction: NDArray[np.float64]
     baseline: NDArray[np.float64]
