@@ -56,8 +56,13 @@ def test_shares_are_an_exact_sum_of_the_cells(tasks, cell_model):
         assert np.abs(context).max() > 0.1 / x.shape[0]
         np.testing.assert_allclose(context.sum(axis=0), 0.0, atol=1e-12)
     else:
-        # LDA and trees read each cell alone: the assignment is all there is.
+        # LDA and trees read each cell alone: the assignment is all there is, and each
+        # population's part is its own share.
         np.testing.assert_array_equal(context, 0.0)
+        for row in e.to_dict()["by_population"]:
+            k = e.outputs.index(row["population"])
+            assert row["contribution"] == pytest.approx(np.eye(len(e.outputs))[k] * shares[k])
+            assert row["n_cells"] == round(shares[k] * x.shape[0])
     # core.explain hands the model its own explanation.
     np.testing.assert_array_equal(explain(model, x).contributions, e.contributions)
     assert e.to_dict(top=3)["top_cells"][0]["values"].keys() == {"a", "b", "c", "d"}

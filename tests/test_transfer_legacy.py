@@ -62,3 +62,14 @@ def test_a_model_of_the_current_design_loads_as_the_current_class(tmp_path):
     back = load(save(model, tmp_path / "m"))
     assert type(back) is MarginalTransferClassifier
     np.testing.assert_array_equal(back.predict(tasks), model.predict(tasks))
+
+
+def test_a_model_of_the_old_design_says_it_has_no_explanation():
+    """Issue 45: the explanation is the rebuilt design's; a saved model of the old one
+    is refused by name (the doors answer 422 with this), not explained wrongly."""
+    from bagserve.core.runtime import ModelRuntime
+
+    runtime = ModelRuntime.open(DATA / "classifier-default")
+    bags, _ = _inputs()
+    with pytest.raises(TypeError, match=r"before issue 44.*retrain"):
+        runtime.explain(bags, preprocessed=True)

@@ -76,6 +76,9 @@ class Explanation:
         The cells as the model saw them (after the model's preprocessing).
     markers : list of str
         Marker names of the columns of ``points`` (``"x0"``, ... when unnamed).
+    labels : ndarray of shape (n_cells,) or None
+        A per-cell model's label of each cell: the populations :meth:`to_dict`
+        summarises by when given none.
     """
 
     method: Literal["exact", "influence", "assignment"]
@@ -85,6 +88,7 @@ class Explanation:
     contributions: NDArray[np.float64]
     points: NDArray[np.float64] = field(repr=False)
     markers: list[str]
+    labels: NDArray[Any] | None = field(default=None, repr=False)
 
     @property
     def total(self) -> NDArray[np.float64]:
@@ -149,7 +153,9 @@ class Explanation:
 
     def to_dict(self, *, top: int = 10, labels: ArrayLike | None = None) -> dict[str, Any]:
         """A JSON-ready summary (no per-cell arrays): method, baseline, total,
-        prediction, by marker, by population (with ``labels``) and the top cells."""
+        prediction, by marker, by population (with ``labels``, or the per-cell model's
+        own :attr:`labels`) and the top cells."""
+        labels = self.labels if labels is None else labels
         out: dict[str, Any] = {
             "method": self.method,
             "outputs": [str(o) for o in self.outputs],

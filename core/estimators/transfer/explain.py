@@ -102,7 +102,9 @@ def explain_task(
     Explanation
         ``method="assignment"``: ``prediction`` the share of cells labelled with each
         class (a regressor: the mean value), ``baseline`` 0, and
-        ``contributions.sum(axis=0) == prediction`` to rounding.
+        ``contributions.sum(axis=0) == prediction`` to rounding; a classifier's
+        ``labels`` are its cells' (the populations :meth:`~Explanation.to_dict`
+        summarises by).
     """
     n = calibrated.shape[0]
     embedding = task_map.embed([calibrated])
@@ -114,6 +116,7 @@ def explain_task(
         scores = phi @ kernel_task_coef(cell_model, psi)
     else:
         scores = cell_scores(cell_model, calibrated, task_map, psi, classifier)
+    codes = None
     if codes_of is not None and outputs is not None:
         codes = codes_of(scores)
         contributions = np.zeros((n, len(outputs)))
@@ -141,4 +144,5 @@ def explain_task(
         contributions=contributions,
         points=cells,
         markers=markers,
+        labels=None if codes is None else np.asarray(outputs)[codes],
     )
