@@ -436,6 +436,14 @@ def test_set_kernel_point_sums_are_each_bags_mean_embedding_at_each_point():
         K = gaussian_point_kernel(left.points, other.points, 0.8) * ow[None, :]
         expected = np.add.reduceat(K, other.offsets[:-1], axis=1)
         np.testing.assert_allclose(sums, expected, rtol=1e-12, atol=1e-15)
+        # The first bags alone, where all would not fit: their columns, the Gram as is
+        # (one thread: two threads add their parts in either order).
+        first = np.zeros((left.n_points, 1))
+        G = set_kernel_gram(left, right, "gaussian", 0.8, block_entries=64, point_sums=first)
+        np.testing.assert_allclose(first, expected[:, :1], rtol=1e-12, atol=1e-15)
+        np.testing.assert_array_equal(
+            G, set_kernel_gram(left, right, "gaussian", 0.8, block_entries=64)
+        )
 
 
 @pytest.mark.parametrize("kernel", ["linear", "gaussian"])
@@ -461,4 +469,16 @@ def test_exact_mean_embedding_explanation_reads_the_prediction_sums(data, monkey
     np.testing.assert_allclose(
         one_pass.contributions, two_pass.contributions, rtol=1e-9, atol=1e-15
     )
+    # A budget of three training bags: the second pass reads only the others' points.
+    read = []
+    monkeypatch.setattr(
+        cells_module,
+        "point_kernel",
+        lambda X, Y, *a, **k: read.append(Y.shape[0]) or original(X, Y, *a, **k),
+    )
+    monkeypatch.setattr(cells_module, "_POINT_SUMS_BYTES", 8 * bag.n_points * 3)
+    partial = explain(model, bag)
+    beyond = model.train_embedding_.bags
+    assert set(read) == {beyond.n_points - int(beyond.offsets[3])}
+    np.testing.assert_allclose(one_pass.contributions, partial.contributions, rtol=1e-9, atol=1e-15)
     assert one_pass.prediction[0] == model.predict(bag)[0]
