@@ -40,7 +40,8 @@ def explanation_documents(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[Any]]:
     """Per bag, the explanation document; with ``plot`` > 0 also up to that many cells
     per bag (the seeded draw of the per-cell plots), as the model sees them, with their
-    contributions to the last output: ``{markers, cells, points, contributions}``; and
+    contributions to the last output: ``{markers, cells, points, contributions}`` (a
+    per-cell model's also with their ``labels``); and
     the explanations themselves (:class:`bagserve.core.Explanation`). ``control``: the
     batch's reference control a per-cell model calibrates by (as it predicted)."""
     try:
@@ -56,15 +57,16 @@ def explanation_documents(
         rows = np.arange(e.points.shape[0])
         if rows.size > plot:
             rows = np.sort(rng.choice(rows.size, plot, replace=False))
-        plots.append(
-            {
-                "markers": list(e.markers),
-                "cells": rows.tolist(),
-                "points": np.round(e.points[rows], 5).tolist(),
-                "output": e.outputs[-1],
-                "contributions": e.contributions[rows, -1].tolist(),
-            }
-        )
+        drawn = {
+            "markers": list(e.markers),
+            "cells": rows.tolist(),
+            "points": np.round(e.points[rows], 5).tolist(),
+            "output": e.outputs[-1],
+            "contributions": e.contributions[rows, -1].tolist(),
+        }
+        if e.labels is not None:
+            drawn["labels"] = e.labels[rows].tolist()
+        plots.append(drawn)
     return documents, plots, explanations
 
 

@@ -878,11 +878,16 @@ def test_per_cell_model_explains_its_shares_on_every_door(http, models):
             for i in range(2)
         ]
     }
-    r = http.post("/v1/models/demo-gating/predict", params={"explain": "true"}, json=body)
+    r = http.post(
+        "/v1/models/demo-gating/predict", params={"explain": "true", "plot": "40"}, json=body
+    )
     assert r.status_code == 200, r.text
     answers = r.json()["predictions"]
     assert [a["explanation"] for a in answers] == expected
     for a in answers:
+        plot = a["plot"]  # the plotted cells with their labels and contributions
+        assert len(plot["labels"]) == len(plot["contributions"]) == 40
+        assert plot["labels"] == [a["labels"][i] for i in plot["cells"]]
         e = a["explanation"]
         shares = {row["class"]: row["count"] / len(a["labels"]) for row in a["population"]}
         assert e["method"] == "assignment" and e["baseline"] == [0.0] * len(e["outputs"])

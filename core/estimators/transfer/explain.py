@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ...bags import Bags, subsample_rows
 from ...explanations.result import Explanation
 from .cell_models import cell_scores, kernel_coef_blocks, kernel_task_coef
 from .task_map import TaskMap
@@ -107,7 +106,10 @@ def explain_task(
         summarises by).
     """
     n = calibrated.shape[0]
-    embedding = task_map.embed([calibrated])
+    # The embedding as TaskMap.embed takes it, its cells' features kept for the context.
+    rows = task_map.embedding_rows(calibrated)
+    z = task_map.random_features(calibrated[rows])
+    embedding = np.array([z.mean(axis=0)])
     psi = task_map.context(embedding)[0]
     kernel = cell_model["kind"] == "kernel"
     classifier = codes_of is not None
@@ -131,10 +133,6 @@ def explain_task(
         gradient = context_gradient(
             task_map, cell_model, phi.mean(axis=0), embedding[0], 0.5 if classifier else 1.0
         )
-        rows = subsample_rows(
-            Bags.from_arrays([calibrated]), task_map.embedding_points, task_map.seed, canonical=True
-        )
-        z = task_map.random_features(calibrated[rows])
         contributions[rows] += (z - embedding[0]) @ gradient / rows.size
     return Explanation(
         method="assignment",
