@@ -148,15 +148,11 @@ def _set_kernel(
         rest_w = tb.point_weights()[first:]
         starts = tb.offsets[kept:-1] - first
         coef = head.train_coef[kept:]
-
-        def values(lo: int, hi: int) -> NDArray[np.float64]:
-            K = point_kernel(pts[lo:hi], rest_points, rep.kernel, rep.bandwidth_)
-            K *= rest_w[None, :]
-            return np.add.reduceat(K, starts, axis=1) @ coef  # Σ_i β_i μ_i(x)
-
         for lo in _chunks(pts.shape[0], rest_points.shape[0]):
             hi = min(pts.shape[0], lo + max(1, _BLOCK // max(1, rest_points.shape[0])))
-            v[lo:hi] += values(lo, hi)
+            K = point_kernel(pts[lo:hi], rest_points, rep.kernel, rep.bandwidth_)
+            K *= rest_w[None, :]
+            v[lo:hi] += np.add.reduceat(K, starts, axis=1) @ coef  # Σ_i β_i μ_i(x)
     c, exact = _centred(v, w, head)
     return c, exact, head
 
