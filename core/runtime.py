@@ -207,22 +207,39 @@ class ModelRuntime:
         )
         return dataclasses.replace(result, status=status)
 
-    def explain(self, bags: Bags, *, preprocessed: bool = False) -> list[Explanation]:
+    def explain(
+        self, bags: Bags, *, control: Bags | None = None, preprocessed: bool = False
+    ) -> list[Explanation]:
         """Per-cell contributions to each bag's prediction (:func:`core.explain`), the
         cells as the model sees them (after its preprocessing) and named by its panel.
+        A per-cell model explains the share of each bag's cells in each class (or their
+        mean value), calibrated by the batch's ``control`` where given, as
+        :meth:`predict` labels them.
 
         Raises
         ------
-        ValueError
-            A per-cell model (its sample-context part is not a door's answer).
+        TypeError
+            A model without an explanation: a representation without one (histograms),
+            or a per-cell model saved by the design before issue 44.
         """
-        if self.kind is ModelKind.CELL:
-            raise ValueError("explanations apply to bag-level models, not per-cell ones")
         from .explanations import explain
 
+        if self.kind is ModelKind.CELL and not hasattr(self.model, "explain"):
+            raise TypeError(
+                "this per-cell model was saved by the marginal-transfer design before "
+                "issue 44, which has no explanation; retrain it with this version to "
+                "explain its answers"
+            )
         if not preprocessed:
             bags = self.preprocess(bags)
+            control = None if control is None else self.preprocess(control)
         markers = self.info.markers or None
+        if self.kind is ModelKind.CELL:
+            cells = None if control is None else control.points
+            return [
+                self.model.explain(bags[i], control=cells, markers=markers)
+                for i in range(len(bags))
+            ]
         return [
             explain(self.model, bags.take(np.array([i])), markers=markers) for i in range(len(bags))
         ]

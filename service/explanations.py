@@ -36,15 +36,17 @@ CONTRIBUTION_CHANNEL = "contribution"
 
 
 def explanation_documents(
-    runtime: Any, bags: Any, plot: int = 0
+    runtime: Any, bags: Any, plot: int = 0, control: Any = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[Any]]:
     """Per bag, the explanation document; with ``plot`` > 0 also up to that many cells
     per bag (the seeded draw of the per-cell plots), as the model sees them, with their
-    contributions to the last output: ``{markers, cells, points, contributions}``; and
-    the explanations themselves (:class:`bagserve.core.Explanation`)."""
+    contributions to the last output: ``{markers, cells, points, contributions}`` (a
+    per-cell model's also with their ``labels``); and
+    the explanations themselves (:class:`bagserve.core.Explanation`). ``control``: the
+    batch's reference control a per-cell model calibrates by (as it predicted)."""
     try:
-        explanations = runtime.explain(bags)
-    except TypeError as exc:  # a representation without an explanation (histograms)
+        explanations = runtime.explain(bags, control=control, preprocessed=False)
+    except TypeError as exc:  # no explanation (histograms, a pre-issue-44 per-cell model)
         raise Problem(422, str(exc), errors=[str(exc)], slug="invalid-request") from None
     documents = [e.to_dict(top=TOP_CELLS) for e in explanations]
     if not plot:
@@ -55,15 +57,16 @@ def explanation_documents(
         rows = np.arange(e.points.shape[0])
         if rows.size > plot:
             rows = np.sort(rng.choice(rows.size, plot, replace=False))
-        plots.append(
-            {
-                "markers": list(e.markers),
-                "cells": rows.tolist(),
-                "points": np.round(e.points[rows], 5).tolist(),
-                "output": e.outputs[-1],
-                "contributions": e.contributions[rows, -1].tolist(),
-            }
-        )
+        drawn = {
+            "markers": list(e.markers),
+            "cells": rows.tolist(),
+            "points": np.round(e.points[rows], 5).tolist(),
+            "output": e.outputs[-1],
+            "contributions": e.contributions[rows, -1].tolist(),
+        }
+        if e.labels is not None:
+            drawn["labels"] = e.labels[rows].tolist()
+        plots.append(drawn)
     return documents, plots, explanations
 
 
@@ -103,13 +106,20 @@ def explanations_sha256(documents: list[dict[str, Any]] | None) -> str | None:
 
 def summary_text(document: Mapping[str, Any], *, markers: int = 3) -> str:
     """A one-line text of an explanation's JSON (:meth:`bagserve.core.Explanation.to_dict`),
-    for the doors that carry text only (FHIR, HL7): the method, the baseline and the
-    markers whose position matters most for the last output, no cell data."""
+    for the doors that carry text only (FHIR, HL7): the method, the baseline (a per-cell
+    model: the share, or mean value, it explains) and the markers whose position
+    matters most for the last output, no cell data."""
     k = len(document["outputs"]) - 1
     output = document["outputs"][k]
     parts = [
         f"{m['marker']} {m['effect'][k]:+.3g}" for m in document["by_marker"][: max(0, markers)]
     ]
+    if document["method"] == "assignment":  # a per-cell model: its share of the cells
+        return (
+            f"Why this prediction (assignment, {output}): {document['prediction'][k]:.4g} "
+            f"from the {document['n_cells']} cells' own answers and the sample's context; "
+            "marker effects (high cells push up if +): " + ", ".join(parts)
+        )
     return (
         f"Why this prediction ({document['method']}, {output}): baseline "
         f"{document['baseline'][k]:.4g}, cells {document['total'][k]:+.3g} over "

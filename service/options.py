@@ -30,6 +30,15 @@ MAX_PLOT_CELLS = 20_000
 MAX_CONTROL_ID = 256
 
 
+#: The explanation accounts for the model's own labels; ``unassigned`` relabels cells
+#: after it, so an answer with both would explain shares it does not give.
+EXPLAIN_OR_UNASSIGNED = (
+    "ask for an explanation or unassigned cells, not both: the explanation accounts for "
+    "the model's own labels, and unassigned relabels the cells far from their population "
+    "after it"
+)
+
+
 @dataclass(frozen=True)
 class PredictOptions:
     """What a request may ask besides the prediction itself.
@@ -64,9 +73,10 @@ class PredictOptions:
         of the request that is the batch's reference control; it maps every other bag
         onto the training batch first and gets no answer of its own.
     explain : bool
-        Bag-level models: ``?explain=true`` adds each bag's ``explanation``
-        (:func:`bagserve.core.explain`: baseline, total, by marker, top cells); with
-        ``plot=N`` the plotted cells carry their contributions.
+        ``?explain=true`` adds each bag's ``explanation`` (:func:`bagserve.core.explain`:
+        baseline, total, by marker, top cells; a per-cell model's explains the share of
+        the bag's cells in each class, not with ``unassigned``); with ``plot=N`` the
+        plotted cells carry their contributions.
     """
 
     quantiles: tuple[float, ...] = ()
@@ -138,8 +148,6 @@ class PredictOptions:
             cell_only.remove("plot")  # a bag model's plot: its cells with their contributions
         if cell_only and entry.kind is not ModelKind.CELL:
             problems.append(f"{entry.key}: {cell_only[0]} applies to per-cell models only")
-        if parsed.get("explain") and entry.kind is ModelKind.CELL:
-            problems.append(f"{entry.key}: explain applies to bag-level models only")
         if parsed.get("probabilities"):
             unavailable = entry.info.probability_problem()
             if unavailable is not None:
@@ -156,6 +164,8 @@ class PredictOptions:
                 problems.append(f"{entry.key}: {unavailable}")
             elif parsed.get("probabilities"):
                 problems.append("ask for probabilities or unassigned cells, not both")
+            elif parsed.get("explain"):
+                problems.append(EXPLAIN_OR_UNASSIGNED)
             else:
                 parsed["unassigned"] = level
         if params.get("control") not in (None, ""):

@@ -121,7 +121,9 @@ def predict_message(
     )
     explanations, extra = None, {}
     if options.explain:
-        explanations, plots, explained = explanation_documents(runtime, incoming, options.plot)
+        explanations, plots, explained = explanation_documents(
+            runtime, incoming, options.plot, control
+        )
         if header.get("fcs"):
             # Built here, where the cells are: only the file crosses the pipe.
             fcs = explained_fcs(bags, explained)

@@ -18,7 +18,7 @@ from bagserve.core import (
     SlicedWasserstein,
 )
 from bagserve.core.explanations import cells as cells_module
-from bagserve.core.explanations import explain, task_embedding_contributions
+from bagserve.core.explanations import explain
 
 N_CELLS = 400
 
@@ -318,27 +318,6 @@ def test_bad_inputs_are_named():
         explain(model, Bags.from_arrays(bags[:2]))
 
 
-def test_task_embedding_part_of_a_per_cell_model(data):
-    bags, _, _ = data
-    rep = MeanEmbedding(method="rff", bandwidth=1.0, random_state=0).fit(bags)
-    train = rep.embed(bags)
-    a = np.random.default_rng(3).normal(size=len(bags))
-    # Linear task kernel: s(P) = Σ_j a_j ⟨Φ(P), Φ_j⟩ is a sum over the task's cells.
-    e = task_embedding_contributions(rep, bags[0], train, a, kernel="linear")
-    z = rff(bags[0], rep.frequencies_)
-    means = np.array([rff(c, rep.frequencies_).mean(axis=0) for c in bags])
-    np.testing.assert_allclose(e.contributions[:, 0], z @ (means.T @ a) / len(bags[0]), rtol=1e-9)
-    assert e.method == "exact" and abs(e.total[0] - e.prediction[0]) < 1e-12
-    # Gaussian task kernel: removing the cells that raise s lowers it.
-    g = task_embedding_contributions(rep, bags[4], train, a, kernel="gaussian", gamma=1.0)
-    top = np.argsort(-g.contributions[:, 0])[:4]
-    moved = np.exp(-rep.embed([np.delete(bags[4], top, axis=0)]).sq_distances(train)[0]) @ a
-    assert moved - g.prediction[0] < 0
-    np.testing.assert_allclose(
-        g.prediction[0], np.exp(-rep.embed([bags[4]]).sq_distances(train)[0]) @ a, rtol=1e-12
-    )
-
-
 def test_the_public_name_is_the_function():
     import bagserve.core as core
     import bagserve.core.explanations  # noqa: F401  (the package must not shadow it)
@@ -457,6 +436,14 @@ def test_set_kernel_point_sums_are_each_bags_mean_embedding_at_each_point():
         K = gaussian_point_kernel(left.points, other.points, 0.8) * ow[None, :]
         expected = np.add.reduceat(K, other.offsets[:-1], axis=1)
         np.testing.assert_allclose(sums, expected, rtol=1e-12, atol=1e-15)
+        # The first bags alone, where all would not fit: their columns, the Gram as is
+        # (one thread: two threads add their parts in either order).
+        first = np.zeros((left.n_points, 1))
+        G = set_kernel_gram(left, right, "gaussian", 0.8, block_entries=64, point_sums=first)
+        np.testing.assert_allclose(first, expected[:, :1], rtol=1e-12, atol=1e-15)
+        np.testing.assert_array_equal(
+            G, set_kernel_gram(left, right, "gaussian", 0.8, block_entries=64)
+        )
 
 
 @pytest.mark.parametrize("kernel", ["linear", "gaussian"])
@@ -482,4 +469,16 @@ def test_exact_mean_embedding_explanation_reads_the_prediction_sums(data, monkey
     np.testing.assert_allclose(
         one_pass.contributions, two_pass.contributions, rtol=1e-9, atol=1e-15
     )
+    # A budget of three training bags: the second pass reads only the others' points.
+    read = []
+    monkeypatch.setattr(
+        cells_module,
+        "point_kernel",
+        lambda X, Y, *a, **k: read.append(Y.shape[0]) or original(X, Y, *a, **k),
+    )
+    monkeypatch.setattr(cells_module, "_POINT_SUMS_BYTES", 8 * bag.n_points * 3)
+    partial = explain(model, bag)
+    beyond = model.train_embedding_.bags
+    assert set(read) == {beyond.n_points - int(beyond.offsets[3])}
+    np.testing.assert_allclose(one_pass.contributions, partial.contributions, rtol=1e-9, atol=1e-15)
     assert one_pass.prediction[0] == model.predict(bag)[0]

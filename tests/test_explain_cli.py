@@ -92,3 +92,29 @@ def test_the_commands_hl7_message_carries_the_summary_the_service_adds(yeast_mod
     (document,) = _explanation_documents(explained)
     line = summary_text(document)
     assert line in with_summary and line not in plain
+
+
+def test_predict_explain_of_a_per_cell_model_gives_its_shares(tmp_path, capsys):
+    """``predict --explain`` with a per-cell model: each result's explanation is the
+    model's own (its shares of the sample's cells), and ``--fcs-dir`` writes its
+    contributions as a channel."""
+    from bagserve.core import load
+    from bagserve.core.demo import build_demo_models, demo_samples
+
+    build_demo_models(tmp_path / "models")
+    path = tmp_path / "models" / "demo-gating" / "1"
+    tasks, _, markers = demo_samples("gating", 1, 4)
+    cells = np.asarray(tasks[0])
+    sample = tmp_path / "patient.csv"
+    rows = [",".join(markers)] + [",".join(f"{v:.17g}" for v in row) for row in cells]
+    sample.write_text("\n".join(rows) + "\n")
+    out_dir = tmp_path / "fcs"
+    assert main(["predict", str(path), str(sample), "--explain", "--fcs-dir", str(out_dir)]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    expected = load(path).explain(cells, markers=markers)
+    e = result["explanation"]
+    assert e == expected.to_dict(top=10) and e["method"] == "assignment"
+    counts = {row["class"]: row["count"] for row in result["population"]}
+    assert e["prediction"] == [counts.get(c, 0) / cells.shape[0] for c in e["outputs"]]
+    written = read_sample(out_dir / "patient.csv.explained.fcs")
+    np.testing.assert_allclose(written.points[:, -1], expected.contributions[:, -1], rtol=1e-6)

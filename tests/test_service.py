@@ -861,11 +861,92 @@ def test_explanations_on_every_door_match_the_library(http, service, models):
     )
     assert v2.status_code == 200, v2.text
     assert v2.json()["parameters"]["explanations"] == expected[:1]
-    # Per-cell models have no bag-level explanation: a clear 422.
-    refused = http.post(
-        "/v1/models/demo-gating/predict", params={"explain": "true"}, files=files[:1]
+
+
+def test_per_cell_model_explains_its_shares_on_every_door(http, models):
+    """A per-cell model's explanation is the library's (``model.explain``), its
+    prediction the shares the answer counts; JSON, jobs, /v2, FHIR, HL7 and FCS carry
+    it; asked with ``unassigned`` (which relabels after it) it is refused, saying why."""
+    import flowio
+
+    tasks, _, markers = demo_samples("gating", 2, 6)
+    model = load(models / "demo-gating" / "1")
+    expected = [model.explain(tasks[i], markers=markers).to_dict(top=10) for i in range(2)]
+    body = {
+        "bags": [
+            {"id": f"p{i}", "markers": markers, "points": np.asarray(tasks[i]).tolist()}
+            for i in range(2)
+        ]
+    }
+    r = http.post(
+        "/v1/models/demo-gating/predict", params={"explain": "true", "plot": "40"}, json=body
     )
-    assert refused.status_code == 422 and "bag-level" in refused.text
+    assert r.status_code == 200, r.text
+    answers = r.json()["predictions"]
+    assert [a["explanation"] for a in answers] == expected
+    for a in answers:
+        plot = a["plot"]  # the plotted cells with their labels and contributions
+        assert len(plot["labels"]) == len(plot["contributions"]) == 40
+        assert plot["labels"] == [a["labels"][i] for i in plot["cells"]]
+        e = a["explanation"]
+        shares = {row["class"]: row["count"] / len(a["labels"]) for row in a["population"]}
+        assert e["method"] == "assignment" and e["baseline"] == [0.0] * len(e["outputs"])
+        assert e["prediction"] == pytest.approx([shares.get(c, 0.0) for c in e["outputs"]])
+        assert e["total"] == pytest.approx(e["prediction"], abs=1e-12)
+    job = http.post("/v1/jobs", params={"model": "demo-gating", "explain": "true"}, json=body)
+    assert job.status_code == 202, job.text
+    for _ in range(600):
+        state = http.get(job.headers["location"]).json()
+        if state["status"] in ("succeeded", "failed"):
+            break
+        time.sleep(0.1)
+    assert [p["explanation"] for p in state["result"]["predictions"]] == expected
+    points = np.asarray(tasks[0])
+    v2 = http.post(
+        "/v2/models/demo-gating/infer",
+        json={
+            "inputs": [
+                {
+                    "name": "points",
+                    "datatype": "FP64",
+                    "shape": list(points.shape),
+                    "data": points.ravel().tolist(),
+                }
+            ],
+            "parameters": {"explain": True, "markers": markers},
+        },
+    )
+    assert v2.status_code == 200, v2.text
+    assert v2.json()["parameters"]["explanations"] == expected[:1]
+    for accept in ("application/fhir+json", "application/hl7-v2"):
+        text = http.post(
+            "/v1/models/demo-gating/predict",
+            params={"explain": "true"},
+            json=body,
+            headers={"accept": accept},
+        )
+        assert text.status_code == 200, text.text
+        assert text.text.count("Why this prediction (assignment") == 2
+        assert "top_cells" not in text.text
+    fcs = http.post(
+        "/v1/models/demo-gating/predict",
+        params={"explain": "true"},
+        json={"bags": body["bags"][:1]},
+        headers={"accept": "application/vnd.isac.fcs"},
+    )
+    assert fcs.status_code == 200, fcs.text
+    back = flowio.FlowData(io.BytesIO(fcs.content))
+    assert back.pnn_labels[-1] == "contribution"
+    explained = model.explain(tasks[0], markers=markers)
+    np.testing.assert_array_equal(
+        back.as_array(preprocess=False)[:, -1], explained.contributions[:, -1].astype(np.float32)
+    )
+    both = http.post(
+        "/v1/models/demo-gating/predict",
+        params={"explain": "true", "unassigned": "0.999"},
+        json=body,
+    )
+    assert both.status_code == 422 and "explanation or unassigned cells, not both" in both.text
 
 
 def test_explained_sample_comes_back_as_fcs_with_a_contribution_channel(http):
@@ -902,7 +983,7 @@ def test_explained_sample_comes_back_as_fcs_with_a_contribution_channel(http):
     np.testing.assert_array_equal(cells[:, -1], expected)
     for top in answer["explanation"]["top_cells"]:
         assert cells[top["index"], -1] == np.float32(top["contribution"])
-    # Refused, naming the problem: without explain, several bags, per-cell models.
+    # Refused, naming the problem: without explain, several bags.
     asked = {"accept": "application/vnd.isac.fcs"}
     plain = http.post(
         "/v1/models/yeast/predict",
@@ -918,10 +999,3 @@ def test_explained_sample_comes_back_as_fcs_with_a_contribution_channel(http):
         "/v1/models/yeast/predict", params={"explain": "true"}, files=files, headers=asked
     )
     assert several.status_code == 422 and "one bag per request" in several.text
-    gating = http.post(
-        "/v1/models/demo-gating/predict",
-        params={"explain": "true"},
-        files=files[:1],
-        headers=asked,
-    )
-    assert gating.status_code == 422 and "bag-level" in gating.text

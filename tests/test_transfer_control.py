@@ -304,3 +304,17 @@ def test_the_service_takes_the_control_as_a_named_bag(cohort, model, tmp_path):
         ):
             r = client.post(f"/v1/models/{model_name}/predict?{query}", json=body_)
             assert r.status_code == 422 and message in r.text, r.text
+
+
+def test_the_explanation_is_of_the_shares_the_control_gives(cohort, model):
+    """``explain(control=)`` accounts for the labels the control's map gives, not
+    those of the sample as measured (issue 45)."""
+    test, _ = cohort(1, False)
+    control, _ = cohort(1, True)
+    cells = np.asarray(test[0])
+    labels = model.predict_tasks([cells], control=control.points)[0].predictions
+    shares = [np.mean(labels == c) for c in model.classes_]
+    e = model.explain(cells, control=control.points)
+    np.testing.assert_allclose(e.prediction, shares, atol=1e-15)
+    np.testing.assert_array_equal(e.labels, labels.astype(str))
+    assert not np.allclose(model.explain(cells).prediction, shares)

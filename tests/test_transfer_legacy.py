@@ -87,14 +87,15 @@ def test_a_model_of_the_current_design_loads_as_the_current_class(tmp_path):
 def _answering_methods(cls: type) -> set[str]:
     """The public methods the current design's class and its bases in the transfer
     package define: what the runtime, the service and callers ask of a per-cell model
-    (``fit`` aside: an old model answers, it is not fitted again)."""
+    (``fit`` aside: an old model answers, it is not fitted again; ``explain`` aside:
+    the doors refuse an old model's explanation by name, tested below)."""
     return {
         name
         for klass in cls.__mro__
         if klass.__module__.startswith(transfer.__name__)
         for name, value in vars(klass).items()
         if callable(value) and not name.startswith("_")
-    } - {"fit"}
+    } - {"fit", "explain"}
 
 
 @pytest.mark.parametrize("name", ["MarginalTransferClassifier", "MarginalTransferRegressor"])
@@ -182,3 +183,14 @@ def test_an_old_model_cannot_be_fitted_again():
     tasks, _ = _inputs()
     with pytest.raises(TypeError, match=r"cannot be fitted again.*MarginalTransferClassifier"):
         model.fit(tasks, np.zeros(tasks.n_points))
+
+
+def test_a_model_of_the_old_design_says_it_has_no_explanation():
+    """Issue 45: the explanation is the rebuilt design's; a saved model of the old one
+    is refused by name (the doors answer 422 with this), not explained wrongly."""
+    from bagserve.core.runtime import ModelRuntime
+
+    runtime = ModelRuntime.open(DATA / "classifier-default")
+    bags, _ = _inputs()
+    with pytest.raises(TypeError, match=r"before issue 44.*retrain"):
+        runtime.explain(bags, preprocessed=True)

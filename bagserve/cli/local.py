@@ -57,7 +57,11 @@ def predict_local(
     with one_thread():
         bags = runtime.align(samples, compensated=compensated)
         result = runtime.predict(bags, coverage=coverage, control=reference)
-        explained = list(zip(samples, runtime.explain(bags), strict=True)) if explain else None
+        explained = (
+            list(zip(samples, runtime.explain(bags, control=reference), strict=True))
+            if explain
+            else None
+        )
     meta = {
         "model": {
             "name": info.metadata.get("name"),
@@ -107,8 +111,8 @@ def predict_files(
     per-cell model's label of every cell besides its population summary. ``names``:
     the bags' ids in the answer and its warnings (default: the paths as given).
     ``control``: the batch's reference control file (:func:`predict_local`).
-    ``explain``: bag-level models, each result's ``explanation`` as the service's
-    ``?explain=true`` gives it; ``fcs_dir`` (with ``explain``): each sample written
+    ``explain``: each result's ``explanation`` (a per-cell model's: of its shares) as the
+    service's ``?explain=true`` gives it; ``fcs_dir`` (with ``explain``): each sample written
     there as ``<name>.explained.fcs``, its channels as read plus ``contribution``, each
     cell's contribution to the last output, for gating in FlowJo or FlowKit.
     """

@@ -155,8 +155,8 @@ def register(sub: Any) -> None:
     pr.add_argument(
         "--explain",
         action="store_true",
-        help="bag-level models: which cells moved each prediction (an explanation per "
-        "result: baseline, total, by marker, top cells)",
+        help="which cells moved each prediction (an explanation per result: baseline, "
+        "total, by marker, top cells; per-cell models: the share of cells per class)",
     )
     pr.add_argument(
         "--fcs-dir",

@@ -5,9 +5,10 @@
 (on bags) and one bag, and returns an :class:`Explanation`: each cell's signed
 contribution to each output, the baseline, and summaries (by population, by marker,
 top cells). Exact where the model is linear in the bag's measure, the first-order
-influence of each cell otherwise (:mod:`.cells` gives both definitions);
-:func:`task_embedding_contributions` does the same for the sample-context part of a
-per-cell marginal-transfer model.
+influence of each cell otherwise (:mod:`.cells` gives both definitions). A per-cell
+marginal-transfer model explains its own answer (the share of the sample's cells in
+each class): :meth:`~core.MarginalTransferClassifier.explain`, which :func:`explain`
+hands it to (:mod:`core.estimators.transfer.explain`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from ..bags import Bags, BagValidationError, as_bags
 from .cells import cell_contributions
 from .head import Head, head_of
 from .result import Explanation, MarkerEffect, PopulationShare, TopCell
-from .task import task_embedding_contributions
 
 __all__ = [
     "Explanation",
@@ -30,7 +30,6 @@ __all__ = [
     "PopulationShare",
     "TopCell",
     "explain",
-    "task_embedding_contributions",
 ]
 
 
@@ -56,8 +55,11 @@ def explain(model: Any, bag: Any, *, markers: ArrayLike | None = None) -> Explan
 
     Parameters
     ----------
-    model : DistributionRidge, DistributionRidgeClassifier or ConditionalMeanEmbedding
-        Fitted on bags (a conditional mean embedding needs a ``representation``).
+    model : DistributionRidge, DistributionRidgeClassifier, ConditionalMeanEmbedding,
+        MarginalTransferClassifier or MarginalTransferRegressor
+        Fitted on bags (a conditional mean embedding needs a ``representation``); a
+        marginal-transfer model answers with its own ``explain`` (``method="assignment"``,
+        :mod:`core.estimators.transfer.explain`).
     bag : ndarray of shape (n_cells, d), or a Bags of one bag
         The cells as the model takes them (after any preprocessing the model's
         artifact applies).
@@ -82,6 +84,9 @@ def explain(model: Any, bag: Any, *, markers: ArrayLike | None = None) -> Explan
         The model or its representation has no explanation (point inputs, histograms).
     """
     check_is_fitted(model)
+    # Read off the fitted state, not the class (the estimators import this package).
+    if getattr(model, "task_map_", None) is not None:
+        return model.explain(bag, markers=markers)
     if getattr(model, "representation_", None) is None:
         raise TypeError(f"{type(model).__name__} without a bag representation has no cells")
     bags = _one_bag(bag)

@@ -68,21 +68,6 @@ def _chunks(n: int, width: int) -> range:
 
 
 # --------------------------------------------------------------- linear in the measure
-def _from_cell_values(
-    values: Callable[[int, int], NDArray[np.float64]],
-    n: int,
-    width: int,
-    w: NDArray[np.float64],
-    head: Head,
-) -> tuple[NDArray[np.float64], bool]:
-    """Contributions from ``v_x = ⟨φ(x), ∇f⟩`` (``values(lo, hi)`` gives a chunk)."""
-    v = np.empty((n, head.value.size))
-    for lo in _chunks(n, width):
-        hi = min(n, lo + max(1, _BLOCK // max(1, width)))
-        v[lo:hi] = values(lo, hi)
-    return _centred(v, w, head)
-
-
 def _centred(
     v: NDArray[np.float64], w: NDArray[np.float64], head: Head
 ) -> tuple[NDArray[np.float64], bool]:
@@ -130,9 +115,9 @@ def _set_kernel(
 ) -> tuple[NDArray[np.float64], bool, Head]:
     """Exact mean embedding: the gradient ``h = Σ_i β_i μ_i + β_P μ_P`` at each cell.
 
-    The prediction's own set-kernel sums give ``μ_i(x)`` and ``μ_P(x)`` at every cell
-    (:meth:`SetKernelEmbedding.keep_point_sums`) when the ``n × T`` of them fit
-    :data:`_POINT_SUMS_BYTES`; otherwise a second pass computes them by chunks.
+    The prediction's own set-kernel sums give ``μ_P(x)`` and ``μ_i(x)`` at every cell
+    (:meth:`SetKernelEmbedding.keep_point_sums`), the latter for as many training bags
+    as :data:`_POINT_SUMS_BYTES` holds; a second pass computes the others' by chunks.
     """
     emb = rep.embed(bag)
     assert isinstance(emb, SetKernelEmbedding)
@@ -143,31 +128,32 @@ def _set_kernel(
     assert emb.point_sums is not None
     pts, w = bag.points, bag.point_weights()
     uses_self = bool(np.any(head.self_coef != 0))
-    kept_train = emb.point_sums.get("other")
+    kept_train = emb.point_sums.get("other", np.zeros((pts.shape[0], 0)))
     kept_self = emb.point_sums.get("self")
-    if kept_train is not None and (kept_self is not None or not uses_self):
-        v = kept_train @ head.train_coef
-        if uses_self:
-            assert kept_self is not None
-            v += kept_self[:, None] * head.self_coef[None, :]
-        c, exact = _centred(v, w, head)
-        return c, exact, head
-    tb = train.bags
-    tw = tb.point_weights()
-    starts = tb.offsets[:-1]
-    width = tb.n_points + (pts.shape[0] if uses_self else 0)
-
-    def values(lo: int, hi: int) -> NDArray[np.float64]:
-        K = point_kernel(pts[lo:hi], tb.points, rep.kernel, rep.bandwidth_)
-        K *= tw[None, :]
-        mu_train = np.add.reduceat(K, starts, axis=1)  # μ_i(x), (chunk, T)
-        h = mu_train @ head.train_coef
-        if uses_self:
-            mu_self = point_kernel(pts[lo:hi], pts, rep.kernel, rep.bandwidth_) @ w
-            h += mu_self[:, None] * head.self_coef[None, :]
-        return h
-
-    c, exact = _from_cell_values(values, pts.shape[0], width, w, head)
+    kept = kept_train.shape[1]
+    v = kept_train @ head.train_coef[:kept]
+    if uses_self and kept_self is None:  # not summed by this prediction: summed here
+        kept_self = np.empty(pts.shape[0])
+        for lo in _chunks(pts.shape[0], pts.shape[0]):
+            hi = min(pts.shape[0], lo + max(1, _BLOCK // pts.shape[0]))
+            kept_self[lo:hi] = point_kernel(pts[lo:hi], pts, rep.kernel, rep.bandwidth_) @ w
+    if uses_self:
+        assert kept_self is not None
+        v += kept_self[:, None] * head.self_coef[None, :]
+    if kept < len(train):
+        # The training bags beyond the budget, by chunks of cells.
+        tb = train.bags
+        first = int(tb.offsets[kept])
+        rest_points = tb.points[first:]
+        rest_w = tb.point_weights()[first:]
+        starts = tb.offsets[kept:-1] - first
+        coef = head.train_coef[kept:]
+        for lo in _chunks(pts.shape[0], rest_points.shape[0]):
+            hi = min(pts.shape[0], lo + max(1, _BLOCK // max(1, rest_points.shape[0])))
+            K = point_kernel(pts[lo:hi], rest_points, rep.kernel, rep.bandwidth_)
+            K *= rest_w[None, :]
+            v[lo:hi] += np.add.reduceat(K, starts, axis=1) @ coef  # Σ_i β_i μ_i(x)
+    c, exact = _centred(v, w, head)
     return c, exact, head
 
 

@@ -55,12 +55,16 @@ class Explanation:
 
     Attributes
     ----------
-    method : {"exact", "influence"}
+    method : {"exact", "influence", "assignment"}
         ``"exact"``: ``baseline + contributions.sum(axis=0) == prediction`` to rounding
         (the model is linear in the bag's measure). ``"influence"``: each contribution
         is the cell's weight times the derivative of the model along the empirical
         measure towards that cell (:mod:`core.explanations.cells`); they sum to about zero,
-        and the baseline is the prediction minus their sum.
+        and the baseline is the prediction minus their sum. ``"assignment"``: a
+        per-cell model's answer (the share of cells in each class, or their mean value),
+        each cell's own part of it plus, where the model reads the sample's context, the
+        cell's first-order effect through it (:mod:`core.estimators.transfer.explain`);
+        ``baseline`` is 0 and the sum holds to rounding.
     outputs : list of str
         What each column is: ``["prediction"]``, an output's index, or a class.
     prediction : ndarray of shape (k,)
@@ -72,15 +76,19 @@ class Explanation:
         The cells as the model saw them (after the model's preprocessing).
     markers : list of str
         Marker names of the columns of ``points`` (``"x0"``, ... when unnamed).
+    labels : ndarray of shape (n_cells,) or None
+        A per-cell model's label of each cell: the populations :meth:`to_dict`
+        summarises by when given none.
     """
 
-    method: Literal["exact", "influence"]
+    method: Literal["exact", "influence", "assignment"]
     outputs: list[str]
     prediction: NDArray[np.float64]
     baseline: NDArray[np.float64]
     contributions: NDArray[np.float64]
     points: NDArray[np.float64] = field(repr=False)
     markers: list[str]
+    labels: NDArray[Any] | None = field(default=None, repr=False)
 
     @property
     def total(self) -> NDArray[np.float64]:
@@ -145,7 +153,9 @@ class Explanation:
 
     def to_dict(self, *, top: int = 10, labels: ArrayLike | None = None) -> dict[str, Any]:
         """A JSON-ready summary (no per-cell arrays): method, baseline, total,
-        prediction, by marker, by population (with ``labels``) and the top cells."""
+        prediction, by marker, by population (with ``labels``, or the per-cell model's
+        own :attr:`labels`) and the top cells."""
+        labels = self.labels if labels is None else labels
         out: dict[str, Any] = {
             "method": self.method,
             "outputs": [str(o) for o in self.outputs],

@@ -93,9 +93,10 @@ class SetKernelEmbedding(Embedding):
     def keep_point_sums(self, max_bytes: int) -> None:
         """From now on the products also keep, per point ``x`` of these bags, the mean
         embeddings at ``x`` they sum: ``point_sums["self"]`` (n_points,), the point's
-        own bag's (with the self terms), and ``point_sums["other"]`` (n_points,
-        len(other)), each other bag's (with :meth:`inner` against ``other``, when it
-        takes at most ``max_bytes``). An explanation then needs no second pass."""
+        own bag's (with the self terms), and ``point_sums["other"]`` (n_points, m),
+        the first ``m`` other bags' (with :meth:`inner` against ``other``: as many as
+        ``max_bytes`` holds, all of them when it can). An explanation then makes a
+        second pass over the others alone, if any."""
         self.point_sums = {}
         self._point_sums_bytes = int(max_bytes)
 
@@ -123,10 +124,9 @@ class SetKernelEmbedding(Embedding):
         if o is None:
             return self._reused("inner", self._gram)
         sums = None
-        if self.point_sums is not None and self.bags.n_points * len(o) * 8 <= (
-            self._point_sums_bytes
-        ):
-            sums = self.point_sums["other"] = np.zeros((self.bags.n_points, len(o)))
+        if self.point_sums is not None:
+            kept = min(len(o), self._point_sums_bytes // (8 * max(1, self.bags.n_points)))
+            sums = self.point_sums["other"] = np.zeros((self.bags.n_points, kept))
         # One new bag at a time: its values never depend on the other bags sent with it.
         rows = []
         for t in range(len(self.bags)):

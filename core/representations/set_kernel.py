@@ -43,6 +43,43 @@ def _segments_in(
     return b0, b1, starts
 
 
+def _column_sums(
+    K: NDArray[np.float64],
+    starts: NDArray[np.int64],
+    w: NDArray[np.float64],
+    inv_sizes: NDArray[np.float64],
+    weighted: bool,
+) -> NDArray[np.float64]:
+    """``Σ_x w_x K[x, y]`` over the rows ``x`` of each bag (rows from ``starts``), per
+    column ``y``: (columns, bags), the weights ``w`` or ``1 / size`` (``inv_sizes``)."""
+    if starts.size == 1:
+        # The rows of one bag (an explained sample's own): a matrix-vector product; a
+        # reduction down the columns takes ten times as long on a 512 x 512 block.
+        row_w = w if weighted else np.full(K.shape[0], inv_sizes[0])
+        return (row_w @ K)[:, None]
+    if weighted:
+        return np.add.reduceat(K * w[:, None], starts, axis=0).T
+    return np.add.reduceat(K, starts, axis=0).T * inv_sizes
+
+
+def _fits(point_sums: NDArray[np.float64], A: Bags, B: Bags) -> bool:
+    return (
+        point_sums.ndim == 2
+        and point_sums.shape[0] == A.n_points
+        and (point_sums.shape[1] <= len(B))
+    )
+
+
+def _add_kept(
+    point_sums: NDArray[np.float64], r0: int, r1: int, b0: int, sums: NDArray[np.float64]
+) -> None:
+    """Add ``sums`` (rows ``r0:r1``, bags from ``b0``) into ``point_sums``, for the
+    bags it keeps (its first ``point_sums.shape[1]``)."""
+    top = min(b0 + sums.shape[1], point_sums.shape[1])
+    if b0 < top:
+        point_sums[r0:r1, b0:top] += sums[:, : top - b0]
+
+
 def _kernel_factors(
     A: Bags, B: Bags, kernel: str, bandwidth: float
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
@@ -127,10 +164,11 @@ def set_kernel_gram(
     kernel : {"gaussian", "laplace"}
     bandwidth : float or array-like of float
         ``σ``; a sequence gives one Gram per bandwidth.
-    point_sums : ndarray of shape (A.n_points, len(B)), optional
-        One bandwidth only: ``μ_b(x) = Σ_{y∈b} w_y k(x, y)`` of every bag ``b`` of ``B``
-        at every point ``x`` of ``A`` is added into it, by-products of the blocks (an
-        explanation's per-cell values without a second pass over the points).
+    point_sums : ndarray of shape (A.n_points, m), optional
+        One bandwidth only: ``μ_b(x) = Σ_{y∈b} w_y k(x, y)`` of the first ``m <= len(B)``
+        bags ``b`` of ``B`` at every point ``x`` of ``A`` is added into it, by-products of
+        the blocks (an explanation's per-cell values without a second pass over the
+        points; ``m < len(B)`` where all of them would not fit its memory).
 
     Returns
     -------
@@ -139,8 +177,8 @@ def set_kernel_gram(
     sym = B is None
     B = A if sym else B
     sigmas = np.atleast_1d(np.asarray(bandwidth, dtype=np.float64))
-    if point_sums is not None and (sigmas.size != 1 or point_sums.shape != (A.n_points, len(B))):
-        raise ValueError("point_sums takes one bandwidth and shape (A.n_points, len(B))")
+    if point_sums is not None and (sigmas.size != 1 or not _fits(point_sums, A, B)):
+        raise ValueError("point_sums takes one bandwidth and shape (A.n_points, m <= len(B))")
     order = np.argsort(-sigmas)  # widest first: smallest exponents, then powers of them
     q = 2.0 if kernel == "gaussian" else 1.0
     ratios = (sigmas[order[0]] / sigmas[order]) ** q
@@ -198,14 +236,12 @@ def set_kernel_gram(
                 if point_sums is not None:
                     # μ_b(x) for these rows; a mirrored block gives its columns' too.
                     mirror = None
-                    if sym and c0 >= r1 and A.is_weighted:
-                        mirror = np.add.reduceat(K * wa[r0:r1, None], rstarts, axis=0).T
-                    elif sym and c0 >= r1:
-                        mirror = np.add.reduceat(K, rstarts, axis=0).T * inv_a[ra0:ra1]
+                    if sym and c0 >= r1:
+                        mirror = _column_sums(K, rstarts, wa[r0:r1], inv_a[ra0:ra1], A.is_weighted)
                     with lock:
-                        point_sums[r0:r1, cb0:cb1] += S
+                        _add_kept(point_sums, r0, r1, cb0, S)
                         if mirror is not None:
-                            point_sums[c0:c1, ra0:ra1] += mirror
+                            _add_kept(point_sums, c0, c1, ra0, mirror)
                 S *= wa[r0:r1, None]
                 part = np.add.reduceat(S, rstarts, axis=0)
                 with lock:

@@ -154,7 +154,7 @@ PREDICT_DOC: dict[str, Any] = {
                 "Per-cell models (JSON): up to this many cells per bag, drawn with a fixed "
                 "seed, as the model sees them (compensated, transformed, scaled), with "
                 "their labels: `plot` {markers, cells (row numbers), points, labels}. "
-                "Bag-level models with `explain=true`: the cells with their contributions."
+                "With `explain=true`: the cells with their contributions."
             ),
         },
         {
@@ -163,11 +163,15 @@ PREDICT_DOC: dict[str, Any] = {
             "required": False,
             "schema": {"type": "boolean", "default": False},
             "description": (
-                "Bag-level models (JSON; FHIR and HL7: one line of text): each prediction "
-                "gains `explanation` {method, outputs, n_cells, prediction, baseline, "
-                "total, by_marker, top_cells}, which cells moved it: `exact` per-cell "
+                "JSON (FHIR and HL7: one line of text): each prediction gains "
+                "`explanation` {method, outputs, n_cells, prediction, baseline, total, "
+                "by_marker, top_cells}, which cells moved it: `exact` per-cell "
                 "contributions summing to prediction - baseline where the model is linear "
-                "in the sample, else each cell's first-order `influence`. With `plot=N`, "
+                "in the sample, else each cell's first-order `influence`; per-cell models, "
+                "`assignment`: the share of the bag's cells in each class (or their mean "
+                "value) as a sum over cells of their own answers and their effect through "
+                "the sample's context, and `by_population` by its labels (not with "
+                "`unassigned`). With `plot=N`, "
                 "`plot` {markers, cells, points, output, contributions} of up to N cells. "
                 "With `Accept: application/vnd.isac.fcs` and one bag: that sample's cells "
                 "as sent plus a `contribution` channel, as FCS. "
@@ -342,7 +346,7 @@ PREDICT_RESPONSES: dict[int | str, dict[str, Any]] = {
                     "type": "string",
                     "format": "binary",
                     "description": (
-                        "With explain=true and one bag (bag-level models): an FCS 3.1 file "
+                        "With explain=true and one bag: an FCS 3.1 file "
                         "of that bag's cells as sent (every column in its order, before "
                         "compensation and transforms, 32-bit floats) plus the channel "
                         "`contribution`, each cell's contribution to the last output, for "

@@ -32,7 +32,14 @@ from ...bags import Bags
 from .task_map import TaskMap
 from .trees import fit_task_trees, tree_scores
 
-__all__ = ["CELL_MODELS", "cell_scores", "fit_cell_model", "linear_scores"]
+__all__ = [
+    "CELL_MODELS",
+    "cell_scores",
+    "fit_cell_model",
+    "kernel_coef_blocks",
+    "kernel_task_coef",
+    "linear_scores",
+]
 
 #: Every cell model, simplest first.
 CELL_MODELS = ("linear", "kernel", "trees")
@@ -93,18 +100,32 @@ def _fit_kernel(
     return {"kind": "kernel", "tau": TAU, "coef": _solve(A, B)}
 
 
+def kernel_coef_blocks(state: dict[str, Any], n_context: int) -> NDArray[np.float64]:
+    """The kernel model's coefficients as one block per context entry, ``(1 + r,
+    features, outputs)`` for ``r = n_context`` Nyström features: block 0 goes with
+    ``√τ``, block ``1 + j`` with ``√(1-τ) ψ_j``."""
+    coef = np.asarray(state["coef"])
+    return coef.reshape(1 + n_context, -1, coef.shape[1])
+
+
+def kernel_task_coef(state: dict[str, Any], psi: NDArray[np.float64]) -> NDArray[np.float64]:
+    """``Σ_j c_j coef_j`` for one task of Nyström features ``psi`` (r,): the linear map
+    from a cell's features to its scores in that task, (features, outputs)."""
+    c = _context(float(state["tau"]), np.atleast_2d(psi))
+    return np.tensordot(c[0], kernel_coef_blocks(state, c.shape[1] - 1), axes=1)
+
+
 def _kernel_scores(
     state: dict[str, Any], x: NDArray[np.float64], task_map: TaskMap, psi: NDArray[np.float64]
 ) -> NDArray[np.float64]:
     """Scores of cells ``x`` whose tasks' Nyström features are ``psi``: one row (all
     cells of one task) or one row per cell."""
     rows = np.atleast_2d(psi)
-    c = _context(float(state["tau"]), rows)
-    coef = np.asarray(state["coef"])
-    per = coef.reshape(c.shape[1], -1, coef.shape[1])
     phi = task_map.cell_features(x)
     if rows.shape[0] == 1:
-        return phi @ np.tensordot(c[0], per, axes=1)
+        return phi @ kernel_task_coef(state, rows[0])
+    c = _context(float(state["tau"]), rows)
+    per = kernel_coef_blocks(state, c.shape[1] - 1)
     # Per cell: Σ_j c_j (φ(x) coef_j), all j at once.
     each = np.einsum("nf,jfk->njk", phi, per)
     return np.einsum("nj,njk->nk", c, each)

@@ -17,6 +17,7 @@ from sklearn.utils.validation import check_is_fitted
 from ...bags import BagValidationError
 from ...blas import one_thread
 from ...domain import DomainReport
+from ...explanations.result import Explanation
 from .calibration import (
     SD_FLOOR,
     Reference,
@@ -29,6 +30,7 @@ from .calibration import (
 )
 from .cell_models import cell_scores, fit_cell_model
 from .envelope import shift_envelope
+from .explain import explain_task
 from .inputs import (
     as_task_list,
     check_parameters,
@@ -263,6 +265,27 @@ class _MarginalTransfer(BaseEstimator):
     def predict(self, X: Any, control: ArrayLike | None = None) -> NDArray[Any]:
         """A label (or value) for every cell, task after task."""
         return np.concatenate([t.predictions for t in self.predict_tasks(X, control)])
+
+    def explain(
+        self, X: Any, *, control: ArrayLike | None = None, markers: ArrayLike | None = None
+    ) -> Explanation:
+        """Which cells moved one sample's answer (the share of its cells in each class,
+        or their mean value): each cell's assignment and, for the kernel cell model, its
+        first-order effect through the sample's context (:mod:`.explain`)."""
+        tasks, _, _ = self._calibrated(X, control)
+        if len(tasks) != 1:
+            raise BagValidationError([f"explain takes one sample, got {len(tasks)}"])
+        cells = as_task_list(X)[0]
+        names = [f"x{j}" for j in range(cells.shape[1])] if markers is None else list(markers)
+        if len(names) != cells.shape[1]:
+            raise ValueError(f"got {len(names)} marker name(s) for {cells.shape[1]} column(s)")
+        with one_thread():
+            return explain_task(
+                cells, tasks[0], self._parts()[1], self.cell_model_,
+                self._codes if self._is_classifier else None,
+                [str(c) for c in self.classes_] if self._is_classifier else None,
+                [str(m) for m in names],
+            )  # fmt: skip
 
 
 class MarginalTransferClassifier(ClassifierMixin, _MarginalTransfer):

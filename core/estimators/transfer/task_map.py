@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .calibration import canonical_cells
+from ...bags import Bags, subsample_rows
 
 __all__ = ["TaskMap", "fit_task_map"]
 
@@ -74,13 +74,17 @@ class TaskMap:
             [self.random_features(x), xs / np.sqrt(xs.shape[1]), np.ones((xs.shape[0], 1))]
         )
 
+    def embedding_rows(self, x: NDArray[np.float64]) -> NDArray[np.int64]:
+        """The rows of task ``x`` its embedding is the mean over: at most
+        ``embedding_points`` (a seeded draw), in the canonical order of its cells
+        (:func:`.calibration.canonical_cells`), whatever order they came in."""
+        return subsample_rows(
+            Bags.from_arrays([x]), self.embedding_points, self.seed, canonical=True
+        )
+
     def embed(self, tasks: list[NDArray[np.float64]]) -> NDArray[np.float64]:
-        """Each task's mean embedding (tasks x D), from at most ``embedding_points`` of
-        its cells (a seeded draw, the same whatever the cells' order)."""
-        out = [
-            self.random_features(canonical_cells(x, self.embedding_points, self.seed)).mean(axis=0)
-            for x in tasks
-        ]
+        """Each task's mean embedding (tasks x D), over its :meth:`embedding_rows`."""
+        out = [self.random_features(x[self.embedding_rows(x)]).mean(axis=0) for x in tasks]
         return np.array(out)
 
     def sq_distances(self, embeddings: NDArray[np.float64]) -> NDArray[np.float64]:
