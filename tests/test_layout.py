@@ -109,6 +109,9 @@ def test_no_code_outside_the_runtime_decides_from_class_names():
 _PACKAGES = {"core": "bagserve.core", "service": "bagserve.service", "bagserve": "bagserve"}
 _MAX_MODULE_LINES = 600
 _MAX_FUNCTION_LINES = 100
+#: Issue 44: marginal transfer is a package of small parts, none over 400 lines.
+_TRANSFER = "core/estimators/transfer/"
+_MAX_TRANSFER_LINES = 400
 
 
 def _sources() -> dict[str, Path]:
@@ -235,13 +238,14 @@ def _function_lengths(tree: ast.AST) -> list[tuple[str, int, int]]:
 
 
 def test_modules_and_functions_fit_in_a_readers_mind():
-    """No module over 600 lines, no function over 100 (docstring aside), in core,
-    service and bagserve: past that, split along the concepts (docs/development.md)."""
+    """No module over 600 lines (400 in marginal transfer's package), no function over
+    100 (docstring aside), in core, service and bagserve: past that, split along the
+    concepts (docs/development.md)."""
     too_long = []
     for rel, path in _sources().items():
         text = path.read_text()
         n = len(text.splitlines())
-        if n > _MAX_MODULE_LINES:
+        if n > (_MAX_TRANSFER_LINES if rel.startswith(_TRANSFER) else _MAX_MODULE_LINES):
             too_long.append(f"{rel}: {n} lines")
         too_long += [
             f"{rel}:{line}: {name}() has {length} lines"

@@ -269,22 +269,16 @@ class _MarginalTransfer(BaseEstimator):
     def explain(
         self, X: Any, *, control: ArrayLike | None = None, markers: ArrayLike | None = None
     ) -> Explanation:
-        """Which cells moved one sample's answer (the share of its cells in each class,
-        or their mean value): each cell's assignment and, for the kernel cell model, its
-        first-order effect through the sample's context (:mod:`.explain`)."""
+        """Which cells moved one sample's answer (its shares of cells per class, or their
+        mean value), cell by cell (:func:`.explain.explain_task`)."""
         tasks, _, _ = self._calibrated(X, control)
         if len(tasks) != 1:
             raise BagValidationError([f"explain takes one sample, got {len(tasks)}"])
-        cells = as_task_list(X)[0]
-        names = [f"x{j}" for j in range(cells.shape[1])] if markers is None else list(markers)
-        if len(names) != cells.shape[1]:
-            raise ValueError(f"got {len(names)} marker name(s) for {cells.shape[1]} column(s)")
         with one_thread():
             return explain_task(
-                cells, tasks[0], self._parts()[1], self.cell_model_,
+                as_task_list(X)[0], tasks[0], self._parts()[1], self.cell_model_,
                 self._codes if self._is_classifier else None,
-                [str(c) for c in self.classes_] if self._is_classifier else None,
-                [str(m) for m in names],
+                getattr(self, "classes_", None), markers,
             )  # fmt: skip
 
 

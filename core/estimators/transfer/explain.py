@@ -75,8 +75,8 @@ def explain_task(
     task_map: TaskMap,
     cell_model: dict[str, Any],
     codes_of: Callable[[NDArray[np.float64]], NDArray[np.int64]] | None,
-    outputs: list[str] | None,
-    markers: list[str],
+    outputs: list[Any] | None,
+    markers: list[Any] | None,
 ) -> Explanation:
     """The :class:`~core.explanations.Explanation` of one sample's answer.
 
@@ -92,9 +92,10 @@ def explain_task(
     codes_of : callable or None
         A classifier's rule from scores to class codes (its reject rule included);
         None for a regressor.
-    outputs : list of str or None
+    outputs : list or None
         The classes; None for a regressor (``"prediction"``, or each output's index).
-    markers : list of str
+    markers : list or None
+        The columns' names (default ``x0``, ``x1``, ...).
 
     Returns
     -------
@@ -105,7 +106,11 @@ def explain_task(
         ``labels`` are its cells' (the populations :meth:`~Explanation.to_dict`
         summarises by).
     """
-    n = calibrated.shape[0]
+    n, d = calibrated.shape
+    names = [f"x{j}" for j in range(d)] if markers is None else [str(m) for m in markers]
+    if len(names) != d:
+        raise ValueError(f"got {len(names)} marker name(s) for {d} column(s)")
+    outputs = None if outputs is None else [str(c) for c in outputs]
     # The embedding as TaskMap.embed takes it, its cells' features kept for the context.
     rows = task_map.embedding_rows(calibrated)
     z = task_map.random_features(calibrated[rows])
@@ -141,6 +146,6 @@ def explain_task(
         baseline=np.zeros(prediction.size),
         contributions=contributions,
         points=cells,
-        markers=markers,
+        markers=names,
         labels=None if codes is None else np.asarray(outputs)[codes],
     )
