@@ -521,13 +521,18 @@ def _regions(regions: Mapping[str, Any] | None) -> list[str]:
     """Where the model looks: held-out contributions by marker region."""
     parts: list[str] = []
     if regions:
+        how = (
+            "each held-out cell labelled by the model of its cross-validation fold and "
+            "counted 1/n towards its label's share (assignment)"
+            if regions["method"] == "assignment"
+            else "each training sample explained by the model of its cross-validation fold "
+            f"(core.explain, {_escape(regions['method'])})"
+        )
         parts.append(
-            "<h2>Where the model looks</h2><p>Each training sample explained by the model of "
-            "its cross-validation fold (core.explain, "
-            f"{_escape(regions['method'])}), each cell's contribution added to the fifth "
-            "of each marker's range it lies in; the mean over the "
-            f"{regions['n_samples']} samples. Large entries are the regions that carry the "
-            "model: debris sits in the lowest scatter, doublets in the highest.</p>"
+            f"<h2>Where the model looks</h2><p>{how[0].upper() + how[1:]}, each cell's "
+            "contribution added to the fifth of each marker's range it lies in; the mean "
+            f"over the {regions['n_samples']} samples. Large entries are the regions that "
+            "carry the model: debris sits in the lowest scatter, doublets in the highest.</p>"
         )
         for k, output in enumerate(regions["outputs"]):
             rows = [

@@ -347,6 +347,45 @@ def test_training_regions_show_where_the_model_looks(data):
     assert np.all(table[:, -1, 0] > 0)
 
 
+def test_a_per_cell_models_regions_are_its_cells_shares_by_region():
+    """Per-cell models: each held-out cell carries 1/n of its label's share (the
+    assignment part of their explanation). Cells of class "b" are exactly a fifth of
+    every sample and sit above a gap in marker A, so A's highest fifth holds all of
+    "b"'s share and nothing else of it; summed over the regions of any marker, the
+    table gives each class's mean share over the samples, as counted here."""
+    from bagserve.core.training.regions import BINS, held_out_cell_regions
+
+    rng = np.random.default_rng(3)
+    arrays, labels = [], []
+    for t in range(8):
+        n = 100 + 25 * t
+        high = n // 5
+        # Values from one set, so that no held-out cell falls in a bin with no
+        # training cell (such a bin goes to the region above it).
+        a = rng.choice(np.linspace(-3.0, 0.0, 31), n)
+        a[:high] = rng.choice(np.linspace(5.0, 6.0, 11), high)
+        arrays.append(np.column_stack([a, rng.normal(size=n)]))
+        labels.append(np.where(a > 2.5, "b", "a"))
+    raw = Bags.from_arrays(arrays)
+    folds = [(np.setdiff1d(np.arange(8), v), v) for v in np.array_split(np.arange(8), 4)]
+    spec = {"transform": "none", "scale": "standard"}
+    given = np.concatenate(labels)
+    regions = held_out_cell_regions(raw, given, ["a", "b"], folds, spec, ["A", "B"])
+    assert regions["method"] == "assignment" and regions["regions"] == list(BINS)
+    assert regions["outputs"] == ["a", "b"] and regions["n_samples"] == 8
+    table = np.array(regions["mean_contribution"])  # marker x region x class
+    shares = np.array([[np.mean(lab == c) for c in ("a", "b")] for lab in labels])
+    np.testing.assert_allclose(table.sum(axis=1), np.tile(shares.mean(axis=0), (2, 1)))
+    np.testing.assert_allclose(table[0, -1, 1], shares[:, 1].mean(), rtol=1e-12)
+    assert np.all(table[0, :-1, 1] == 0) and table[0, -1, 0] == 0
+    # A regressor: each cell carries value / n of its sample's mean value.
+    values = np.concatenate([x[:, 1] for x in arrays])
+    mean = np.mean([x[:, 1].mean() for x in arrays])
+    reg = held_out_cell_regions(raw, values, None, folds, spec, ["A", "B"])
+    assert reg["outputs"] == ["prediction"]
+    np.testing.assert_allclose(np.array(reg["mean_contribution"]).sum(axis=1)[:, 0], mean)
+
+
 # ------------------------------------------------------------------------------- cost
 def _rows_through_point_features(monkeypatch):
     """Counts the cells that go through a mean embedding's point feature map."""

@@ -383,6 +383,10 @@ def test_marginal_transfer_searches_no_numeric_grid_and_says_what_it_chose(tmp_p
     )
     result, _ = _train(cfg)
     assert result.metrics["grid_edges"] == []
+    # Where the model looks: its cells' cross-validated values, by marker region.
+    regions = result.metrics["explained_regions"]
+    assert regions["method"] == "assignment" and regions["outputs"] == ["prediction"]
+    assert regions["markers"] == ["A", "B"] and regions["n_samples"] == len(tasks)
     trained = load(result.path)
     card = (result.path / "card.md").read_text()
     line = next(x for x in card.splitlines() if x.startswith("- Every sample: calibrated"))

@@ -24,7 +24,7 @@ from .config import CELL_LEVEL
 from .data import bag_fingerprints, bag_names, read_control, read_data
 from .folds import FoldCache, cv_predictions, make_folds, params_key
 from .groups import config_batches, grouping_of, groups_kw
-from .regions import held_out_regions
+from .regions import held_out_cell_regions, held_out_regions
 from .saving import Fitted
 from .search import Candidate, run_search
 
@@ -51,6 +51,8 @@ class _InMemorySearch:
         self.preprocessing = Preprocessing(**pre_spec).fit(bags, markers)
         #: Out-of-fold scores of per-cell classifiers, by :func:`params_key`.
         self.oof_scores: dict[str, np.ndarray] = {}
+        #: Out-of-fold answers of per-cell models (every cell), by :func:`params_key`.
+        self.oof_cells: dict[str, np.ndarray] = {}
         #: What the folds compute alike for every candidate (widening's too).
         self.fold_cache = FoldCache()
         self._final_bags: Bags | None = None
@@ -60,8 +62,11 @@ class _InMemorySearch:
 
         # One bar: over the candidates, or over the folds of a single candidate.
         per_fold = self.progress and len(candidates) == 1
-        return [
-            cv_predictions(
+        answers = []
+        for est, _ in tqdm(
+            candidates, desc=desc, unit="config", disable=not self.progress or len(candidates) == 1
+        ):
+            pred = cv_predictions(
                 est,
                 self.bags,
                 self.y,
@@ -75,13 +80,10 @@ class _InMemorySearch:
                 self.fold_cache,
                 self.control,
             )
-            for est, _ in tqdm(
-                candidates,
-                desc=desc,
-                unit="config",
-                disable=not self.progress or len(candidates) == 1,
-            )
-        ]
+            if self.cell_level:
+                self.oof_cells[params_key(est)] = pred
+            answers.append(pred)
+        return answers
 
     def fit_final(self, estimator: BaseEstimator) -> BaseEstimator:
         if self._final_bags is None:
@@ -174,12 +176,16 @@ def train_in_memory(
     oof = searcher.oof_scores.get(params_key(outcome.final))
     if oof is not None:
         calibration = fit_temperature(oof, y, outcome.final.classes_)
-    # Where the model looks, from held-out explanations (bag-level models).
-    regions = (
-        None
-        if cell_level
-        else held_out_regions(outcome.final, data.bags, y, folds, pre_spec, markers)
-    )
+    # Where the model looks, from held-out explanations (per-cell models: from the
+    # labels their folds gave, the part of their explanation each cell carries).
+    if cell_level:
+        given = searcher.oof_cells.get(params_key(outcome.final))
+        classes = getattr(outcome.final, "classes_", None)
+        regions = None
+        if given is not None:
+            regions = held_out_cell_regions(data.bags, given, classes, folds, pre_spec, markers)
+    else:
+        regions = held_out_regions(outcome.final, data.bags, y, folds, pre_spec, markers)
     # The file digests are not kept by load_dataset; reading the files' bytes once more
     # costs far less than parsing them did.
     training_bags = bag_fingerprints(

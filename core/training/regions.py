@@ -40,6 +40,7 @@ __all__ = [
     "bag_region_sums",
     "explanation_sums",
     "fold_explainer",
+    "held_out_cell_regions",
     "held_out_regions",
 ]
 
@@ -141,8 +142,8 @@ class RegionSums:
             self.outputs = list(outputs)
         self.held_out[f] += sums
         self.n_samples += 1
-        if method == "influence":
-            self.method = "influence"
+        if method != "exact":
+            self.method = method
 
     def table(self, markers: Sequence[str]) -> dict[str, Any] | None:
         """The report's table (see :func:`held_out_regions`), or None without samples."""
@@ -215,6 +216,57 @@ def explanation_sums(
     return counts, sums, outputs, method
 
 
+def _training_grid(base: Preprocessing, raw: Bags, markers: list[str]) -> MarkerGrid:
+    """The grid over every training cell, transformed (a fold's scaling is increasing,
+    so the regions are the same before and after it)."""
+    low = np.full(raw.dim, np.inf)
+    high = np.full(raw.dim, -np.inf)
+    for t in range(len(raw)):
+        x = base.transform_points(raw[t], markers)
+        low, high = np.minimum(low, x.min(axis=0)), np.maximum(high, x.max(axis=0))
+    return MarkerGrid(low, high)
+
+
+def held_out_cell_regions(
+    raw: Bags,
+    predictions: np.ndarray,
+    classes: Sequence[Any] | None,
+    folds: list[tuple[np.ndarray, np.ndarray]],
+    pre_spec: Mapping[str, Any],
+    markers: list[str],
+) -> dict[str, Any] | None:
+    """:func:`held_out_regions` of a per-cell model, from its cross-validated answers.
+
+    A per-cell model's answer for a sample is the share of its cells in each class (a
+    regressor's: the mean of its cells' values), and its explanation gives each cell
+    its own part, ``1/n`` towards its label's share (``value / n``;
+    :mod:`core.estimators.transfer.explain`, ``method="assignment"``): those parts,
+    from the labels the held-out cells were given by their fold's model
+    (``predictions``, every training cell in order), summed by region. The context
+    part of the kernel cell model, which moves a share between a sample's cells and
+    sums to zero over them, is left out. ``classes``: the classifier's classes (None
+    for a regressor). None for a regressor of several outputs.
+    """
+    values = np.asarray(predictions)
+    if classes is None and values.ndim != 1:
+        return None
+    base = Preprocessing(**pre_spec)
+    grid = _training_grid(base, raw, markers)
+    sums = RegionSums(folds, raw.dim)
+    outputs = ["prediction"] if classes is None else [str(c) for c in classes]
+    for t in range(len(raw)):
+        x = base.transform_points(raw[t], markers)
+        given = values[raw.offsets[t] : raw.offsets[t + 1]]
+        if classes is None:
+            parts = given.astype(np.float64)[:, None] / x.shape[0]
+        else:
+            parts = (given[:, None] == np.asarray(classes)[None, :]) / float(x.shape[0])
+        # With repeated folds the answers are the last repeat's, for each of them.
+        counts, held = bag_region_sums(grid, x, [parts] * len(sums.held_out_in(t)))
+        sums.add(t, counts, held, outputs, "assignment")
+    return sums.table(markers)
+
+
 def held_out_regions(
     final: BaseEstimator,
     raw: Bags,
@@ -235,13 +287,7 @@ def held_out_regions(
         lists marker × region × output.
     """
     base = Preprocessing(**pre_spec)
-    # The grid spans every training cell, transformed (the fold's scaling is increasing).
-    low = np.full(raw.dim, np.inf)
-    high = np.full(raw.dim, -np.inf)
-    for t in range(len(raw)):
-        x = base.transform_points(raw[t], markers)
-        low, high = np.minimum(low, x.min(axis=0)), np.maximum(high, x.max(axis=0))
-    grid = MarkerGrid(low, high)
+    grid = _training_grid(base, raw, markers)
 
     def cells(t: int) -> Bags:
         return base.subsample(raw.take(np.array([t])))
