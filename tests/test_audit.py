@@ -13,7 +13,7 @@ import sqlite3
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from bagserve.service.audit import AuditLog, verify
@@ -257,9 +257,9 @@ def test_a_failing_commit_callback_releases_the_callers_all_the_same(tmp_path):
     log.db.close()
 
 
-def test_records_queued_behind_a_commit_the_database_refused_fail_with_it(tmp_path, monkeypatch):
-    """A database that does not answer is noticed within one timeout by every caller,
-    not one timeout per batch queued ahead of it."""
+def _refusing_log(tmp_path, monkeypatch) -> tuple[AuditLog, Future, list[int]]:
+    """An audit log whose database refuses every commit after its timeout, with a
+    first record already under way, and the sizes of the commits tried."""
     log = AuditLog(Database(None, tmp_path, pool_size=1))
     started, attempts = threading.Event(), []
 
@@ -272,6 +272,13 @@ def test_records_queued_behind_a_commit_the_database_refused_fail_with_it(tmp_pa
     monkeypatch.setattr(log.writer, "_transaction", down)
     first = log.submit({"request_id": "a", "status": 200})
     assert started.wait(10)
+    return log, first, attempts
+
+
+def test_records_queued_behind_a_commit_the_database_refused_fail_with_it(tmp_path, monkeypatch):
+    """A database that does not answer is noticed within one timeout by every caller,
+    not one timeout per batch queued ahead of it."""
+    log, first, attempts = _refusing_log(tmp_path, monkeypatch)
     later = [log.submit({"request_id": f"b{i}", "status": 200}) for i in range(5)]
     for future in [first, *later]:
         with pytest.raises(sqlite3.OperationalError):
@@ -323,18 +330,7 @@ def test_callers_on_an_event_loop_are_woken_once_per_commit(tmp_path):
 def test_awaited_records_queued_behind_a_refused_commit_fail_with_it(tmp_path, monkeypatch):
     """Callers on an event loop hear of a database that does not answer as the
     threads' callers do: at once, with the commit's error."""
-    log = AuditLog(Database(None, tmp_path, pool_size=1))
-    started, attempts = threading.Event(), []
-
-    def down(batch: list) -> list:
-        attempts.append(len(batch))
-        started.set()
-        time.sleep(0.3)  # the database's timeout
-        raise sqlite3.OperationalError("database is locked")
-
-    monkeypatch.setattr(log.writer, "_transaction", down)
-    first = log.submit({"request_id": "a", "status": 200})
-    assert started.wait(10)
+    log, first, attempts = _refusing_log(tmp_path, monkeypatch)
 
     async def five() -> list:
         calls = (log.append_async(request_id=f"b{i}", status=200) for i in range(5))

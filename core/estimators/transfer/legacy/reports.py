@@ -7,11 +7,14 @@ range, answered by the fallback, relabelled or calibrated
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from numpy.typing import NDArray
 
-from ....domain import NEAREST, DomainReport
-from ..reports import TaskReport, calibration_arrays
+from ....domain import DomainReport
+from ..reports import TaskReport
+from ..reports import domain_report as domain_report_of
 
 __all__ = ["domain_report", "task_reports"]
 
@@ -55,22 +58,12 @@ def domain_report(
         scale = float(np.median(d.min(axis=1))) or 1.0
     else:
         scale = 1.0
-    nearest = np.full((len(reports), NEAREST), -1, dtype=np.int64)
-    sims = np.zeros((len(reports), NEAREST))
-    for i, r in enumerate(reports):
-        nearest[i, : r.nearest_tasks.size] = r.nearest_tasks[:NEAREST]
-        sims[i, : r.similarities.size] = r.similarities[:NEAREST]
-    distance = np.array([r.distance for r in reports], dtype=np.float64)
-    return DomainReport(
-        score=distance / scale,
-        out_of_range=np.array([r.out_of_range for r in reports], dtype=bool),
-        nearest=nearest,
-        similarities=sims,
-        distance=distance,
+    # The fields of the current design's report, and this design's own three.
+    return replace(
+        domain_report_of(reports, scale),
         fallback=np.array([r.fallback for r in reports], dtype=bool),
         disagreement=np.array(
             [np.nan if r.disagreement is None else r.disagreement for r in reports]
         ),
         relabelled=np.array([np.nan if r.relabelled is None else r.relabelled for r in reports]),
-        **calibration_arrays(reports),
     )
