@@ -273,3 +273,44 @@ def test_kill_9_under_load_loses_no_answered_record(models, database, tmp_path):
             assert r.headers.get("idempotent-replayed") == "true", (key, r.status_code)
             assert r.content == body
     assert chain(database)[0]
+
+
+def _write_megabytes(db: Database, n: int) -> None:
+    """``n`` commits of one megabyte each, on the database's own connections."""
+    with db.transaction() as cur:
+        cur.execute("CREATE TABLE IF NOT EXISTS scratch (b BLOB)")
+    for _ in range(n):
+        with db.transaction() as cur:
+            cur.execute("INSERT INTO scratch (b) VALUES (%s)", (os.urandom(1 << 20),))
+
+
+def test_no_commit_carries_a_checkpoint(tmp_path, monkeypatch):
+    """A commit that takes SQLite's WAL past 1,000 pages used to copy it into the
+    database file and flush it, with every answer behind it waiting (issue 47's p99).
+    The checkpoints are a thread's of their own: with that thread held, 6 MB committed
+    leave the database file as it was, all in the WAL."""
+    import bagserve.service.database as database
+
+    monkeypatch.setattr(database, "CHECKPOINT_INTERVAL", 3600.0, raising=False)
+    db = Database(None, tmp_path, pool_size=1)
+    conn = db._sqlite_connection()
+    assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    before = db.path.stat().st_size
+    _write_megabytes(db, 6)
+    assert db.path.stat().st_size == before
+    assert Path(f"{db.path}-wal").stat().st_size > 6 << 20
+    db.close()
+
+
+def test_the_checkpoint_thread_copies_the_wal_into_the_database(tmp_path):
+    """With the thread running, the committed megabytes reach the database file."""
+    db = Database(None, tmp_path, pool_size=1)
+    _write_megabytes(db, 6)
+    deadline = time.monotonic() + 60
+    while db.path.stat().st_size < 6 << 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert db.path.stat().st_size >= 6 << 20
+    with db.transaction(write=False) as cur:
+        cur.execute("SELECT count(*) FROM scratch")
+        assert cur.fetchone()[0] == 6
+    db.close()
