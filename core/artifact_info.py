@@ -47,19 +47,17 @@ def kind_of(cls: type) -> ModelKind:
     return ModelKind.REGRESSION
 
 
-#: :func:`kind_of` of the core's estimator classes, by name, so that reading a manifest
-#: does not import every estimator to ask its class hierarchy (tests/test_imports.py
-#: checks it against :func:`kind_of`). A name not listed is asked :func:`kind_of`.
-_KNOWN_KINDS: dict[str, ModelKind] = {
-    "ConditionalMeanEmbedding": ModelKind.CONDITIONAL,
-    "DistributionRidge": ModelKind.REGRESSION,
-    "DistributionRidgeClassifier": ModelKind.CLASSIFICATION,
-    "MarginalTransferClassifier": ModelKind.CELL,
-    "MarginalTransferRegressor": ModelKind.CELL,
+#: :func:`kind_of` of the core's estimator classes by name, and whether each answers
+#: classes, so that reading or describing a manifest (``GET /v1/models``, on the
+#: server's event loop) imports no estimator (tests/test_imports.py checks it against
+#: the class hierarchy). A name not listed is asked its class.
+_KNOWN: dict[str, tuple[ModelKind, bool]] = {
+    "ConditionalMeanEmbedding": (ModelKind.CONDITIONAL, False),
+    "DistributionRidge": (ModelKind.REGRESSION, False),
+    "DistributionRidgeClassifier": (ModelKind.CLASSIFICATION, True),
+    "MarginalTransferClassifier": (ModelKind.CELL, True),
+    "MarginalTransferRegressor": (ModelKind.CELL, False),
 }
-#: Of those, the classifiers: ``classifies`` answers from it, so that describing a
-#: model (``GET /v1/models`` on the server's event loop) imports no estimator.
-_KNOWN_CLASSIFIERS = frozenset({"DistributionRidgeClassifier", "MarginalTransferClassifier"})
 
 
 @dataclass(frozen=True)
@@ -90,14 +88,15 @@ class ArtifactInfo:
     @cached_property
     def kind(self) -> ModelKind:
         """What the model answers (:class:`ModelKind`)."""
-        known = _KNOWN_KINDS.get(self.estimator)
-        return known if known is not None else kind_of(estimator_class(self.estimator))
+        known = _KNOWN.get(self.estimator)
+        return known[0] if known is not None else kind_of(estimator_class(self.estimator))
 
     @cached_property
     def classifies(self) -> bool:
         """The model answers classes (per bag, or per point for per-cell models)."""
-        if self.estimator in _KNOWN_KINDS:
-            return self.estimator in _KNOWN_CLASSIFIERS
+        known = _KNOWN.get(self.estimator)
+        if known is not None:
+            return known[1]
         from sklearn.base import ClassifierMixin
 
         return issubclass(estimator_class(self.estimator), ClassifierMixin)

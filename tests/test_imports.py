@@ -174,17 +174,15 @@ def test_the_core_still_exports_its_public_names():
 
 
 def test_the_manifest_kinds_table_agrees_with_the_class_hierarchy():
-    """``ArtifactInfo.kind`` answers from a table of class names so that listing
-    models imports no estimator; it must say what :func:`kind_of` says."""
-    from bagserve.core.artifact_info import _KNOWN_KINDS, kind_of
+    """``ArtifactInfo.kind`` and ``classifies`` answer from a table of class names so
+    that listing models imports no estimator; it must say what :func:`kind_of` and the
+    classes' hierarchy say."""
+    from bagserve.core.artifact_info import _KNOWN, kind_of
     from bagserve.core.estimator_state import registry as _registry
-
-    for name, kind in _KNOWN_KINDS.items():
-        assert kind_of(_registry()[name]) is kind, name
-    estimators = {n for n, c in _registry().items() if hasattr(c, "predict")}
-    assert estimators == set(_KNOWN_KINDS)
-    from bagserve.core.artifact_info import _KNOWN_CLASSIFIERS
     from sklearn.base import ClassifierMixin
 
-    classifiers = {n for n in estimators if issubclass(_registry()[n], ClassifierMixin)}
-    assert classifiers == _KNOWN_CLASSIFIERS
+    for name, (kind, classifies) in _KNOWN.items():
+        assert kind_of(_registry()[name]) is kind, name
+        assert issubclass(_registry()[name], ClassifierMixin) is classifies, name
+    estimators = {n for n, c in _registry().items() if hasattr(c, "predict")}
+    assert estimators == set(_KNOWN)
