@@ -782,6 +782,22 @@ def test_request_timeout_answers_504_and_replaces_the_worker(models):
         assert ok.status_code == 200
 
 
+def _finished_job(http, location: str) -> dict:
+    """A job's state once it succeeded or failed (polled for up to a minute)."""
+    for _ in range(600):
+        state = http.get(location).json()
+        if state["status"] in ("succeeded", "failed"):
+            break
+        time.sleep(0.1)
+    return state
+
+
+def _v2_points(points: np.ndarray, parameters: dict) -> dict:
+    """A /v2 request of one bag of ``points`` with ``parameters``."""
+    tensor = {"name": "points", "datatype": "FP64", "shape": list(points.shape)}
+    return {"inputs": [{**tensor, "data": points.ravel().tolist()}], "parameters": parameters}
+
+
 def test_explanations_on_every_door_match_the_library(http, service, models):
     from bagserve.core.runtime import ModelRuntime
 
@@ -838,26 +854,12 @@ def test_explanations_on_every_door_match_the_library(http, service, models):
     # Jobs store the same document; /v2 takes it as a parameter.
     job = http.post("/v1/jobs", params={"model": "yeast", "explain": "true"}, files=files)
     assert job.status_code == 202, job.text
-    for _ in range(600):
-        state = http.get(job.headers["location"]).json()
-        if state["status"] in ("succeeded", "failed"):
-            break
-        time.sleep(0.1)
+    state = _finished_job(http, job.headers["location"])
     assert [p["explanation"] for p in state["result"]["predictions"]] == expected
     points = runtime.align(samples[:1]).points
     v2 = http.post(
         "/v2/models/yeast/infer",
-        json={
-            "inputs": [
-                {
-                    "name": "points",
-                    "datatype": "FP64",
-                    "shape": list(points.shape),
-                    "data": points.ravel().tolist(),
-                }
-            ],
-            "parameters": {"explain": True, "markers": ["FSC-A", "SSC-A", "GFP"]},
-        },
+        json=_v2_points(points, {"explain": True, "markers": ["FSC-A", "SSC-A", "GFP"]}),
     )
     assert v2.status_code == 200, v2.text
     assert v2.json()["parameters"]["explanations"] == expected[:1]
@@ -895,26 +897,12 @@ def test_per_cell_model_explains_its_shares_on_every_door(http, models):
         assert e["total"] == pytest.approx(e["prediction"], abs=1e-12)
     job = http.post("/v1/jobs", params={"model": "demo-gating", "explain": "true"}, json=body)
     assert job.status_code == 202, job.text
-    for _ in range(600):
-        state = http.get(job.headers["location"]).json()
-        if state["status"] in ("succeeded", "failed"):
-            break
-        time.sleep(0.1)
+    state = _finished_job(http, job.headers["location"])
     assert [p["explanation"] for p in state["result"]["predictions"]] == expected
     points = np.asarray(tasks[0])
     v2 = http.post(
         "/v2/models/demo-gating/infer",
-        json={
-            "inputs": [
-                {
-                    "name": "points",
-                    "datatype": "FP64",
-                    "shape": list(points.shape),
-                    "data": points.ravel().tolist(),
-                }
-            ],
-            "parameters": {"explain": True, "markers": markers},
-        },
+        json=_v2_points(points, {"explain": True, "markers": markers}),
     )
     assert v2.status_code == 200, v2.text
     assert v2.json()["parameters"]["explanations"] == expected[:1]
