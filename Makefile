@@ -136,6 +136,7 @@ bench: $(BIN)/.dev-installed
 	$(BENCH_ENV) $(BIN)/python bench/bench_reference_sample.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_new_batch.py
 	$(BIN)/python bench/bench_control_calibration.py
+	$(BENCH_ENV) $(BIN)/python bench/bench_real_batches.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_dg_regression.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_scale.py
 	$(BENCH_ENV) $(BIN)/python bench/bench_conformal.py

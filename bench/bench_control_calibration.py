@@ -30,20 +30,17 @@ bench/results/bench_control_calibration.json.
 
 from __future__ import annotations
 
-import hashlib
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import numpy as np
+from _pypi import CACHE, pypi_archive
 from _report import report
 from bagserve.core.alignment import CONTROL_LEVELS, control_map
 from bagserve.core.bags import Bags, align_quantiles
 from bagserve.core.io import read_sample
 from scipy.stats import wasserstein_distance
 
-CACHE = Path(__file__).resolve().parent / ".cache"
 WHEEL = "cytonormpy-1.0.2-py3-none-any.whl"
 WHEEL_SHA256 = "e809849906707d37f6ebcf52065648e70b38cde22a859290ee55e4ad9506654a"
 PLATES = ("PTLG021", "PTLG028", "PTLG034")
@@ -52,30 +49,10 @@ COFACTOR = 5.0
 
 def _resources() -> Path:
     """The wheel's example files, downloaded once and checked."""
-    wheel = CACHE / WHEEL
-    if not wheel.exists():
-        CACHE.mkdir(exist_ok=True)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "cytonormpy==1.0.2",
-                "-d",
-                str(CACHE),
-                "-q",
-            ],
-            check=True,
-        )
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    if digest != WHEEL_SHA256:
-        raise SystemExit(f"{wheel}: sha256 {digest}, expected {WHEEL_SHA256}")
-    out = CACHE / "cytonormpy"
+    wheel = pypi_archive("cytonormpy==1.0.2", WHEEL, WHEEL_SHA256)
     with zipfile.ZipFile(wheel) as z:
         z.extractall(CACHE, [n for n in z.namelist() if n.startswith("cytonormpy/_resources/")])
-    return out / "_resources"
+    return CACHE / "cytonormpy" / "_resources"
 
 
 def _cells(path: Path) -> tuple[np.ndarray, list[str]]:
