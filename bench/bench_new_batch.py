@@ -97,10 +97,16 @@ MTL_VARIANTS: dict[str, dict[str, Any]] = {
     "MTL, rest label named": {"unassigned": REST},
     # Each batch's reference control maps its samples first (data sets with controls).
     "MTL, batch control": {},
+    # Each training sample's centre named, ``fit(groups=)``: the search leaves one
+    # centre out (data with several real training batches).
+    "MTL, centres named": {},
 }
 #: Rows given each batch's reference control (fit: the training batch's; predict: the
 #: test batch's); run only where the data set has controls.
 WITH_CONTROL = {"MTL, batch control"}
+#: Rows fitted with each training sample's batch named (``fit(groups=)``); run only
+#: where ``evaluate`` is given the groups.
+WITH_GROUPS = {"MTL, centres named"}
 #: Rows run in the ``all`` scoring only.
 ALL_CELLS_ONLY: set[str] = set()
 #: FlowSOM example channels: the logicle-transformed fluorescence markers ($PnS) and the
@@ -246,6 +252,7 @@ def evaluate(
     parts: int = 1,
     rest: Any = None,
     controls: tuple[np.ndarray, np.ndarray] | None = None,
+    groups: np.ndarray | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Per method: accuracy and macro-F1 of every test sample, fit seconds, notes.
 
@@ -253,7 +260,8 @@ def evaluate(
     for the bagserve models (one labelled reference gives them folds). ``rest``: the
     rest label where it is scored (its precision and recall are counted).
     ``controls``: the training and the test batch's reference controls, for
-    ``CytoNorm + LDA``."""
+    ``CytoNorm + LDA``. ``groups``: each training sample's batch, for the rows of
+    ``WITH_GROUPS`` (a sample's parts share its batch)."""
     out: dict[str, dict[str, Any]] = {}
     for name, (pred, fit) in baseline_predictions(
         train_x, train_y, test_x, seed=seed, names=BASELINES
@@ -274,16 +282,20 @@ def evaluate(
             split_x += [x[part == k] for k in range(parts)]
             split_y += [v[part == k] for k in range(parts)]
         train_x, train_y = split_x, split_y
+        groups = None if groups is None else np.repeat(groups, parts)
     train_bags, test_bags = Bags.from_arrays(train_x), Bags.from_arrays(test_x)
     for name, params in mtl.items():
         own, new = controls if name in WITH_CONTROL and controls else (None, None)
         if name in WITH_CONTROL and own is None:
             continue
+        if name in WITH_GROUPS and groups is None:
+            continue
+        named = groups if name in WITH_GROUPS else None
         model = MarginalTransferClassifier(**{"random_state": seed, **params})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             t0 = time.perf_counter()
-            model.fit(train_bags, np.concatenate(train_y), control=own)
+            model.fit(train_bags, np.concatenate(train_y), groups=named, control=own)
             fit = time.perf_counter() - t0
         answers = model.predict_tasks(test_bags, control=new)
         out[name] = _figures(test_y, [a.predictions for a in answers], fit, rest)
@@ -327,11 +339,13 @@ def summarise(table: str, runs: dict[int, dict[str, dict[str, Any]]]) -> list[di
 
 
 #: Each bagserve row and the baselines it is held against: the default model is given no
-#: control, so it meets the baselines that are given none either; the row given each
-#: batch's control meets every baseline, CytoNorm + LDA included.
+#: control, so it meets the baselines that are given none either (as does the row given
+#: the centres); the row given each batch's control meets every baseline, CytoNorm + LDA
+#: included.
 VERSUS = {
     "MTL (defaults)": tuple(m for m in (*BASELINES, *CALIBRATED) if m != "CytoNorm + LDA"),
     "MTL, batch control": (*BASELINES, *CALIBRATED),
+    "MTL, centres named": tuple(m for m in (*BASELINES, *CALIBRATED) if m != "CytoNorm + LDA"),
 }
 
 

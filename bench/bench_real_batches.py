@@ -18,15 +18,23 @@ and measured on their own instruments:
 
 The values are used as shipped (a 0-4,096 channel scale), divided by 4,096.
 
-Protocol: train on the samples of one centre, 3,000 cells drawn at random per sample
-(a new draw per seed), and label every cell of every sample of the two other centres,
-3 seeds. Stanford has three samples; Miami and UCLA have one each, which the bagserve
-models get split at random into 4 tasks (as ``bench_new_batch.py``'s one-reference
-protocol does: their defaults choose by folds over tasks). Every cell carries a
-population label, so there is no rest class: the all-cells and gated-cells scorings
-are one, and no rest-label precision or recall exists. No centre measured a
-reference control, so ``CytoNorm + LDA`` and ``MTL, batch control`` do not run.
-Methods, figures and verdicts are ``bench_new_batch.py``'s (``evaluate``,
+Protocols, 3 seeds each, 3,000 cells drawn at random per training sample (a new draw
+per seed):
+
+* ``hipc``: train on the samples of one centre and label every cell of every sample
+  of the two other centres. Stanford has three samples; Miami and UCLA have one each,
+  which the bagserve models get split at random into 4 tasks (as
+  ``bench_new_batch.py``'s one-reference protocol does: their defaults choose by
+  folds over tasks).
+* ``hipc (two centres)``: train on the samples of two centres and label every cell of
+  the third centre's samples. Each training sample is one task; ``MTL, centres named``
+  is fitted with each one's centre as its group (``fit(groups=)``: the search leaves
+  one centre out), ``MTL (defaults)`` without.
+
+Every cell carries a population label, so there is no rest class: the all-cells and
+gated-cells scorings are one, and no rest-label precision or recall exists. No centre
+measured a reference control, so ``CytoNorm + LDA`` and ``MTL, batch control`` do not
+run. Methods, figures and verdicts are ``bench_new_batch.py``'s (``evaluate``,
 ``summarise``, ``markdown``): the model runs with its defaults as they are.
 
 Run with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 .venv/bin/python
@@ -90,31 +98,98 @@ def hipc_samples() -> list[tuple[str, np.ndarray, np.ndarray]]:
     return out
 
 
-def _centre_and_method(case: str) -> tuple[str, str]:
-    """The training centre and the method of a row's ``case``."""
+def _split_case(case: str) -> tuple[str, str, str]:
+    """The protocol (data set), the training centres and the method of a row's
+    ``case``."""
     table, method = case.rsplit(": ", 1)
-    return table.split(", ")[1].split(" -> ")[0], method
+    data, training = table.split(", ")[:2]
+    return data, training.split(" -> ")[0], method
 
 
 def per_sample_markdown(results: list[dict[str, Any]]) -> str:
-    """A table of each method's accuracy on each test sample (mean over the seeds), a
-    column per training centre and test sample."""
+    """Per protocol, a table of each method's accuracy on each test sample (mean over
+    the seeds), a column per training centre(s) and test sample."""
     cell = {
-        (*_centre_and_method(r["case"]), stem): a
+        (*_split_case(r["case"]), stem): a
         for r in results
         for stem, a in r.get("accuracy_per_test_sample", {}).items()
     }
-    columns = list(dict.fromkeys((c, stem) for c, _, stem in cell))
-    methods = list(dict.fromkeys(m for _, m, _ in cell))
-    out = [
-        "*hipc: accuracy per test sample (training centre -> test sample)*",
-        "",
-        "| method | " + " | ".join(f"{c} -> {stem}" for c, stem in columns) + " |",
-        "|---|" + "---|" * len(columns),
-    ]
-    for m in methods:
-        out.append(f"| {m} | " + " | ".join(f"{cell[(c, m, s)]:.3f}" for c, s in columns) + " |")
-    return "\n".join([*out, ""])
+    out = []
+    for data in dict.fromkeys(d for d, _, _, _ in cell):
+        columns = list(dict.fromkeys((c, stem) for d, c, _, stem in cell if d == data))
+        methods = list(dict.fromkeys(m for d, _, m, _ in cell if d == data))
+        trained = "centres" if any(" + " in c for c, _ in columns) else "centre"
+        out += [
+            f"*{data}: accuracy per test sample (training {trained} -> test sample)*",
+            "",
+            "| method | " + " | ".join(f"{c} -> {stem}" for c, stem in columns) + " |",
+            "|---|" + "---|" * len(columns),
+        ]
+        for m in methods:
+            row = " | ".join(f"{cell[(data, c, m, s)]:.3f}" for c, s in columns)
+            out.append(f"| {m} | {row} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def protocol_runs(
+    samples: list[tuple[str, np.ndarray, np.ndarray]],
+    data: str,
+    training: list[tuple[str, ...]],
+    seeds: range,
+    n_cells: int,
+) -> list[dict[str, Any]]:
+    """The rows of one protocol: for each tuple of ``training`` centres, train on
+    their samples (``n_cells`` random cells each, a new draw per seed) and label every
+    cell of every other centre's samples. With two or more training samples each is
+    one task, and the rows of ``WITH_GROUPS`` get the samples' centres as groups;
+    one sample is split into ``REFERENCE_PARTS`` tasks."""
+    centres = list(dict.fromkeys(SAMPLES.values()))
+    runs: dict[str, dict[int, Any]] = defaultdict(dict)
+    tested: dict[str, list[str]] = {}
+    for seed in seeds:
+        # The one-centre protocol keeps its original stream: its numbers stay as tabled.
+        rng = np.random.default_rng([seed, 44] if len(training[0]) == 1 else [seed, 44, 2])
+        for chosen in training:
+            train_x, train_y, groups, test_x, test_y = [], [], [], [], []
+            tested_here = []
+            for (c, x, y), stem in zip(samples, SAMPLES, strict=True):
+                if c in chosen:
+                    keep = rng.choice(x.shape[0], n_cells, replace=False)
+                    train_x.append(x[keep])
+                    train_y.append(y[keep])
+                    groups.append(c)
+                else:
+                    test_x.append(x)
+                    test_y.append(y)
+                    tested_here.append(stem)
+            parts = 1 if len(train_x) > 1 else REFERENCE_PARTS
+            others = " + ".join(c for c in centres if c not in chosen)
+            table = f"{data}, {' + '.join(chosen)} -> {others}, all cells"
+            tested[table] = tested_here
+            t0 = time.perf_counter()
+            runs[table][seed] = evaluate(
+                train_x,
+                train_y,
+                test_x,
+                test_y,
+                seed,
+                mtl_rows(None),
+                parts=parts,
+                groups=np.array(groups) if len(chosen) > 1 else None,
+            )
+            print(f"  {table}, seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
+    results: list[dict[str, Any]] = []
+    for table, by_seed in runs.items():
+        rows = summarise(table, by_seed)
+        for row in rows[:-1]:
+            method = row["case"].rsplit(": ", 1)[1]
+            acc = np.mean([by_seed[s][method]["accuracy"] for s in by_seed], axis=0)
+            row["accuracy_per_test_sample"] = {
+                stem: round(float(a), 4) for stem, a in zip(tested[table], acc, strict=True)
+            }
+        results += rows
+    return results
 
 
 def main() -> None:
@@ -137,41 +212,9 @@ def main() -> None:
         counts = np.bincount(y)[1:]
         print(f"  {stem} ({centre}): {x.shape[0]} cells, per label {counts.tolist()}")
     centres = list(dict.fromkeys(SAMPLES.values()))
-    runs: dict[str, dict[int, Any]] = defaultdict(dict)
-    tested: dict[str, list[str]] = {}
-    for seed in seeds:
-        rng = np.random.default_rng([seed, 44])
-        for centre in centres:
-            train_x, train_y, test_x, test_y = [], [], [], []
-            tested_here = []
-            for (c, x, y), stem in zip(samples, SAMPLES, strict=True):
-                if c == centre:
-                    keep = rng.choice(x.shape[0], n_cells, replace=False)
-                    train_x.append(x[keep])
-                    train_y.append(y[keep])
-                else:
-                    test_x.append(x)
-                    test_y.append(y)
-                    tested_here.append(stem)
-            parts = 1 if len(train_x) > 1 else REFERENCE_PARTS
-            others = " + ".join(c for c in centres if c != centre)
-            table = f"hipc, {centre} -> {others}, all cells"
-            tested[table] = tested_here
-            t0 = time.perf_counter()
-            runs[table][seed] = evaluate(
-                train_x, train_y, test_x, test_y, seed, mtl_rows(None), parts=parts
-            )
-            print(f"  {table}, seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
-    results: list[dict[str, Any]] = []
-    for table, by_seed in runs.items():
-        rows = summarise(table, by_seed)
-        for row in rows[:-1]:
-            method = row["case"].rsplit(": ", 1)[1]
-            acc = np.mean([by_seed[s][method]["accuracy"] for s in by_seed], axis=0)
-            row["accuracy_per_test_sample"] = {
-                stem: round(float(a), 4) for stem, a in zip(tested[table], acc, strict=True)
-            }
-        results += rows
+    results = protocol_runs(samples, "hipc", [(c,) for c in centres], seeds, n_cells)
+    pairs = [tuple(c for c in centres if c != held) for held in centres]
+    results += protocol_runs(samples, "hipc (two centres)", pairs, seeds, n_cells)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     report(results, "bench_real_batches", save=not args.quick)
     print("\n" + markdown(results) + "\n" + per_sample_markdown(results))
