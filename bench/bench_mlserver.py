@@ -25,6 +25,12 @@ Measured, every figure beside the other server's in the same run, requests inter
 * 8 concurrent clients (httpx, one connection each): requests per second and p99;
 * bagserve's own ``Server-Timing`` stages (read, parse, queue, transfer, compute,
   audit, encode, app), median per request with one client and mean under 8;
+* under 8 clients, the CPU each server's processes take per request (bagserve's split
+  into its event loop's thread, its other threads and its worker processes), the
+  benchmark client's own, and how busy the machine's cores were (Linux, from
+  ``/proc``): on a 2-core machine the client and both servers' processes share the
+  cores, and when they are all busy the requests per second follow the CPU per request
+  rather than any one stage's wait;
 * the latency of one ``fdatasync`` in bagserve's data directory, before and after the
   cases: the floor of each audit commit, which is the disk's (``--data-dir`` on a
   tmpfs takes the disk out, to tell the disk's share from the code's).
@@ -93,7 +99,7 @@ def mlserver_venv() -> Path:
     return venv / "bin"
 
 
-def start_bagserve(stack: ExitStack, models: Path, data_dir: Path) -> str:
+def start_bagserve(stack: ExitStack, models: Path, data_dir: Path) -> tuple[str, int]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BAGSERVE_")}
     env.update(BAGSERVE_DATA_DIR=str(data_dir), BAGSERVE_QUEUE_SIZE="64")
@@ -101,11 +107,11 @@ def start_bagserve(stack: ExitStack, models: Path, data_dir: Path) -> str:
     cmd = [exe, "serve", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--models", str(models), "--workers", str(WORKERS)]
     url = f"http://127.0.0.1:{port}"
-    stack.enter_context(process(cmd, env, f"{url}/readyz"))
-    return f"{url}/v2/models/{MODEL}/infer"
+    proc = stack.enter_context(process(cmd, env, f"{url}/readyz"))
+    return f"{url}/v2/models/{MODEL}/infer", proc.pid
 
 
-def start_mlserver(stack: ExitStack, bin_dir: Path, models: Path, tmp: Path) -> str:
+def start_mlserver(stack: ExitStack, bin_dir: Path, models: Path, tmp: Path) -> tuple[str, int]:
     folder = tmp / "mlserver"
     (folder / MODEL).mkdir(parents=True)
     http, grpc, metrics = free_port(), free_port(), free_port()
@@ -128,8 +134,8 @@ def start_mlserver(stack: ExitStack, bin_dir: Path, models: Path, tmp: Path) -> 
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent)
     url = f"http://127.0.0.1:{http}"
     cmd = [str(bin_dir / "mlserver"), "start", str(folder)]
-    stack.enter_context(process(cmd, env, f"{url}/v2/models/{MODEL}/ready", cwd=folder))
-    return f"{url}/v2/models/{MODEL}/infer"
+    proc = stack.enter_context(process(cmd, env, f"{url}/v2/models/{MODEL}/ready", cwd=folder))
+    return f"{url}/v2/models/{MODEL}/infer", proc.pid
 
 
 #: The rows of issue 47's table: the ratio's key, the case (0: small bag, 1: large
@@ -180,6 +186,47 @@ def binary_body(points: np.ndarray) -> tuple[bytes, dict[str, str]]:
 def load_average() -> float:
     """The machine's load average over the last minute."""
     return os.getloadavg()[0]
+
+
+def _cpu_of(stat: Path) -> float:
+    """User + system CPU seconds in a ``/proc`` ``stat`` file (0 if it is gone)."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu(pid: int) -> np.ndarray:
+    """CPU seconds used so far by server process ``pid``: its main thread (the event
+    loop), its other threads, and its descendants (worker processes), from ``/proc``
+    (Linux; zeros elsewhere). A descendant that exited meanwhile is not counted."""
+    proc = Path(f"/proc/{pid}")
+    if not proc.exists():
+        return np.zeros(3)
+    main = _cpu_of(proc / "task" / str(pid) / "stat")
+    whole = _cpu_of(proc / "stat")
+    descendants, todo = 0.0, [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            descendants += sum(_cpu_of(Path(f"/proc/{c}/stat")) for c in children)
+            todo += children
+    return np.array([main, whole - main, descendants])
+
+
+def machine_cpu() -> np.ndarray:
+    """Busy and total CPU seconds of the whole machine so far (``/proc/stat``; zeros
+    elsewhere)."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except OSError:
+        return np.zeros(2)
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return np.array([sum(ticks) - idle, sum(ticks)]) / os.sysconf("SC_CLK_TCK")
 
 
 def flush_latency(directory: Path, n: int = 200) -> tuple[float, float]:
@@ -282,9 +329,14 @@ def ms(seconds: list[float], q: float) -> float:
 
 
 def compare(
-    urls: dict[str, str], points: np.ndarray, runtime: ModelRuntime, args: argparse.Namespace
+    urls: dict[str, str],
+    pids: dict[str, int],
+    points: np.ndarray,
+    runtime: ModelRuntime,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """The single-client and 8-client figures of one bag size on both servers."""
+    """The single-client and 8-client figures of one bag size on both servers (``pids``:
+    their server processes, for the CPU they take)."""
     n = len(points)
     large = n > 10_000
     content = body(points)
@@ -326,16 +378,30 @@ def compare(
     rates: dict[str, list[float]] = {name: [] for name in urls}
     lats: dict[str, list[float]] = {name: [] for name in urls}
     timings: list[dict[str, float]] = []
+    # CPU seconds per server over its rounds: the server's (loop, other threads,
+    # workers), the client's (this process), and the machine's (busy, total).
+    cpu = {name: np.zeros(6) for name in urls}
     for r in range(args.rounds):
         for name in list(urls) if r % 2 == 0 else list(reversed(urls)):
+            before = np.r_[server_cpu(pids[name]), time.process_time(), machine_cpu()]
             rate, lat, st = asyncio.run(load(urls[name], content, total))
+            cpu[name] += np.r_[server_cpu(pids[name]), time.process_time(), machine_cpu()] - before
             rates[name].append(rate)
             lats[name] += lat
             if name == "bagserve":
                 timings += st
+    requests = args.rounds * (total + CLIENTS)  # each round warms up CLIENTS connections
     for name in urls:
         out[f"{name}_{CLIENTS}_clients_req_per_s"] = float(np.median(rates[name]))
         out[f"{name}_{CLIENTS}_clients_p99_ms"] = ms(lats[name], 99)
+        per_request = 1000 * cpu[name] / requests
+        out[f"{name}_{CLIENTS}_clients_server_cpu_ms"] = float(per_request[:3].sum())
+        if name == "bagserve":
+            for part, value in zip(("loop", "threads", "workers"), per_request[:3], strict=True):
+                out[f"bagserve_{CLIENTS}_clients_server_cpu_{part}_ms"] = float(value)
+        out[f"{name}_{CLIENTS}_clients_client_cpu_ms"] = float(per_request[3])
+        busy, whole = cpu[name][4:]
+        out[f"{name}_{CLIENTS}_clients_cores_busy"] = float(busy / whole) if whole else 0.0
     out["throughput_ratio"] = (
         out[f"bagserve_{CLIENTS}_clients_req_per_s"] / out[f"mlserver_{CLIENTS}_clients_req_per_s"]
     )
@@ -374,6 +440,20 @@ def summary(
     lines.append(
         f"machine: {rows['machine']}; load average (1 min) "
         f"{rows['load_average_min']:.2f}-{rows['load_average_max']:.2f} during the run"
+    )
+    small = results[0]
+    key = f"{CLIENTS}_clients"
+    lines.append(
+        f"{CLIENTS} clients, small bag, CPU ms per request: bagserve "
+        f"{small[f'bagserve_{key}_server_cpu_ms']:.2f} (event loop "
+        f"{small[f'bagserve_{key}_server_cpu_loop_ms']:.2f}, other threads "
+        f"{small[f'bagserve_{key}_server_cpu_threads_ms']:.2f}, workers "
+        f"{small[f'bagserve_{key}_server_cpu_workers_ms']:.2f}), MLServer "
+        f"{small[f'mlserver_{key}_server_cpu_ms']:.2f}; the benchmark's client "
+        f"{small[f'bagserve_{key}_client_cpu_ms']:.2f} / "
+        f"{small[f'mlserver_{key}_client_cpu_ms']:.2f}; "
+        f"cores busy {small[f'bagserve_{key}_cores_busy']:.0%} / "
+        f"{small[f'mlserver_{key}_cores_busy']:.0%}"
     )
     for when, (p50, p90) in zip(("before", "after"), flushes, strict=True):
         rows[f"data_dir_fdatasync_{when}_p50_ms"] = p50
@@ -421,15 +501,17 @@ def main() -> None:
         data_dir = (args.data_dir or tmp) / "bagserve-data"
         flushes = [flush_latency(data_dir)]
         with ExitStack() as stack:
-            urls = {
+            servers = {
                 "bagserve": start_bagserve(stack, models, data_dir),
                 "mlserver": start_mlserver(stack, bin_dir, models, tmp),
             }
+            urls = {name: url for name, (url, _) in servers.items()}
+            pids = {name: pid for name, (_, pid) in servers.items()}
             results = []
             for n, seed in ((100, 1), (100_000, 2)):
                 bags, _, _ = make_dose_response_bags(1, n, random_state=[7, seed])
                 points = np.ascontiguousarray(bags[0], dtype=np.float64)
-                results.append(compare(urls, points, runtime, args))
+                results.append(compare(urls, pids, points, runtime, args))
         flushes.append(flush_latency(data_dir))
         rows, table = summary(results, flushes)
         save = not args.quick and args.data_dir is None

@@ -53,9 +53,10 @@ def process(
     ready_url: str,
     cwd: str | Path | None = None,
     timeout: float = 300.0,
-) -> Iterator[None]:
+) -> Iterator[subprocess.Popen[bytes]]:
     """A server process (the benchmarks' one way to run one), until ``ready_url``
-    answers 200; stopped by SIGTERM on leaving, killed if it lingers."""
+    answers 200; stopped by SIGTERM on leaving, killed if it lingers. Yields the
+    process."""
     proc = subprocess.Popen(
         cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -72,7 +73,7 @@ def process(
             if time.monotonic() > deadline:
                 raise TimeoutError(ready_url)
             time.sleep(0.2)
-        yield
+        yield proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -2,9 +2,10 @@
 
 A :class:`WorkerHandle` sends a request on the worker's request pipe and reads the
 answer, in a thread (:meth:`WorkerHandle.exchange`) or, for small requests, on the
-event loop (:meth:`WorkerHandle.exchange_in_loop`), watching the process sentinel
-meanwhile: a worker that dies fails its request at once (:class:`WorkerLost`). Model
-loads and drops go over a control pipe of their own (:meth:`WorkerHandle.command`).
+event loop (:meth:`WorkerHandle.send_in_loop`: the answer is read in the loop's reader
+callback), watching the process sentinel meanwhile: a worker that dies fails its
+request at once (:class:`WorkerLost`). Model loads and drops go over a control pipe of
+their own (:meth:`WorkerHandle.command`).
 """
 
 from __future__ import annotations
@@ -45,19 +46,27 @@ __all__ = [
     "WorkerTimeout",
 ]
 
-#: Small requests are exchanged on the event loop (:meth:`WorkerHandle.exchange_in_loop`)
+#: Small requests are exchanged on the event loop (:meth:`WorkerHandle.send_in_loop`)
 #: where it can watch the worker's pipe and sentinel as descriptors: not on Windows,
 #: whose pipes and process handles are no sockets.
 LOOP_EXCHANGE = os.name == "posix"
 
 
-#: Why an in-loop exchange woke: the answer is readable, the worker died, or time ran out.
-_ANSWER, _DIED, _EXPIRED = "answer", "died", "expired"
+#: What woke the loop's reader callback: the answer is readable, or the worker died.
+_ANSWER, _DIED = "answer", "died"
 
 
-def _expire(woken: asyncio.Future[str]) -> None:
-    if not woken.done():
-        woken.set_result(_EXPIRED)
+@dataclass(eq=False)
+class _Flight:
+    """A request sent on the event loop (:meth:`WorkerHandle.send_in_loop`), until
+    its answer or failure settles ``future``."""
+
+    future: asyncio.Future[tuple[dict[str, Any], dict[str, np.ndarray]]]
+    loop: asyncio.AbstractEventLoop
+    rest: ThreadPoolExecutor
+    timeout: float
+    settled: Callable[[bool], None] | None
+    timer: asyncio.TimerHandle
 
 
 class PoolError(ServiceError):
@@ -102,8 +111,8 @@ class WorkerHandle:
     _command: threading.Lock = field(default_factory=threading.Lock, repr=False)
     #: The event loop watching the request pipe and the sentinel (:meth:`watch`).
     _watcher: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
-    #: What the in-loop exchange waits for: the answer, or the worker's death.
-    _woken: asyncio.Future[str] | None = field(default=None, repr=False)
+    #: The request sent on the event loop that the worker computes, if any.
+    _flight: _Flight | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -171,7 +180,7 @@ class WorkerHandle:
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> None:
         """Have ``loop`` watch the request pipe and the sentinel from now on, for
-        :meth:`exchange_in_loop` (on the loop's thread; once, not per request).
+        :meth:`send_in_loop` (on the loop's thread; once, not per request).
 
         Registering and unregistering both descriptors, and restoring the pipe's
         blocking mode, for every request cost about 20 system calls of the event
@@ -198,14 +207,120 @@ class WorkerHandle:
         os.set_blocking(self.conn.fileno(), True)
 
     def _wake(self, what: str) -> None:
-        woken = self._woken
-        if woken is None:
+        """The loop's reader callback: the answer is readable, or the worker died.
+
+        The answer is read here, in the callback, and the request's future settled,
+        and ``settled`` then hands the worker on (:meth:`send_in_loop`): the worker is
+        free before the request's task resumes, one loop turn later or, on a busy
+        loop, several.
+        """
+        flight = self._flight
+        if flight is None:
             # Readable with no request in flight: the worker died idle (its sentinel
-            # stays readable) or wrote out of turn. Not watched until its next request,
-            # so that the loop does not spin on it; the monitor replaces a dead one.
+            # stays readable), wrote out of turn, or answered a request that was given
+            # up. Not watched until its next request, so that the loop does not spin
+            # on it; the monitor replaces a dead one, the pool one given up.
             self.unwatch()
-        elif not woken.done():
-            woken.set_result(what)
+            return
+        # An answer written before the worker died is still the answer.
+        if what == _DIED and not self.conn.poll(0):
+            self._land(WorkerLost(self._died()))
+            return
+        flight.timer.cancel()
+        try:
+            head = recv_head(self.conn)
+            if head_is_whole(head):
+                self._land(recv_rest(self.conn, head))
+                return
+        except EOFError:
+            self._land(WorkerLost(self._died()))
+            return
+        except OSError as exc:
+            self._land(WorkerLost(str(exc)))
+            return
+        # More follows (arrays past the first write, memory files to map): read on in a
+        # thread, so that the loop never waits on a large answer; the pipe stays
+        # readable meanwhile, so the loop stops watching it.
+        self.unwatch()
+        rest = flight.loop.run_in_executor(flight.rest, recv_rest, self.conn, head)
+        rest.add_done_callback(self._rest_read)
+
+    def _rest_read(self, rest: asyncio.Future[Any]) -> None:
+        exc = rest.exception()
+        if exc is None:
+            self._land(rest.result())
+        elif isinstance(exc, EOFError):
+            self._land(WorkerLost(self._died()))
+        else:
+            self._land(WorkerLost(str(exc)))
+
+    def _expire(self, future: asyncio.Future[Any]) -> None:
+        flight = self._flight
+        if flight is not None and flight.future is future:
+            self._land(WorkerTimeout(f"no answer within {flight.timeout:g} s"))
+
+    def _land(self, outcome: tuple[dict[str, Any], dict[str, np.ndarray]] | PoolError) -> None:
+        """Settle the request in flight with its answer or its failure, then tell its
+        sender (``settled``) whether the worker answered."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        flight.timer.cancel()
+        answered = not isinstance(outcome, PoolError)
+        if not flight.future.done():
+            if answered:
+                flight.future.set_result(outcome)
+            else:
+                flight.future.set_exception(outcome)
+        if flight.settled is not None:
+            flight.settled(answered)
+
+    def send_in_loop(
+        self,
+        header: dict[str, Any],
+        arrays: Mapping[str, np.ndarray],
+        timeout: float,
+        rest: ThreadPoolExecutor,
+        settled: Callable[[bool], None] | None = None,
+        future: asyncio.Future[Any] | None = None,
+    ) -> asyncio.Future[tuple[dict[str, Any], dict[str, np.ndarray]]]:
+        """Send a request that is one write (:func:`~.wire.fits_one_write`, nothing
+        lent) on the event loop's thread; the future gets the answer, or
+        :class:`WorkerLost` or :class:`WorkerTimeout`.
+
+        An idle worker has read everything sent to it, so the write fits its socket's
+        buffer and does not block. The loop watches the worker's pipe and sentinel as
+        it watches any socket (:meth:`watch`) and reads the answer in its reader
+        callback; an answer whose head says more follows is read on in ``rest``, a
+        thread. Once the future is settled, ``settled(answered)`` is called in the
+        same callback: ``answered`` is False when the worker died or overran, and must
+        be replaced. :meth:`forget` gives the request up. ``future``: the one to
+        settle (its caller's, awaited already), else a new one.
+
+        Raises
+        ------
+        WorkerLost
+            The request could not be written (the worker is gone).
+        """
+        loop = asyncio.get_running_loop()
+        self.watch(loop)
+        if future is None:
+            future = loop.create_future()
+        try:
+            send_message(self.conn, header, arrays)
+        except (BrokenPipeError, EOFError, OSError) as exc:
+            raise WorkerLost(str(exc)) from exc
+        timer = loop.call_later(timeout, self._expire, future)
+        self._flight = _Flight(future, loop, rest, timeout, settled, timer)
+        return future
+
+    def forget(self) -> None:
+        """Give up the request in flight (its sender stopped waiting): no answer is
+        read for it, and ``settled`` is not called; the worker must be replaced, since
+        its answer would come out of turn."""
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            flight.timer.cancel()
 
     async def exchange_in_loop(
         self,
@@ -215,48 +330,16 @@ class WorkerHandle:
         rest: ThreadPoolExecutor,
         meanwhile: Callable[[], Any] | None = None,
     ):
-        """:meth:`exchange` on the event loop's thread, for a request that is one write
-        (:func:`~.wire.fits_one_write`, nothing lent): no thread hand-off either way.
-
-        An idle worker has read everything sent to it, so the write fits its socket's
-        buffer and does not block. The loop waits for the answer or the worker's death
-        as it waits for any socket (it watches both while the worker lives,
-        :meth:`watch`); an answer whose head says more follows (arrays past the first
-        write, memory files to map) is read on in ``rest``, a thread, so that the loop
-        never waits on a large answer. For a small request the two hand-offs cost about
-        a sixth of the server's CPU (``bench/README.md``).
-        """
-        loop = asyncio.get_running_loop()
-        self.watch(loop)
-        woken: asyncio.Future[str] = loop.create_future()
-        self._woken = woken
-        try:
-            send_message(self.conn, header, arrays)
-        except (BrokenPipeError, EOFError, OSError) as exc:
-            self._woken = None
-            raise WorkerLost(str(exc)) from exc
-        timer = loop.call_later(timeout, _expire, woken)
+        """:meth:`exchange` on the event loop's thread, for a request that is one write:
+        :meth:`send_in_loop`, ``meanwhile()`` while the worker computes, and the
+        answer; returns the answer and what ``meanwhile()`` returned."""
+        future = self.send_in_loop(header, arrays, timeout, rest)
         try:
             aside = meanwhile() if meanwhile is not None else None
-            what = await woken
-        finally:
-            timer.cancel()
-            self._woken = None
-        if what == _EXPIRED:
-            raise WorkerTimeout(f"no answer within {timeout:g} s")
-        # An answer written before the worker died is still the answer.
-        if what == _DIED and not self.conn.poll(0):
-            raise WorkerLost(self._died())
-        try:
-            head = recv_head(self.conn)
-            if head_is_whole(head):
-                return (*recv_rest(self.conn, head), aside)
-            self.unwatch()  # the thread reads on: the pipe stays readable meanwhile
-            return (*await loop.run_in_executor(rest, recv_rest, self.conn, head), aside)
-        except EOFError:
-            raise WorkerLost(self._died()) from None
-        except OSError as exc:
-            raise WorkerLost(str(exc)) from exc
+            return (*await future, aside)
+        except BaseException:
+            self.forget()
+            raise
 
     def _died(self) -> str:
         return f"worker {self.index} (pid {self.pid}) died"

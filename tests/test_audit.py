@@ -327,6 +327,34 @@ def test_callers_on_an_event_loop_are_woken_once_per_commit(tmp_path):
     log.db.close()
 
 
+def test_records_queued_in_one_turn_of_the_loop_wake_an_idle_writer_once(tmp_path):
+    """The records an event loop queues in one turn reach an idle writer together, at
+    the turn's end, and share its next commit: the writer is not woken per record to
+    commit the first alone (here the GIL is let go between them, as a busy loop's turn
+    does, which let the woken writer take the first at once)."""
+    sizes: list[int] = []
+    log = AuditLog(
+        Database(None, tmp_path, pool_size=1), on_commit=lambda n, seconds: sizes.append(n)
+    )
+
+    async def scenario() -> list[dict]:
+        await log.append_async(request_id="r0", status=200)  # the writer now waits, idle
+
+        async def one(i: int) -> dict:
+            time.sleep(0.1)  # other work in the same turn; the GIL is free meanwhile
+            return await log.append_async(request_id=f"r{i}", status=200)
+
+        return await asyncio.gather(*(one(i) for i in range(1, 4)))
+
+    records = asyncio.run(scenario())
+    assert sizes == [1, 3]
+    assert [r["request_id"] for r in records] == ["r1", "r2", "r3"]
+    assert all(b["prev"] == a["hash"] for a, b in itertools.pairwise(records))
+    assert log.count() == 4 and log.verify().ok
+    log.close()
+    log.db.close()
+
+
 def test_awaited_records_queued_behind_a_refused_commit_fail_with_it(tmp_path, monkeypatch):
     """Callers on an event loop hear of a database that does not answer as the
     threads' callers do: at once, with the commit's error."""

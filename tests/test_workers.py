@@ -160,7 +160,7 @@ def _answer_with(conn) -> None:  # runs in a spawned process
         if header.get("die"):
             os._exit(3)
         n = header["n"]
-        send_message(conn, {"n": n}, {"values": np.arange(n, dtype=np.float64)})
+        send_message(conn, {"ok": True, "n": n}, {"values": np.arange(n, dtype=np.float64)})
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
@@ -222,6 +222,93 @@ def test_small_requests_are_exchanged_on_the_event_loop(loop):
             asyncio.run(scenario())
     finally:
         rest.shutdown()
+        parent.close()
+        control.close()
+        control_child.close()
+        proc.join(timeout=30)
+    assert proc.exitcode == 3
+
+
+def test_a_worker_s_answer_hands_it_to_the_next_request_in_the_same_callback():
+    """A small request's answer is read in the loop's reader callback, which hands the
+    worker to the next request in line and sends it there and then: when the answered
+    request's task resumes, the worker computes the next one already (it used to wait
+    idle for that task, one loop turn or, on a busy loop, several). A request given up
+    in line leaves it without touching the worker; one given up while computing, one
+    that overruns and one whose worker dies have the worker replaced."""
+    from bagserve.service.pool_dispatch import Dispatch
+    from bagserve.service.worker_handle import WorkerHandle as _Worker
+    from bagserve.service.worker_handle import WorkerLost, WorkerTimeout
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    control, control_child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_answer_with, args=(child,), daemon=True)
+    proc.start()
+    child.close()
+    replaced: list[int] = []
+    request = {"body": np.zeros(1000, np.uint8)}
+
+    async def scenario() -> None:
+        worker = _Worker(0, proc, parent, control)
+        dispatch = Dispatch({0: worker}, 4, 2, None, lambda *_: True, replaced.append)
+        dispatch.start()
+        dispatch.release(0)
+        seen = []
+
+        async def first() -> dict:
+            header, _, _, _ = await dispatch.submit({"n": 1, "wait": 0.3}, request, 30)
+            seen.append((dispatch.busy, dispatch.waiting))  # as the answered task resumes
+            return header
+
+        try:
+            a = asyncio.create_task(first())
+            await _until(lambda: dispatch.busy == 1)
+            b = asyncio.create_task(dispatch.submit({"n": 2, "wait": 0.3}, request, 30))
+            await _until(lambda: dispatch.waiting == 1)
+            assert (await a)["n"] == 1
+            assert seen == [(1, 0)], "the worker waited for the answered request's task"
+            header, arrays, queued, _ = await b
+            assert header["n"] == 2 and queued > 0.1
+            np.testing.assert_array_equal(arrays["values"], [0.0, 1.0])
+            assert dispatch.busy == 0 and replaced == []
+
+            # Given up in line: it leaves the line, the worker computes on undisturbed.
+            c = asyncio.create_task(dispatch.submit({"n": 3, "wait": 0.3}, request, 30))
+            await _until(lambda: dispatch.busy == 1)
+            d = asyncio.create_task(dispatch.submit({"n": 4}, request, 30))
+            await _until(lambda: dispatch.waiting == 1)
+            d.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await d
+            assert dispatch.waiting == 0
+            assert (await c)[0]["n"] == 3
+            assert dispatch.busy == 0 and replaced == []
+
+            # Given up while computing: its answer would come out of turn.
+            e = asyncio.create_task(dispatch.submit({"n": 5, "wait": 0.3}, request, 30))
+            await _until(lambda: dispatch.busy == 1)
+            e.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await e
+            assert replaced == [0] and dispatch.busy == 0
+            # (A replacement would be a new worker; this one is reused once in step.)
+            await asyncio.to_thread(parent.recv_bytes)
+            dispatch.release(0)
+            with pytest.raises(WorkerTimeout):
+                await dispatch.submit({"n": 6, "wait": 2}, request, 0.2)
+            assert replaced == [0, 0] and dispatch.busy == 0
+            await asyncio.to_thread(parent.recv_bytes)
+            dispatch.release(0)
+            with pytest.raises(WorkerLost, match="died"):
+                await dispatch.submit({"n": 7, "die": True}, request, 30)
+            assert replaced == [0, 0, 0] and dispatch.busy == 0
+        finally:
+            dispatch.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
         parent.close()
         control.close()
         control_child.close()
