@@ -212,29 +212,31 @@ def cost(quick: bool) -> list[dict[str, Any]]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = DistributionRidge(rep, kernel=kernel, random_state=0).fit(train, shares)
-        predict, explaining = timed_pair(
-            lambda m=model, c=cells: m.predict([c]), lambda m=model, c=cells: explain(m, c)
-        )
         rows.append(
-            {
-                "case": f"cost, {len(cells)} cells: {name}",
-                "predict s": predict,
-                "explain s": explaining,
-                "ratio": explaining / predict,
-                "load average": os.getloadavg()[0],
-            }
+            cost_row(
+                f"cost, {len(cells)} cells: {name}",
+                lambda m=model, c=cells: m.predict([c]),
+                lambda m=model, c=cells: explain(m, c),
+            )
         )
     return rows
 
 
-def timed_pair(predict_fn: Any, explain_fn: Any) -> tuple[float, float]:
-    """Best of 7 alternated rounds of each (a burst of load hits both alike)."""
+def cost_row(case: str, predict_fn: Any, explain_fn: Any) -> dict[str, Any]:
+    """A cost table's row: the best of 7 alternated rounds of each (a burst of load
+    hits both alike), and their ratio."""
     predict_fn()  # warm
     predict, explaining = np.inf, np.inf
     for _ in range(7):
         predict = min(predict, best_of(predict_fn, 1))
         explaining = min(explaining, best_of(explain_fn, 1))
-    return predict, explaining
+    return {
+        "case": case,
+        "predict s": predict,
+        "explain s": explaining,
+        "ratio": explaining / predict,
+        "load average": os.getloadavg()[0],
+    }
 
 
 def cost_beyond_budget(quick: bool) -> list[dict[str, Any]]:
@@ -250,17 +252,11 @@ def cost_beyond_budget(quick: bool) -> list[dict[str, Any]]:
             MeanEmbedding(method="exact", bandwidth=1.0), kernel="gaussian", random_state=0
         ).fit(train, shares)
     cells, _ = planted_bag(rng, n, 0.01)
-    predict, explaining = timed_pair(lambda: model.predict([cells]), lambda: explain(model, cells))
-    return [
-        {
-            "case": f"cost, {n} cells: exact MMD, {n_bags} training bags "
-            f"({n * n_bags * 8 / 2**20:.0f} MiB of per-cell sums)",
-            "predict s": predict,
-            "explain s": explaining,
-            "ratio": explaining / predict,
-            "load average": os.getloadavg()[0],
-        }
-    ]
+    case = (
+        f"cost, {n} cells: exact MMD, {n_bags} training bags "
+        f"({n * n_bags * 8 / 2**20:.0f} MiB of per-cell sums)"
+    )
+    return [cost_row(case, lambda: model.predict([cells]), lambda: explain(model, cells))]
 
 
 def cost_per_cell(quick: bool) -> list[dict[str, Any]]:
@@ -274,17 +270,12 @@ def cost_per_cell(quick: bool) -> list[dict[str, Any]]:
         model = MarginalTransferClassifier(
             calibrate="standardise", cell_model=cell_model, random_state=0
         ).fit(tasks, y)
-        predict, explaining = timed_pair(
-            lambda m=model: m.predict_tasks([cells]), lambda m=model: m.explain(cells)
-        )
         rows.append(
-            {
-                "case": f"cost, {cells.shape[0]} cells: marginal transfer, {cell_model}",
-                "predict s": predict,
-                "explain s": explaining,
-                "ratio": explaining / predict,
-                "load average": os.getloadavg()[0],
-            }
+            cost_row(
+                f"cost, {cells.shape[0]} cells: marginal transfer, {cell_model}",
+                lambda m=model: m.predict_tasks([cells]),
+                lambda m=model: m.explain(cells),
+            )
         )
     return rows
 
