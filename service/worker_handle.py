@@ -322,25 +322,6 @@ class WorkerHandle:
         if flight is not None:
             flight.timer.cancel()
 
-    async def exchange_in_loop(
-        self,
-        header: dict[str, Any],
-        arrays: Mapping[str, np.ndarray],
-        timeout: float,
-        rest: ThreadPoolExecutor,
-        meanwhile: Callable[[], Any] | None = None,
-    ):
-        """:meth:`exchange` on the event loop's thread, for a request that is one write:
-        :meth:`send_in_loop`, ``meanwhile()`` while the worker computes, and the
-        answer; returns the answer and what ``meanwhile()`` returned."""
-        future = self.send_in_loop(header, arrays, timeout, rest)
-        try:
-            aside = meanwhile() if meanwhile is not None else None
-            return (*await future, aside)
-        except BaseException:
-            self.forget()
-            raise
-
     def _died(self) -> str:
         return f"worker {self.index} (pid {self.pid}) died"
 

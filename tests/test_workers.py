@@ -4,14 +4,16 @@ and how the pool loads models into its workers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -163,6 +165,26 @@ def _answer_with(conn) -> None:  # runs in a spawned process
         send_message(conn, {"ok": True, "n": n}, {"values": np.arange(n, dtype=np.float64)})
 
 
+@contextlib.contextmanager
+def _answering_worker() -> Iterator[tuple[Any, Any, Any]]:
+    """A spawned :func:`_answer_with` process, its request pipe's end and a control
+    pipe's end; both pipes closed and the process joined after (it exits 3 once told
+    to die)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    control, control_child = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=_answer_with, args=(child,), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        yield proc, parent, control
+    finally:
+        parent.close()
+        control.close()
+        control_child.close()
+        proc.join(timeout=30)
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_small_requests_are_exchanged_on_the_event_loop(loop):
     """A request that is one write goes to the worker and back on the loop's thread:
@@ -175,24 +197,16 @@ def test_small_requests_are_exchanged_on_the_event_loop(loop):
     from bagserve.service.worker_handle import WorkerHandle as _Worker
     from bagserve.service.worker_handle import WorkerLost, WorkerTimeout
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=True)
-    control, control_child = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=_answer_with, args=(child,), daemon=True)
-    proc.start()
-    child.close()
     rest = ThreadPoolExecutor(1)
 
-    async def scenario() -> None:
+    async def scenario(proc: Any, parent: Any, control: Any) -> None:
         worker = _Worker(0, proc, parent, control)
         request = {"body": np.zeros(1000, np.uint8)}
         assert wire.fits_one_write(request)
         # 800 B: inside the first write; 160 kB: arrays after it; 16 MB: a memory file.
-        for n, seen in ((100, 7), (20_000, None), (2_000_000, "x")):
-            header, arrays, aside = await worker.exchange_in_loop(
-                {"n": n}, request, 30, rest, lambda s=seen: s
-            )
-            assert header["n"] == n and aside == seen
+        for n in (100, 20_000, 2_000_000):
+            header, arrays = await worker.send_in_loop({"n": n}, request, 30, rest)
+            assert header["n"] == n
             np.testing.assert_array_equal(arrays["values"], np.arange(n, dtype=np.float64))
             assert os.get_blocking(parent.fileno())
             if n == 100:  # watched from now on, not registered again per request
@@ -206,26 +220,23 @@ def test_small_requests_are_exchanged_on_the_event_loop(loop):
         )
         assert header["n"] == 5
         with pytest.raises(WorkerTimeout):
-            await worker.exchange_in_loop({"n": 1, "wait": 2}, request, 0.2, rest)
+            await worker.send_in_loop({"n": 1, "wait": 2}, request, 0.2, rest)
         parent.recv_bytes()  # the late answer, so that the next exchange is in step
         with pytest.raises(WorkerLost, match="died"):
-            await worker.exchange_in_loop({"n": 1, "die": True}, request, 30, rest)
+            await worker.send_in_loop({"n": 1, "die": True}, request, 30, rest)
         # A dead worker's sentinel stays readable: no longer watched once nothing waits
         # for it, so that the loop does not spin on it until the worker is replaced.
         await _until(lambda: worker._watcher is None, timeout=10)
 
-    try:
-        if loop == "uvloop":
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                runner.run(scenario())
-        else:
-            asyncio.run(scenario())
-    finally:
-        rest.shutdown()
-        parent.close()
-        control.close()
-        control_child.close()
-        proc.join(timeout=30)
+    with _answering_worker() as (proc, parent, control):
+        try:
+            if loop == "uvloop":
+                with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                    runner.run(scenario(proc, parent, control))
+            else:
+                asyncio.run(scenario(proc, parent, control))
+        finally:
+            rest.shutdown()
     assert proc.exitcode == 3
 
 
@@ -240,16 +251,10 @@ def test_a_worker_s_answer_hands_it_to_the_next_request_in_the_same_callback():
     from bagserve.service.worker_handle import WorkerHandle as _Worker
     from bagserve.service.worker_handle import WorkerLost, WorkerTimeout
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=True)
-    control, control_child = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=_answer_with, args=(child,), daemon=True)
-    proc.start()
-    child.close()
     replaced: list[int] = []
     request = {"body": np.zeros(1000, np.uint8)}
 
-    async def scenario() -> None:
+    async def scenario(proc: Any, parent: Any, control: Any) -> None:
         worker = _Worker(0, proc, parent, control)
         dispatch = Dispatch({0: worker}, 4, 2, None, lambda *_: True, replaced.append)
         dispatch.start()
@@ -264,12 +269,14 @@ def test_a_worker_s_answer_hands_it_to_the_next_request_in_the_same_callback():
         try:
             a = asyncio.create_task(first())
             await _until(lambda: dispatch.busy == 1)
-            b = asyncio.create_task(dispatch.submit({"n": 2, "wait": 0.3}, request, 30))
+            b = asyncio.create_task(
+                dispatch.submit({"n": 2, "wait": 0.3}, request, 30, meanwhile=lambda: "aside")
+            )
             await _until(lambda: dispatch.waiting == 1)
             assert (await a)["n"] == 1
             assert seen == [(1, 0)], "the worker waited for the answered request's task"
-            header, arrays, queued, _ = await b
-            assert header["n"] == 2 and queued > 0.1
+            header, arrays, queued, aside = await b
+            assert header["n"] == 2 and queued > 0.1 and aside == "aside"
             np.testing.assert_array_equal(arrays["values"], [0.0, 1.0])
             assert dispatch.busy == 0 and replaced == []
 
@@ -306,13 +313,8 @@ def test_a_worker_s_answer_hands_it_to_the_next_request_in_the_same_callback():
         finally:
             dispatch.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        parent.close()
-        control.close()
-        control_child.close()
-        proc.join(timeout=30)
+    with _answering_worker() as (proc, parent, control):
+        asyncio.run(scenario(proc, parent, control))
     assert proc.exitcode == 3
 
 
