@@ -89,7 +89,8 @@ class _MarginalTransfer(BaseEstimator):
             list with one array per task
         groups : array-like of shape (n_tasks,), optional
             The batch of each task: with two or more, the search leaves one batch out
-            (the real shift) instead of drawing instruments.
+            (the real shift) instead of drawing instruments, and the landmark gate's
+            limit holds each task out of its own batch only.
         control : array-like of shape (m, d), optional
             The training batch's reference control: a new batch's control then maps
             its samples onto the training batch (``predict_tasks(..., control=)``).
