@@ -44,12 +44,17 @@ class MarkerQuality:
     worse : ndarray of bool, shape (d,)
         Markers the map moved further from the reference (``after > before``) — the
         warning users of CytoNorm and cyCombine ask for.
+    by : str
+        The calibration: ``"control"``, or ``"landmarks"``, whose ``before`` and
+        ``after`` are distances of the sample's populations to the training
+        populations' places (:func:`core.estimators.transfer.landmarks.population_places`).
     """
 
     moved: NDArray[np.float64]
     before: NDArray[np.float64]
     after: NDArray[np.float64]
     worse: NDArray[np.bool_]
+    by: str = "control"
 
 
 def control_map(

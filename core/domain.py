@@ -82,12 +82,19 @@ class DomainReport:
         changed (marginal transfer, ``refine_ == "mixture"``); NaN where none ran,
         the default.
     calibration_moved : ndarray of shape (n_bags, n_markers) or None
-        Where the bags' batch control mapped them first (marginal transfer with a
-        reference control): per marker, the median displacement of the bag's cells,
-        in the training control's standard deviations; ``None`` without a control.
+        Where a per-marker map moved the bags first (marginal transfer calibrated by
+        a batch's reference control or by landmarks): per marker, the median
+        displacement of the bag's cells, in the training control's standard
+        deviations (control) or the training samples' (landmarks; 0 where the bag
+        was left as measured); ``None`` for other calibrations.
     calibration_worse : ndarray of bool, shape (n_bags, n_markers), or None
-        With a control: the markers its map moved further from the training control
-        on control cells it was not fitted on.
+        The markers the map moved further from the training batch: from the
+        training control on control cells it was not fitted on (control), from the
+        training populations' places (landmarks, whose map is refused where its
+        evidence lies in such markers).
+    calibration_by : ndarray of str, shape (n_bags,), or None
+        Which map ``calibration_moved`` and ``calibration_worse`` describe:
+        ``"control"`` or ``"landmarks"``.
     calibrated : ndarray of str, shape (n_bags,), or None
         How each bag was calibrated to the training batch before it was labelled
         (marginal transfer: ``"control"``, ``"landmarks"``, ``"standardise"``; ``""``
@@ -108,6 +115,7 @@ class DomainReport:
     relabelled: NDArray[np.float64] | None = None
     calibration_moved: NDArray[np.float64] | None = None
     calibration_worse: NDArray[np.bool_] | None = None
+    calibration_by: NDArray[np.str_] | None = None
     calibrated: NDArray[np.str_] | None = None
     calibration_shift: NDArray[np.float64] | None = None
 

@@ -9,6 +9,9 @@ import pytest
 from bagserve.core import MarginalTransferClassifier
 from bagserve.core.datasets import make_batched_cytometry_tasks
 from bagserve.core.estimators.transfer import calibration as cal
+from bagserve.core.estimators.transfer import landmarks as lm
+from bagserve.core.estimators.transfer.reference import Reference, fit_reference
+from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +20,7 @@ def fitted():
         1, 6, 800, n_markers=4, n_populations=3, random_state=2, strength=0.0
     )
     model = MarginalTransferClassifier(calibrate="landmarks", cell_model="linear").fit(tasks, y)
-    return model, cal.Reference.from_state(model.reference_), tasks, y
+    return model, Reference.from_state(model.reference_), tasks, y
 
 
 def test_the_landmark_map_undoes_a_known_per_marker_gain_and_offset(fitted):
@@ -28,10 +31,10 @@ def test_the_landmark_map_undoes_a_known_per_marker_gain_and_offset(fitted):
     holds to rounding, not only to sampling noise."""
     _model, reference, tasks, _ = fitted
     x = np.asarray(tasks[0])
-    a0, b0 = cal.landmark_affine(x, reference)
+    a0, b0 = lm.landmark_affine(x, reference)
     a = np.array([1.6, 0.7, 1.2, 0.9])
     b = np.array([-1.0, 2.0, 0.5, -0.3])
-    found_a, found_b = cal.landmark_affine((x - b) / a, reference)
+    found_a, found_b = lm.landmark_affine((x - b) / a, reference)
     np.testing.assert_allclose(found_a, a0 * a, rtol=1e-6)
     np.testing.assert_allclose(found_b, a0 * b + b0, rtol=1e-6, atol=1e-8)
     # And the sample's own map is near the identity: it is a training sample.
@@ -43,24 +46,31 @@ def test_the_landmark_map_is_a_local_maximum_of_its_likelihood(fitted):
     (mean log-density under the mixture plus the log-Jacobian)."""
     _, reference, tasks, _ = fitted
     x = np.asarray(tasks[1]) * 1.3 - 0.4
-    a, b = cal.landmark_affine(x, reference)
-    best = cal._log_likelihood(reference.mixture, x, a, b)
+    a, b = lm.landmark_affine(x, reference)
+    best = lm._log_likelihood(reference.mixture, x, a, b)
     for j in range(x.shape[1]):
         for step in (-0.02, 0.02):
             da = a.copy()
             da[j] *= 1 + step
             db = b.copy()
             db[j] += step
-            assert cal._log_likelihood(reference.mixture, x, da, b) < best
-            assert cal._log_likelihood(reference.mixture, x, a, db) < best
+            assert lm._log_likelihood(reference.mixture, x, da, b) < best
+            assert lm._log_likelihood(reference.mixture, x, a, db) < best
 
 
 @pytest.mark.parametrize("how", ["landmarks", "standardise"])
 def test_a_calibration_keeps_every_markers_order_and_ignores_cell_order(fitted, how):
     _, reference, tasks, _ = fitted
     x = np.asarray(tasks[2]) * [1.5, 0.8, 1.0, 2.0] + [0.3, -1.0, 0.0, 2.0]
-    z, quality, _ = cal.calibrate(how, x, reference, None)
-    assert quality is None
+    z, quality, ran = cal.calibrate(how, x, reference, None)
+    if how == "landmarks":
+        # The landmark map reports how far it moved each marker, as it answered.
+        assert ran == "landmarks" and quality.by == "landmarks"
+        np.testing.assert_allclose(
+            quality.moved, np.median(np.abs(z - x), axis=0) / reference.sd, rtol=1e-12
+        )
+    else:
+        assert quality is None
     order = np.argsort(x, axis=0, kind="stable")
     mapped = np.take_along_axis(z, order, axis=0)
     assert np.all(np.diff(mapped, axis=0) >= 0)
@@ -85,3 +95,115 @@ def test_an_unknown_calibration_or_a_missing_control_is_refused(fitted):
         cal.calibrate("control", x, reference, None)
     with pytest.raises(ValueError, match="fitted without a reference control"):
         cal.fit_control(x, reference)
+
+
+def _two_populations(n, wide, rng):
+    """Cells of two populations on three markers (70 % at the origin, 30 % at
+    (3, 1, 0), sd 0.5); the first population's spread on marker 0 times ``wide``: a
+    detector that spreads the negative cells, as Miami's did on CD8."""
+    k = (rng.random(n) > 0.7).astype(np.int64)
+    x = np.array([[0.0, 0.0, 0.0], [3.0, 1.0, 0.0]])[k] + 0.5 * rng.standard_normal((n, 3))
+    x[k == 0, 0] *= wide
+    return x, k
+
+
+@pytest.fixture(scope="module")
+def two_populations():
+    rng = np.random.default_rng(0)
+    train = [_two_populations(1500, 1.0, rng) for _ in range(6)]
+    xs, ks = [x for x, _ in train], [k for _, k in train]
+    model = MarginalTransferClassifier(
+        calibrate="landmarks", cell_model="linear", random_state=0
+    ).fit(xs, ks)
+    lda = LinearDiscriminantAnalysis().fit(np.vstack(xs), np.concatenate(ks))
+    return model, Reference.from_state(model.reference_), lda, rng
+
+
+def test_population_places_are_the_populations_distances_before_and_after_the_map(fitted):
+    """:func:`population_places` against a naive computation: each cell's posterior
+    from scipy's Gaussian densities at the LDA's means and shared covariance, each
+    population's mean by an explicit weighted average, and the two averages of the
+    distances (by the populations' shares, and over populations alike)."""
+    from scipy.stats import multivariate_normal
+
+    _, reference, tasks, _ = fitted
+    x = np.asarray(tasks[4]) * [1.2, 0.9, 1.0, 1.1] + [0.2, -0.1, 0.0, 0.3]
+    a, b = lm.landmark_affine(x, reference)
+    before, after, worse = lm.population_places(x, a, b, reference)
+    mixture = reference.mixture
+    cov = np.linalg.inv(mixture["whitening"] @ mixture["whitening"].T)
+    dens = np.column_stack(
+        [
+            np.exp(lp) * multivariate_normal(mu, cov).pdf(x)
+            for mu, lp in zip(mixture["means"], mixture["log_priors"], strict=True)
+        ]
+    )
+    post = dens / dens.sum(axis=1, keepdims=True)
+    rows_before, rows_after, shares = [], [], []
+    for k, mu in enumerate(mixture["means"]):
+        m = (post[:, k, None] * x).sum(axis=0) / post[:, k].sum()
+        rows_before.append(np.abs(m - mu) / reference.sd)
+        rows_after.append(np.abs(m * a + b - mu) / reference.sd)
+        shares.append(post[:, k].sum() / x.shape[0])
+    shares = np.array(shares)
+    rows_before, rows_after = np.array(rows_before), np.array(rows_after)
+    np.testing.assert_allclose(before, shares @ rows_before, rtol=1e-9)
+    np.testing.assert_allclose(after, shares @ rows_after, rtol=1e-9)
+    present = shares >= lm.PLACE_SHARE
+    alike = rows_after[present].mean(axis=0) > rows_before[present].mean(axis=0)
+    np.testing.assert_array_equal(worse, (shares @ rows_after > shares @ rows_before) | alike)
+    # This sample went through an affine instrument: the map puts its populations
+    # back, so it is not refused.
+    assert not lm.landmark_map(x, reference).refused
+
+
+def test_a_map_that_squeezes_a_spread_population_is_refused(two_populations):
+    """A new detector spreads the large population three times wider on marker 0.
+    The likelihood's best map squeezes that marker (scale about 0.75) and drags the
+    small population off its place, so an LDA of the training cells labels fewer of
+    the mapped cells right than of the cells as measured. The populations' places
+    name marker 0, the map keeps almost none of its gain without it, so it is
+    refused: the sample is answered as measured, and its report says which marker
+    refused it. (The model before the refusal answered with the map.)"""
+    model, reference, lda, rng = two_populations
+    x, k = _two_populations(4000, 3.0, rng)
+    fit = lm.landmark_map(x, reference)
+    assert fit.scale[0] < 0.85 and fit.gain > reference.landmark_gain_limit
+    assert fit.worse[0] and fit.kept < lm.REFUSAL_SHARE * fit.gain and fit.refused
+    as_measured = np.mean(lda.predict(x) == k)
+    assert as_measured > np.mean(lda.predict(x * fit.scale + fit.shift) == k) + 0.01
+    answer = model.predict_tasks([x])[0]
+    assert answer.report.calibrated is None and answer.report.shift == 0.0
+    assert answer.report.calibration.by == "landmarks" and answer.report.calibration.worse[0]
+    np.testing.assert_array_equal(answer.report.calibration.moved, 0.0)
+    assert np.mean(answer.predictions == k) > as_measured - 0.005
+
+
+def test_with_batches_named_the_gate_holds_samples_out_within_their_batch():
+    """The gate's limit with ``groups``: each sample's landmark gain under the mixture
+    of the other samples of its own batch (three folds of a three-sample batch leave
+    one out: recomputed here sample by sample), never across batches, whose gain is
+    the second instrument's; a batch of one sample shows nothing."""
+    rng = np.random.default_rng(3)
+    first = [_two_populations(800, 1.0, rng) for _ in range(3)]
+    # The second batch's instrument: a gain and an offset per marker.
+    second = [
+        (x * [1.5, 0.8, 1.0] + [1.0, -0.5, 0.2], k)
+        for x, k in (_two_populations(800, 1.0, rng) for _ in range(3))
+    ]
+    tasks = [x for x, _ in first + second]
+    labels = [k for _, k in first + second]
+    groups = np.array([0, 0, 0, 1, 1, 1])
+    limit = cal.landmark_gain_limit(tasks, np.concatenate(labels), 3, 0, 1.0, groups)
+    gains = []
+    for t in range(6):
+        others = [o for o in range(6) if groups[o] == groups[t] and o != t]
+        reference = fit_reference(
+            [tasks[o] for o in others], np.concatenate([labels[o] for o in others]), None
+        )
+        gains.append(lm.landmark_gain(tasks[t], reference)[2])
+    assert limit == pytest.approx(max(gains), rel=1e-12)
+    pooled = cal.landmark_gain_limit(tasks, np.concatenate(labels), 3, 0, 1.0)
+    assert pooled > 3 * limit
+    alone = cal.landmark_gain_limit(tasks, np.concatenate(labels), 3, 0, 1.0, np.arange(6))
+    assert alone == 0.0

@@ -73,14 +73,15 @@ def test_the_control_maps_the_batch_before_the_model_answers(cohort, model):
 def test_without_its_batch_control_a_sample_is_calibrated_by_its_landmarks(cohort, model):
     """A model fitted with a control, asked without the batch's: each sample is mapped
     by its own landmarks (the model's calibration without a control) and the report
-    says so; no control quality is made up."""
+    says so; the quality reported is the landmark map's, none of a control is made up."""
     test, _ = cohort(1, False)
     assert model.calibration_without_control_ == "landmarks"
     answers = model.predict_tasks(test)
     assert all(a.report.calibrated == "landmarks" for a in answers)
-    assert all(a.report.calibration is None for a in answers)
+    assert all(a.report.calibration.by == "landmarks" for a in answers)
     domain = model.domain_report([a.report for a in answers])
-    assert domain.calibrated_of(0) == "landmarks" and domain.calibration_moved is None
+    assert domain.calibrated_of(0) == "landmarks"
+    assert domain.calibration_by.tolist() == ["landmarks"] * len(answers)
 
 
 def test_a_saved_model_keeps_its_control(cohort, model, tmp_path):
@@ -153,11 +154,12 @@ def test_the_command_maps_by_the_control_file_and_names_it(cohort, model, tmp_pa
         moved = [calibration["moved"][m] for m in markers]
         np.testing.assert_allclose(moved, want.report.calibration.moved, atol=1e-4)
     # Without the control, each file is calibrated by its own landmarks, as the
-    # estimator does without one, and no control quality is reported.
+    # estimator does without one, and the quality reported is the landmark map's.
     assert main(["predict", str(path), *map(str, files), "--cells"]) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert "control" not in plain and "calibration" not in plain["results"][0]["report"]
+    assert "control" not in plain
     assert plain["results"][0]["report"]["calibrated"] == "landmarks"
+    assert plain["results"][0]["report"]["calibration"]["by"] == "landmarks"
     alone = model.predict_tasks(test[:2])
     assert [r["labels"] for r in plain["results"]] == [a.predictions.tolist() for a in alone]
     url = ["--url", "http://127.0.0.1:9"]

@@ -1,8 +1,10 @@
 """Marginal transfer: a label (or value) for every cell of a new sample (paper 004).
 
-One module per concept (issue 44): :mod:`.calibration`, :mod:`.perturbation`,
-:mod:`.task_map`, :mod:`.cell_models` (with :mod:`.trees`), :mod:`.search`,
-:mod:`.open_set`, :mod:`.reports`, and the thin estimators in :mod:`.estimator`.
+One module per concept (issue 44): :mod:`.reference` (what the training batch looks
+like), :mod:`.landmarks` (the landmark map and its refusal), :mod:`.calibration`,
+:mod:`.perturbation`, :mod:`.task_map`, :mod:`.cell_models` (with :mod:`.trees`),
+:mod:`.search`, :mod:`.open_set`, :mod:`.reports`, and the thin estimators in
+:mod:`.estimator`.
 :mod:`.legacy` is the design before issue 44, frozen: models saved with it load
 through :func:`artifact_class` and answer as they did.
 """

@@ -15,8 +15,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from .calibration import Reference, calibrate, fit_control, shift
+from .calibration import calibrate, fit_control, shift
 from .perturbation import draw_instruments
+from .reference import Reference
 
 __all__ = ["shift_envelope"]
 

@@ -18,16 +18,7 @@ from ...bags import BagValidationError
 from ...blas import one_thread
 from ...domain import DomainReport
 from ...explanations.result import Explanation
-from .calibration import (
-    SD_FLOOR,
-    Reference,
-    calibrate,
-    fit_control,
-    fit_reference,
-    landmark_gain_limit,
-    shift,
-    standardised,
-)
+from .calibration import calibrate, fit_control, landmark_gain_limit, shift, standardised
 from .cell_models import cell_scores, fit_cell_model
 from .envelope import shift_envelope
 from .explain import explain_task
@@ -41,7 +32,9 @@ from .inputs import (
     rest_code,
     seed_of,
 )
+from .landmarks import REFUSAL_SHARE
 from .open_set import apply_reject, far_from_populations, population_statistics
+from .reference import SD_FLOOR, Reference, fit_reference
 from .reports import TaskPrediction, TaskReport, domain_report, task_report
 from .search import Problem, Selection, candidates, choose, without_control
 from .task_map import TaskMap, fit_task_map
@@ -96,7 +89,8 @@ class _MarginalTransfer(BaseEstimator):
             list with one array per task
         groups : array-like of shape (n_tasks,), optional
             The batch of each task: with two or more, the search leaves one batch out
-            (the real shift) instead of drawing instruments.
+            (the real shift) instead of drawing instruments, and the landmark gate's
+            limit holds each task out of its own batch only.
         control : array-like of shape (m, d), optional
             The training batch's reference control: a new batch's control then maps
             its samples onto the training batch (``predict_tasks(..., control=)``).
@@ -123,7 +117,7 @@ class _MarginalTransfer(BaseEstimator):
         with one_thread():
             gain_limit = None
             if "landmarks" in calibrations:
-                gain_limit = landmark_gain_limit(tasks, codes, self.cv, seed, self.range_factor)
+                gain_limit = landmark_gain_limit(tasks, codes, self.cv, seed, self.range_factor, g)
             if len(calibrations) * len(models) > 1:
                 problem = Problem(
                     tasks, Y, codes, rest, cells, g, calibrations, models, self.cv,
@@ -150,7 +144,7 @@ class _MarginalTransfer(BaseEstimator):
         seed: int,
         gain_limit: float | None,
     ) -> None:
-        reference = fit_reference(tasks, codes, control, gain_limit)
+        reference = fit_reference(tasks, codes, control, gain_limit, REFUSAL_SHARE)
         floor = SD_FLOOR * reference.sd
         standard = selection.calibration == "standardise"
         cells = [standardised(x, floor) for x in tasks] if standard else tasks

@@ -91,7 +91,8 @@ class TaskPrediction:
 
 def calibration_arrays(reports: list[TaskReport]) -> dict[str, Any]:
     """The :class:`~core.domain.DomainReport` fields of how tasks were calibrated:
-    by which calibration each, and with a control, how its map moved each marker."""
+    by which calibration each, and with a control or landmarks, how the map moved
+    each marker and which it made worse."""
     out: dict[str, Any] = {"calibrated": np.array([r.calibrated or "" for r in reports])}
     if any(r.shift is not None for r in reports):
         out["calibration_shift"] = np.array(
@@ -100,6 +101,7 @@ def calibration_arrays(reports: list[TaskReport]) -> dict[str, Any]:
     if reports and all(r.calibration is not None for r in reports):
         out["calibration_moved"] = np.array([r.calibration.moved for r in reports])
         out["calibration_worse"] = np.array([r.calibration.worse for r in reports])
+        out["calibration_by"] = np.array([r.calibration.by for r in reports])
     return out
 
 

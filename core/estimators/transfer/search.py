@@ -24,17 +24,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .calibration import (
-    CALIBRATIONS,
-    SD_FLOOR,
-    calibrate,
-    fit_control,
-    fit_reference,
-    standardised,
-)
+from .calibration import CALIBRATIONS, calibrate, fit_control, standardised
 from .cell_models import CELL_MODELS, cell_scores, fit_cell_model
+from .landmarks import REFUSAL_SHARE
 from .open_set import choose_reject
 from .perturbation import draw_instruments
+from .reference import SD_FLOOR, fit_reference
 from .task_map import TaskMap, fit_task_map
 
 __all__ = ["Candidate", "Problem", "Selection", "candidates", "choose", "without_control"]
@@ -150,7 +145,7 @@ def _evaluate_fold(
 ) -> None:
     xs, ys = _fold_rows(p, train)
     codes = None if p.codes is None else np.argmax(np.vstack(ys), axis=1)
-    reference = fit_reference(xs, codes, p.control, p.gain_limit)
+    reference = fit_reference(xs, codes, p.control, p.gain_limit, REFUSAL_SHARE)
     floor = SD_FLOOR * reference.sd
     models: dict[str, dict[str, Any]] = {}
     maps: dict[str, TaskMap] = {}

@@ -77,7 +77,7 @@ class TaskMap:
     def embedding_rows(self, x: NDArray[np.float64]) -> NDArray[np.int64]:
         """The rows of task ``x`` its embedding is the mean over: at most
         ``embedding_points`` (a seeded draw), in the canonical order of its cells
-        (:func:`.calibration.canonical_cells`), whatever order they came in."""
+        (:func:`.reference.canonical_cells`), whatever order they came in."""
         return subsample_rows(
             Bags.from_arrays([x]), self.embedding_points, self.seed, canonical=True
         )
