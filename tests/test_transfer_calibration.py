@@ -207,3 +207,25 @@ def test_with_batches_named_the_gate_holds_samples_out_within_their_batch():
     assert pooled > 3 * limit
     alone = cal.landmark_gain_limit(tasks, np.concatenate(labels), 3, 0, 1.0, np.arange(6))
     assert alone == 0.0
+
+
+def test_a_marker_at_one_value_is_shifted_to_the_training_mean(two_populations):
+    """A detector at its bound: every cell of marker 2 reads 5.0. Its scale and shift
+    are not separately identified (the EM's Newton system was singular there, and
+    the sample was refused with a LinAlgError); the moment map puts it at the
+    training mean, the EM fits the other markers, and the sample is answered."""
+    model, reference, _lda, rng = two_populations
+    x, _k = _two_populations(2000, 1.0, rng)
+    x[:, 2] = 5.0
+    fit = lm.landmark_map(x, reference)
+    np.testing.assert_allclose(5.0 * fit.scale[2] + fit.shift[2], reference.mean[2], atol=1e-9)
+    # The other markers are still fitted: the map is as likely as the moment map it
+    # started from, or likelier.
+    judged = np.asarray(x)
+    m, s = judged.mean(axis=0), np.maximum(judged.std(axis=0), 1e-3 * reference.sd)
+    start = reference.sd / s
+    assert lm._log_likelihood(reference.mixture, judged, fit.scale, fit.shift) >= (
+        lm._log_likelihood(reference.mixture, judged, start, reference.mean - start * m) - 1e-9
+    )
+    answer = model.predict_tasks([x])[0]
+    assert np.all(np.isfinite(answer.scores)) and answer.report.out_of_range

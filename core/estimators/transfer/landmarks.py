@@ -87,7 +87,11 @@ def _log_likelihood(
 
 
 def _em_affine(
-    x: NDArray[np.float64], mixture: dict[str, Any], a: NDArray, b: NDArray
+    x: NDArray[np.float64],
+    mixture: dict[str, Any],
+    a: NDArray,
+    b: NDArray,
+    flat: NDArray[np.bool_] | None = None,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], float]:
     """EM for the per-marker affine map ``x ↦ a x + b`` of largest likelihood under the
     training cells' Gaussian mixture, from ``(a, b)``; returns the map and its
@@ -99,12 +103,17 @@ def _em_affine(
     ``A = [[P ⊙ XᵀX, diag(Σx) P], [P diag(Σx), n P]]``, ``c`` from the cells'
     expected means), concave in ``u``: a few Newton steps, halved where a scale
     would turn non-positive.
+
+    A ``flat`` marker (its cells all at one value, a detector at its bound) keeps
+    its ``(a, b)``: its scale and shift are not separately identified, and the
+    Newton system is singular in them.
     """
     L, means = mixture["whitening"], mixture["means"]
     P = L @ L.T
     n, d = x.shape
     sums = x.sum(axis=0)
     A = np.block([[P * (x.T @ x), sums[:, None] * P], [P * sums[None, :], n * P]])
+    free = np.flatnonzero(np.tile(~flat, 2)) if flat is not None else np.arange(2 * d)
     for _ in range(EM_ROUNDS):
         r = _responsibilities(mixture, x * a + b)
         target = (r @ means) @ P
@@ -115,7 +124,8 @@ def _em_affine(
             grad[:d] += n / u[:d]
             hess = A.copy()
             hess[np.arange(d), np.arange(d)] += n / u[:d] ** 2
-            step = np.linalg.solve(hess, grad)
+            step = np.zeros(2 * d)
+            step[free] = np.linalg.solve(hess[np.ix_(free, free)], grad[free])
             t = 1.0
             while np.any(u[:d] + t * step[:d] <= 0):
                 t /= 2.0
@@ -150,9 +160,12 @@ def _fitted(
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], float]:
     """:func:`landmark_gain` on the cells ``judged``, already drawn."""
     assert reference.mixture is not None
-    m, s = sample_moments(judged, SD_FLOOR * reference.sd)
+    floor = SD_FLOOR * reference.sd
+    m, s = sample_moments(judged, floor)
     a = reference.sd / s
-    a, b, best = _em_affine(judged, reference.mixture, a, reference.mean - a * m)
+    # A marker at the floor is only shifted (to the training mean) by the moment map.
+    flat = s <= floor
+    a, b, best = _em_affine(judged, reference.mixture, a, reference.mean - a * m, flat)
     ones = np.ones_like(a)
     return a, b, best - _log_likelihood(reference.mixture, judged, ones, np.zeros_like(a))
 
