@@ -15,6 +15,7 @@ from .calibration import CALIBRATIONS
 from .cell_models import CELL_MODELS
 
 __all__ = [
+    "LARGEST_VALUE",
     "as_task_list",
     "check_parameters",
     "concatenated_labels",
@@ -38,15 +39,40 @@ CONSTRAINTS: dict[str, tuple[Any, str]] = {
 }
 
 
+#: The largest magnitude of a value the estimators compute on: float32's, the widest
+#: an FCS file stores. Beyond about 1e154 a square overflows: the moments, the landmark
+#: map and the cell models' products turned such a sample into NaN or Inf scores (or a
+#: refusal that blamed NaN the sample did not hold).
+LARGEST_VALUE = float(np.finfo(np.float32).max)
+
+
+def _too_large(cells: NDArray[np.float64], what: str) -> list[str]:
+    """A sentence per marker column of ``cells`` holding a value beyond
+    :data:`LARGEST_VALUE`, naming ``what`` holds it."""
+    big = np.abs(cells) > LARGEST_VALUE
+    columns = np.flatnonzero(big.any(axis=0))
+    largest = np.abs(cells[:, columns]).max(axis=0) if columns.size else []
+    return [
+        f"{what}, column {j}: {int(big[:, j].sum())} value(s) beyond ±{LARGEST_VALUE:.3g} "
+        f"(the largest {v:.3g}); no measurement is that large (float32's range, as "
+        "FCS stores it)"
+        for j, v in zip(columns, largest, strict=True)
+    ]
+
+
 def as_task_list(X: Any) -> list[NDArray[np.float64]]:
-    """Tasks as a list of (cells x markers) float arrays; one 2-D array is one task."""
+    """Tasks as a list of (cells x markers) float arrays; one 2-D array is one task.
+    A task of a single cell, or with a value beyond :data:`LARGEST_VALUE`, is named."""
     if isinstance(X, np.ndarray) and X.ndim == 2:
         X = [X]
     bags: Bags = as_bags(X)
+    tasks = [np.asarray(bags[i], dtype=np.float64) for i in range(len(bags))]
     problems = [f"task {i}: a single cell" for i, n in enumerate(bags.sizes) if n < 2]
+    for i, x in enumerate(tasks):
+        problems += _too_large(x, f"task {i}")
     if problems:
         raise BagValidationError(problems)
-    return [np.asarray(bags[i], dtype=np.float64) for i in range(len(bags))]
+    return tasks
 
 
 def control_cells(control: ArrayLike, dim: int) -> NDArray[np.float64]:
@@ -67,6 +93,9 @@ def control_cells(control: ArrayLike, dim: int) -> NDArray[np.float64]:
         )
     if not np.isfinite(cells).all():
         raise BagValidationError(["the reference control contains NaN or Inf"])
+    problems = _too_large(cells, "the reference control")
+    if problems:
+        raise BagValidationError(problems)
     return cells
 
 

@@ -1,0 +1,73 @@
+"""Marginal transfer fed what a hostile or unlucky lab sends: values no instrument
+gives, samples without spread, degenerate training data. Each gets a finite answer
+with an honest report, or an error naming the sample, the column and what was
+expected; never a numpy or scikit-learn exception, nor a NaN or Inf in an answer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from bagserve.core import BagValidationError, MarginalTransferClassifier, MarginalTransferRegressor
+from bagserve.core.datasets import make_batched_cytometry_tasks
+
+FAST = {"cv": 2, "cv_points": 100, "perturbations": 2, "n_components": 32, "random_state": 0}
+
+
+@pytest.fixture(scope="module")
+def cohort():
+    tasks, y, _ = make_batched_cytometry_tasks(
+        1, 5, 400, n_markers=3, n_populations=3, random_state=3, strength=0.0
+    )
+    cells = [np.asarray(tasks[t]) for t in range(len(tasks))]
+    labels = [y[tasks.offsets[t] : tasks.offsets[t + 1]] for t in range(len(tasks))]
+    control = np.random.default_rng(4).normal(size=(400, 3)) * [1.0, 2.0, 0.5]
+    return cells, labels, control
+
+
+@pytest.fixture(scope="module")
+def models(cohort):
+    cells, labels, control = cohort
+    train, y = cells[:4], labels[:4]
+    return {
+        "landmarks": MarginalTransferClassifier(
+            calibrate="landmarks", cell_model="linear", **FAST
+        ).fit(train, y),
+        "control": MarginalTransferClassifier(calibrate="control", cell_model="linear", **FAST).fit(
+            train, y, control=control
+        ),
+        "regressor": MarginalTransferRegressor(calibrate="none", cell_model="linear", **FAST).fit(
+            train, [x[:, 0] - x[:, 1] for x in train]
+        ),
+    }
+
+
+def test_values_beyond_float32_are_refused_naming_task_and_column(cohort, models):
+    """No FCS file holds a value beyond float32's range. Past about 1e154 a square
+    overflows: the landmark map turned such a sample into NaN and refused it for a
+    NaN it did not hold, the regressor answered a cell at the largest double with an
+    infinite value, a control at 1e200 mapped the batch onto one point and was
+    answered as in range, and a fit crashed with an IndexError. Each is refused now,
+    naming the task (or the control) and the column."""
+    cells, labels, control = cohort
+    x = cells[4]
+    huge = x * 1e200
+    with pytest.raises(BagValidationError, match=r"task 0, column 0: 400 value\(s\) beyond"):
+        models["landmarks"].predict_tasks([huge])
+    lone = x.copy()
+    lone[7, 2] = np.finfo(np.float64).max
+    with pytest.raises(BagValidationError, match=r"task 1, column 2: 1 value\(s\) beyond") as err:
+        models["regressor"].predict_tasks([x, lone])
+    assert "the largest 1.8e+308" in str(err.value) and "NaN" not in str(err.value)
+    with pytest.raises(BagValidationError, match=r"the reference control, column 1: 400 value"):
+        models["control"].predict_tasks([x], control=control * 1e200)
+    train = [c.copy() for c in cells[:4]]
+    train[2] = train[2] * 1e200
+    with pytest.raises(BagValidationError, match=r"task 2, column 0: 400 value\(s\) beyond"):
+        MarginalTransferClassifier(**FAST).fit(train, labels[:4])
+    # Outliers within float32's range are answered, finite.
+    wild = x.copy()
+    wild[:3, 1] = 1e30
+    for model in models.values():
+        extra = {"control": control} if model is models["control"] else {}
+        (answer,) = model.predict_tasks([wild], **extra)
+        assert np.all(np.isfinite(answer.scores))
