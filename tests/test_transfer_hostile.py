@@ -71,3 +71,28 @@ def test_values_beyond_float32_are_refused_naming_task_and_column(cohort, models
         extra = {"control": control} if model is models["control"] else {}
         (answer,) = model.predict_tasks([wild], **extra)
         assert np.all(np.isfinite(answer.scores))
+
+
+def test_a_marker_that_never_varies_in_training_is_refused_naming_it(cohort):
+    """A marker at one value in every training cell tells no cell from another. It
+    was fitted silently (and every new sample at that value would then be unlike the
+    training batch); where no marker varied (values of order 1e-310), scikit-learn's
+    LDA failed with an IndexError. The fit names the column instead. One training
+    sample flat on a marker, the others spread, is a sample like any other."""
+    cells, labels, _ = cohort
+    train = [c.copy() for c in cells[:4]]
+    for x in train:
+        x[:, 1] = 2.0
+    with pytest.raises(BagValidationError, match="column 1: every training cell reads 2 ") as err:
+        MarginalTransferClassifier(**FAST).fit(train, labels[:4])
+    assert "column 0" not in str(err.value) and "leave it out of the panel" in str(err.value)
+    with pytest.raises(BagValidationError, match="column 1"):
+        MarginalTransferRegressor(**FAST).fit(train, [x[:, 0] for x in train])
+    tiny = [c * 1e-310 for c in cells[:4]]
+    with pytest.raises(BagValidationError) as err:
+        MarginalTransferClassifier(**FAST).fit(tiny, labels[:4])
+    assert all(f"column {j}: every training cell reads" in str(err.value) for j in range(3))
+    one = [c.copy() for c in cells[:4]]
+    one[0][:, 1] = 2.0
+    model = MarginalTransferClassifier(**FAST).fit(one, labels[:4])
+    assert np.all(np.isfinite(model.decision_function([cells[4]])))

@@ -25,6 +25,7 @@ from .explain import explain_task
 from .inputs import (
     as_task_list,
     check_parameters,
+    check_training_spread,
     concatenated_labels,
     control_cells,
     one_vs_rest_codes,
@@ -97,6 +98,7 @@ class _MarginalTransfer(BaseEstimator):
         """
         check_parameters(self, self._is_classifier)
         tasks = as_task_list(X)
+        check_training_spread(tasks)
         Y = self._encode(concatenated_labels(y, tasks))
         d = tasks[0].shape[1]
         g = None if groups is None else np.asarray(groups)

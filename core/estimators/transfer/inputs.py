@@ -18,6 +18,7 @@ __all__ = [
     "LARGEST_VALUE",
     "as_task_list",
     "check_parameters",
+    "check_training_spread",
     "concatenated_labels",
     "control_cells",
     "one_vs_rest_codes",
@@ -73,6 +74,33 @@ def as_task_list(X: Any) -> list[NDArray[np.float64]]:
     if problems:
         raise BagValidationError(problems)
     return tasks
+
+
+def check_training_spread(tasks: list[NDArray[np.float64]]) -> None:
+    """Refuse training tasks on which a marker column does not vary: every training
+    cell at one value (or within float32's smallest normal step of it). Such a
+    marker tells no cell from another, and no spread is there to calibrate a new
+    sample's by: scikit-learn's LDA failed with an IndexError where no marker
+    varied, and a model fitted with one flagged every new sample that read one value
+    on it too.
+
+    Raises
+    ------
+    BagValidationError
+        Naming each such column, its value range and what is expected.
+    """
+    low = np.min([x.min(axis=0) for x in tasks], axis=0)
+    high = np.max([x.max(axis=0) for x in tasks], axis=0)
+    tiny = float(np.finfo(np.float32).tiny)
+    problems = [
+        f"column {j}: every training cell reads {low[j]:.6g}"
+        + ("" if high[j] == low[j] else f" to {high[j]:.6g}")
+        + f" (a spread of at most {tiny:.3g}); a marker must vary across the training "
+        "cells to tell them apart: leave it out of the panel"
+        for j in np.flatnonzero(high - low <= tiny)
+    ]
+    if problems:
+        raise BagValidationError(problems)
 
 
 def control_cells(control: ArrayLike, dim: int) -> NDArray[np.float64]:
