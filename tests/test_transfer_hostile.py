@@ -96,3 +96,29 @@ def test_a_marker_that_never_varies_in_training_is_refused_naming_it(cohort):
     one[0][:, 1] = 2.0
     model = MarginalTransferClassifier(**FAST).fit(one, labels[:4])
     assert np.all(np.isfinite(model.decision_function([cells[4]])))
+
+
+def test_a_sample_that_reads_one_value_on_a_marker_is_out_of_range(cohort, models):
+    """A detector at its bound, a file of one cell repeated, values of order 1e-310:
+    the sample's cells read one value on a marker. No calibration can recover that
+    marker's scale (the landmark map puts it at the training mean, the control's map
+    at wherever the value falls), and near that mean the sample was answered as in
+    range (about half its cells right, 4 markers). It is answered, finite, and out of range,
+    by every calibration; its spread samples, however small, are not."""
+    cells, _, control = cohort
+    x = cells[4]
+    landmarks = models["landmarks"]
+    near = x.copy()
+    near[:, 1] = np.median(np.vstack(cells[:4])[:, 1])
+    (answer,) = landmarks.predict_tasks([near])
+    assert answer.report.out_of_range and np.all(np.isfinite(answer.scores))
+    (measured,) = landmarks.predict_tasks([x])
+    assert not measured.report.out_of_range
+    flat_samples = [near, np.repeat(x[:1], 50, axis=0), x * 1e-310, x[:2][[0, 0]]]
+    for name, model in models.items():
+        extra = {"control": control} if name == "control" else {}
+        answers = model.predict_tasks([*flat_samples, x, x[:2], x[:3]], **extra)
+        assert [a.report.out_of_range for a in answers[:4]] == [True] * 4, name
+        assert all(np.all(np.isfinite(a.scores)) for a in answers), name
+        domain = model.domain_report([a.report for a in answers])
+        assert domain.out_of_range[:4].all() and not domain.out_of_range[4], name

@@ -17,7 +17,14 @@ from numpy.typing import NDArray
 from ...alignment import CONTROL_LEVELS
 from ...bags import Bags, subsample_bags
 
-__all__ = ["SD_FLOOR", "Reference", "canonical_cells", "fit_reference", "sample_moments"]
+__all__ = [
+    "SD_FLOOR",
+    "Reference",
+    "canonical_cells",
+    "fit_reference",
+    "flat_markers",
+    "sample_moments",
+]
 
 #: Floor of a marker's standard deviation, relative to the training reference's: a
 #: marker a sample does not spread (all its cells on a detector bound) is shifted,
@@ -82,6 +89,14 @@ def sample_moments(x: NDArray[np.float64], floor: NDArray[np.float64]) -> tuple[
     """Per-marker mean and standard deviation (floored), the same for any cell order."""
     x = canonical_cells(x, None, 0)
     return x.mean(axis=0), np.maximum(x.std(axis=0), floor)
+
+
+def flat_markers(x: NDArray[np.float64], reference: Reference) -> NDArray[np.bool_]:
+    """The markers on which sample ``x``'s cells all read one value (a detector at its
+    bound, a file of one cell repeated): their range is at most :data:`SD_FLOOR`
+    training standard deviations. The range, not the standard deviation: it is the
+    same to the bit in any order of the cells."""
+    return np.ptp(x, axis=0) <= SD_FLOOR * reference.sd
 
 
 def fit_reference(
