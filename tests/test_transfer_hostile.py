@@ -122,3 +122,45 @@ def test_a_sample_that_reads_one_value_on_a_marker_is_out_of_range(cohort, model
         assert all(np.all(np.isfinite(a.scores)) for a in answers), name
         domain = model.domain_report([a.report for a in answers])
         assert domain.out_of_range[:4].all() and not domain.out_of_range[4], name
+
+
+def test_the_service_refuses_a_huge_value_and_flags_a_flat_sample(cohort, models, tmp_path):
+    """Through the real app under uvicorn: a value beyond float32's range is a 422
+    naming the task and the column (it was a 422 blaming a NaN the request did not
+    hold); a sample at one value on a marker is answered, out of range, and its
+    status says the answer is preliminary."""
+    import httpx
+    from bagserve.core import save
+    from bagserve.core.io.panel import Panel
+    from bagserve.core.io.preprocessing import Preprocessing
+
+    from .service_harness import running_service
+
+    markers = ["CD3", "CD4", "CD8"]
+    meta = {"panel": Panel(tuple(markers)).to_json(), "preprocessing": Preprocessing().to_json()}
+    save(
+        models["landmarks"], tmp_path / "models" / "gates" / "1", name="gates", version="1", **meta
+    )
+    x = np.round(cohort[0][4], 6)
+    flat = x.copy()
+    flat[:, 1] = np.median(np.vstack(cohort[0][:4])[:, 1])
+    huge = x.copy()
+    huge[3, 2] = 1e200
+
+    def body(*cells):
+        return {
+            "bags": [
+                {"id": f"s{i}", "markers": markers, "points": c.tolist()}
+                for i, c in enumerate(cells)
+            ]
+        }
+
+    with running_service(tmp_path / "models") as url, httpx.Client(base_url=url, timeout=120) as c:
+        r = c.post("/v1/models/gates/predict", json=body(x, huge))
+        assert r.status_code == 422, r.text
+        assert "task 1, column 2: 1 value(s) beyond" in r.text and "NaN" not in r.text
+        r = c.post("/v1/models/gates/predict", json=body(x, flat))
+        assert r.status_code == 200, r.text
+        got = r.json()["predictions"]
+        assert [p["report"]["out_of_range"] for p in got] == [False, True]
+        assert got[1]["status"] != got[0]["status"]
