@@ -164,3 +164,21 @@ def test_the_service_refuses_a_huge_value_and_flags_a_flat_sample(cohort, models
         got = r.json()["predictions"]
         assert [p["report"]["out_of_range"] for p in got] == [False, True]
         assert got[1]["status"] != got[0]["status"]
+
+
+def test_a_marker_copied_from_another_is_out_of_range(cohort, models):
+    """The same channel read into two markers (a panel mix-up), as is or rescaled:
+    the sample's cells span one marker fewer than the model reads. It was answered as
+    in range. Now out of range by every calibration, answered finite; the markers'
+    ordinary correlation in a sample is no tie."""
+    cells, _, control = cohort
+    x = cells[4]
+    copied, rescaled = x.copy(), x.copy()
+    copied[:, 2] = x[:, 0]
+    rescaled[:, 1] = 3.0 * x[:, 2] - 1.0
+    assert np.max(np.abs(np.corrcoef(x, rowvar=False) - np.eye(3))) > 0.3
+    for name, model in models.items():
+        extra = {"control": control} if name == "control" else {}
+        answers = model.predict_tasks([copied, rescaled, x], **extra)
+        assert [a.report.out_of_range for a in answers] == [True, True, False], name
+        assert all(np.all(np.isfinite(a.scores)) for a in answers), name

@@ -35,7 +35,7 @@ from .inputs import (
 )
 from .landmarks import REFUSAL_SHARE
 from .open_set import apply_reject, far_from_populations, population_statistics
-from .reference import SD_FLOOR, Reference, fit_reference, flat_markers
+from .reference import SD_FLOOR, Reference, degenerate_markers, fit_reference
 from .reports import TaskPrediction, TaskReport, domain_report, task_report
 from .search import Problem, Selection, candidates, choose, without_control
 from .task_map import TaskMap, fit_task_map
@@ -183,8 +183,9 @@ class _MarginalTransfer(BaseEstimator):
         self, X: Any, control: ArrayLike | None
     ) -> tuple[list[NDArray[np.float64]], list[Any], list[str]]:
         """The tasks in the cell model's space, each one's calibration quality (with a
-        control), shift (:func:`.calibration.shift`) and markers whose cells all read
-        one value (:func:`.reference.flat_markers`), and each one's calibration: the
+        control), shift (:func:`.calibration.shift`) and markers that carry no
+        measurement of their own (:func:`.reference.degenerate_markers`), and each
+        one's calibration: the
         model's own (or its best without a control where the batch's is not given), or
         none where its landmarks show no instrument (:func:`.calibration.calibrate`)."""
         reference, _ = self._parts()
@@ -206,10 +207,10 @@ class _MarginalTransfer(BaseEstimator):
         out = [calibrate(how, x, reference, fitted) for x in tasks]
         ran = [r for _, _, r in out]
         moved = [shift(r, x, z, reference) for x, (z, _, r) in zip(tasks, out, strict=True)]
-        flat = [flat_markers(x, reference) for x in tasks]
+        degenerate = [degenerate_markers(x, reference) for x in tasks]
         return (
             [z for z, _, _ in out],
-            [(q, m, f) for (_, q, _), m, f in zip(out, moved, flat, strict=True)],
+            [(q, m, f) for (_, q, _), m, f in zip(out, moved, degenerate, strict=True)],
             ran,
         )
 
@@ -227,9 +228,11 @@ class _MarginalTransfer(BaseEstimator):
                 s = cell_scores(self.cell_model_, z, task_map, psi[i], self._is_classifier)
                 scores.append(s)
                 codes.append(self._codes(s))
-                quality, moved, flat = qualities[i]
+                quality, moved, degenerate = qualities[i]
                 limit = self.shift_limits_.get(how[i], np.inf)
-                reports.append(task_report(task_map, sq[i], how[i], quality, moved, limit, flat))
+                reports.append(
+                    task_report(task_map, sq[i], how[i], quality, moved, limit, degenerate)
+                )
         return scores, codes, reports
 
     def _codes(self, s: NDArray[np.float64]) -> NDArray[np.int64]:

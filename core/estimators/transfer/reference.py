@@ -21,15 +21,24 @@ __all__ = [
     "SD_FLOOR",
     "Reference",
     "canonical_cells",
+    "degenerate_markers",
     "fit_reference",
     "flat_markers",
     "sample_moments",
+    "tied_markers",
 ]
 
 #: Floor of a marker's standard deviation, relative to the training reference's: a
 #: marker a sample does not spread (all its cells on a detector bound) is shifted,
 #: not blown up.
 SD_FLOOR = 1e-3
+#: Two markers are tied when their cells' correlation is within this of ±1: one is an
+#: affine copy of the other (the same channel read twice), up to rounding. Measured
+#: cells never come near it: their spread off the line would be a few 1e-5 of their
+#: standard deviation.
+TIE = 1e-9
+#: Cells the ties are looked for on (the first ones): an exact tie holds on any cells.
+TIE_CELLS = 20_000
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,31 @@ def flat_markers(x: NDArray[np.float64], reference: Reference) -> NDArray[np.boo
     training standard deviations. The range, not the standard deviation: it is the
     same to the bit in any order of the cells."""
     return np.ptp(x, axis=0) <= SD_FLOOR * reference.sd
+
+
+def tied_markers(x: NDArray[np.float64], flat: NDArray[np.bool_]) -> NDArray[np.bool_]:
+    """The markers of sample ``x`` (of at least three cells; two always lie on a
+    line) that are an affine copy of another marker, apart from the ``flat`` ones:
+    their cells' correlation is within :data:`TIE` of ±1, on the first
+    :data:`TIE_CELLS` cells."""
+    tied = np.zeros(x.shape[1], dtype=bool)
+    spread = np.flatnonzero(~flat)
+    if x.shape[0] < 3 or spread.size < 2:
+        return tied
+    z = x[:TIE_CELLS, spread]
+    z = z - z.mean(axis=0)
+    z /= np.maximum(np.linalg.norm(z, axis=0), np.finfo(np.float64).tiny)
+    near = np.abs(z.T @ z) >= 1.0 - TIE
+    np.fill_diagonal(near, False)
+    tied[spread] = near.any(axis=1)
+    return tied
+
+
+def degenerate_markers(x: NDArray[np.float64], reference: Reference) -> NDArray[np.bool_]:
+    """The markers of sample ``x`` that carry no measurement of their own: flat
+    (:func:`flat_markers`) or tied to another (:func:`tied_markers`)."""
+    flat = flat_markers(x, reference)
+    return flat | tied_markers(x, flat)
 
 
 def fit_reference(

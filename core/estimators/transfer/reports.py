@@ -37,12 +37,14 @@ class TaskReport:
         and a ``τ > 0`` model answers with its pooled part there. With a fallback,
         also when ``disagreement`` exceeds ``range_factor`` times what the two
         models' cross-validation errors allow on tasks like the training ones.
-        Also when the task's cells all read one value on a marker
-        (:func:`~.reference.flat_markers`; the training cells vary on every marker,
-        :func:`~.inputs.check_training_spread`): no calibration can find that
-        marker's scale, and the task's distance says nothing of it (such a marker
-        put at the training mean by the landmark map was labelled about half right,
-        as in range).
+        Also when a marker of the task carries no measurement of its own
+        (:func:`~.reference.degenerate_markers`): its cells all read one value on it
+        (the training cells vary on every marker,
+        :func:`~.inputs.check_training_spread`), or it is an affine copy of another
+        marker (the same channel read twice). No calibration can find such a
+        marker's scale, and the task's distance says nothing of it (a flat marker
+        put at the training mean by the landmark map, or a copied one, was labelled
+        about half right, as in range).
     fallback : bool
         The task was out of range and was answered by the model's invariant
         fallback (``normalise="auto"`` only: a model of per-task standardised tasks,
@@ -118,13 +120,13 @@ def task_report(
     quality: Any,
     moved: float,
     limit: float,
-    flat: NDArray[np.bool_] | None = None,
+    degenerate: NDArray[np.bool_] | None = None,
 ) -> TaskReport:
     """A new task's report from its squared embedding distances ``sq`` to the training
     tasks (:class:`~.task_map.TaskMap`), the calibration it had, that calibration's
     quality and shift ``moved``, the largest shift in range (``limit``), and the
-    markers on which its cells all read one value (``flat``,
-    :func:`~.reference.flat_markers`): with one, the task is out of range."""
+    markers that carry no measurement of their own (``degenerate``,
+    :func:`~.reference.degenerate_markers`): with one, the task is out of range."""
     dist = np.sqrt(sq)
     order = np.argsort(dist, kind="stable")[:3]
     return TaskReport(
@@ -134,7 +136,7 @@ def task_report(
         out_of_range=bool(
             dist[order[0]] > task_map.range_threshold
             or moved > limit
-            or (flat is not None and flat.any())
+            or (degenerate is not None and degenerate.any())
         ),
         calibrated=None if how == "none" else how,
         calibration=quality,
