@@ -182,3 +182,30 @@ def test_a_marker_copied_from_another_is_out_of_range(cohort, models):
         answers = model.predict_tasks([copied, rescaled, x], **extra)
         assert [a.report.out_of_range for a in answers] == [True, True, False], name
         assert all(np.all(np.isfinite(a.scores)) for a in answers), name
+
+
+def test_a_control_piled_on_one_value_is_refused_naming_the_column(cohort, models):
+    """A batch's control whose cells read one value on a marker cannot map that
+    marker: its quantile map sent the batch's samples 6e8 training standard
+    deviations away. It is refused, at fit and at prediction, naming the column; so
+    is a control collapsed to 1e-310, and one too small (as before)."""
+    cells, labels, control = cohort
+    model = models["control"]
+    piled = control.copy()
+    piled[:, 1] = 5.0
+    with pytest.raises(BagValidationError, match=r"the reference control, column 1: .* read 5;"):
+        model.predict_tasks([cells[4]], control=piled)
+    with pytest.raises(BagValidationError) as err:
+        model.predict_tasks([cells[4]], control=control * 1e-310)
+    assert all(f"the reference control, column {j}:" in str(err.value) for j in range(3))
+    with pytest.raises(BagValidationError, match="at least 202 cells"):
+        model.predict_tasks([cells[4]], control=control[:150])
+    with pytest.raises(BagValidationError, match="the reference control, column 1:"):
+        MarginalTransferClassifier(calibrate="control", **FAST).fit(
+            cells[:4], labels[:4], control=piled
+        )
+    # Half the control on one value still spreads between its outer levels: mapped.
+    half = control.copy()
+    half[::2, 0] = 0.0
+    (answer,) = model.predict_tasks([cells[4]], control=half)
+    assert np.all(np.isfinite(answer.scores))

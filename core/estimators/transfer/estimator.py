@@ -199,7 +199,7 @@ class _MarginalTransfer(BaseEstimator):
             how = self.calibration_without_control_
         fitted = None
         if control is not None:
-            cells = control_cells(control, self.n_features_in_)
+            cells = control_cells(control, self.n_features_in_, reference.control_scale)
             # The map is fitted where it is used; a model without a training control
             # refuses a batch's control whatever it was to calibrate by.
             if how == "control" or reference.control_quantiles is None:

@@ -13,6 +13,7 @@ from ...alignment import CONTROL_LEVELS
 from ...bags import Bags, BagValidationError, as_bags
 from .calibration import CALIBRATIONS
 from .cell_models import CELL_MODELS
+from .reference import SD_FLOOR
 
 __all__ = [
     "LARGEST_VALUE",
@@ -103,9 +104,16 @@ def check_training_spread(tasks: list[NDArray[np.float64]]) -> None:
         raise BagValidationError(problems)
 
 
-def control_cells(control: ArrayLike, dim: int) -> NDArray[np.float64]:
+def control_cells(
+    control: ArrayLike, dim: int, scale: NDArray[np.float64] | None = None
+) -> NDArray[np.float64]:
     """A batch's reference control as cells x ``dim`` markers, enough for the quantile
-    map's levels, finite."""
+    map's levels, finite, and spread on every marker between its outer levels: more
+    than :data:`~.reference.SD_FLOOR` times ``scale`` (the training control's standard
+    deviation; without it, more than float32's smallest normal step). A control
+    piled on one value maps a whole range of its batch's cells onto one value, or
+    one value onto a range: its samples were moved by 6e8 training standard
+    deviations."""
     cells = np.asarray(control, dtype=np.float64)
     if cells.ndim != 2 or cells.shape[1] != dim:
         raise BagValidationError(
@@ -122,6 +130,16 @@ def control_cells(control: ArrayLike, dim: int) -> NDArray[np.float64]:
     if not np.isfinite(cells).all():
         raise BagValidationError(["the reference control contains NaN or Inf"])
     problems = _too_large(cells, "the reference control")
+    ends = np.quantile(cells, CONTROL_LEVELS[[0, -1]], axis=0)
+    least = np.finfo(np.float32).tiny if scale is None else SD_FLOOR * np.asarray(scale)
+    problems += [
+        f"the reference control, column {j}: its cells between the "
+        f"{100 * CONTROL_LEVELS[0]:g} % and {100 * CONTROL_LEVELS[-1]:g} % quantiles read "
+        f"{ends[0, j]:.6g}"
+        + ("" if ends[1, j] == ends[0, j] else f" to {ends[1, j]:.6g}")
+        + "; a control must vary on every marker to map it onto the training batch's"
+        for j in np.flatnonzero(ends[1] - ends[0] <= least)
+    ]
     if problems:
         raise BagValidationError(problems)
     return cells
