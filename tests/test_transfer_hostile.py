@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from bagserve.core import BagValidationError, MarginalTransferClassifier, MarginalTransferRegressor
 from bagserve.core.datasets import make_batched_cytometry_tasks
+from bagserve.core.estimators.transfer.calibration import calibrate
+from bagserve.core.estimators.transfer.reference import Reference
 
 FAST = {"cv": 2, "cv_points": 100, "perturbations": 2, "n_components": 32, "random_state": 0}
 
@@ -209,3 +211,31 @@ def test_a_control_piled_on_one_value_is_refused_naming_the_column(cohort, model
     half[::2, 0] = 0.0
     (answer,) = model.predict_tasks([cells[4]], control=half)
     assert np.all(np.isfinite(answer.scores))
+
+
+def test_cells_a_thousand_training_sds_away_put_a_sample_out_of_range(cohort, models):
+    """Three cells at 1e30 on a marker: no instrument's shift puts a measured cell
+    there. They inflated a standardised sample's moments until its other cells,
+    crushed together, changed label, and a linear regressor answered them with
+    values of order 1e30; both in range. Out of range now, answered finite; a sample
+    as measured is not."""
+    cells, labels, _ = cohort
+    x = cells[4]
+    wild = x.copy()
+    wild[:3, 1] = 1e30
+    standard = MarginalTransferClassifier(calibrate="standardise", cell_model="linear", **FAST).fit(
+        cells[:4], labels[:4]
+    )
+    (clean,), (crushed,) = standard.predict_tasks([x]), standard.predict_tasks([wild])
+    # The other cells, as the model sees them: one value on the marker.
+    z, _, _ = calibrate("standardise", wild, Reference.from_state(standard.reference_), None)
+    assert np.ptp(z[3:, 1]) < 1e-20 < np.ptp(x[3:, 1])
+    assert np.any(clean.predictions[3:] != crushed.predictions[3:])
+    assert crushed.report.out_of_range and not clean.report.out_of_range
+    regressor = models["regressor"]
+    (answer,) = regressor.predict_tasks([wild])
+    assert np.abs(answer.predictions[:3]).min() > 1e20 and answer.report.out_of_range
+    for name, model in models.items():
+        if name != "control":
+            (answer,) = model.predict_tasks([wild])
+            assert answer.report.out_of_range and np.all(np.isfinite(answer.scores)), name

@@ -35,7 +35,7 @@ from .inputs import (
 )
 from .landmarks import REFUSAL_SHARE
 from .open_set import apply_reject, far_from_populations, population_statistics
-from .reference import SD_FLOOR, Reference, degenerate_markers, fit_reference
+from .reference import SD_FLOOR, Reference, fit_reference, suspect_markers
 from .reports import TaskPrediction, TaskReport, domain_report, task_report
 from .search import Problem, Selection, candidates, choose, without_control
 from .task_map import TaskMap, fit_task_map
@@ -183,11 +183,11 @@ class _MarginalTransfer(BaseEstimator):
         self, X: Any, control: ArrayLike | None
     ) -> tuple[list[NDArray[np.float64]], list[Any], list[str]]:
         """The tasks in the cell model's space, each one's calibration quality (with a
-        control), shift (:func:`.calibration.shift`) and markers that carry no
-        measurement of their own (:func:`.reference.degenerate_markers`), and each
-        one's calibration: the
-        model's own (or its best without a control where the batch's is not given), or
-        none where its landmarks show no instrument (:func:`.calibration.calibrate`)."""
+        control), shift (:func:`.calibration.shift`) and markers not measured as the
+        training batch measures them (:func:`.reference.suspect_markers`), and each
+        one's calibration: the model's own (or its best without a control where the
+        batch's is not given), or none where its landmarks show no instrument
+        (:func:`.calibration.calibrate`)."""
         reference, _ = self._parts()
         tasks = as_task_list(X)
         bad = [f"task {i}: {t.shape[1]} marker column(s), the model has {self.n_features_in_}"
@@ -207,10 +207,10 @@ class _MarginalTransfer(BaseEstimator):
         out = [calibrate(how, x, reference, fitted) for x in tasks]
         ran = [r for _, _, r in out]
         moved = [shift(r, x, z, reference) for x, (z, _, r) in zip(tasks, out, strict=True)]
-        degenerate = [degenerate_markers(x, reference) for x in tasks]
+        suspect = [suspect_markers(x, reference) for x in tasks]
         return (
             [z for z, _, _ in out],
-            [(q, m, f) for (_, q, _), m, f in zip(out, moved, degenerate, strict=True)],
+            [(q, m, f) for (_, q, _), m, f in zip(out, moved, suspect, strict=True)],
             ran,
         )
 
@@ -228,11 +228,9 @@ class _MarginalTransfer(BaseEstimator):
                 s = cell_scores(self.cell_model_, z, task_map, psi[i], self._is_classifier)
                 scores.append(s)
                 codes.append(self._codes(s))
-                quality, moved, degenerate = qualities[i]
+                quality, moved, suspect = qualities[i]
                 limit = self.shift_limits_.get(how[i], np.inf)
-                reports.append(
-                    task_report(task_map, sq[i], how[i], quality, moved, limit, degenerate)
-                )
+                reports.append(task_report(task_map, sq[i], how[i], quality, moved, limit, suspect))
         return scores, codes, reports
 
     def _codes(self, s: NDArray[np.float64]) -> NDArray[np.int64]:

@@ -37,14 +37,15 @@ class TaskReport:
         and a ``τ > 0`` model answers with its pooled part there. With a fallback,
         also when ``disagreement`` exceeds ``range_factor`` times what the two
         models' cross-validation errors allow on tasks like the training ones.
-        Also when a marker of the task carries no measurement of its own
-        (:func:`~.reference.degenerate_markers`): its cells all read one value on it
-        (the training cells vary on every marker,
-        :func:`~.inputs.check_training_spread`), or it is an affine copy of another
-        marker (the same channel read twice). No calibration can find such a
-        marker's scale, and the task's distance says nothing of it (a flat marker
-        put at the training mean by the landmark map, or a copied one, was labelled
-        about half right, as in range).
+        Also when a marker of the task is not measured as the training batch
+        measures it (:func:`~.reference.suspect_markers`): its cells all read one
+        value on it (the training cells vary on every marker,
+        :func:`~.inputs.check_training_spread`), it is an affine copy of another
+        marker (the same channel read twice), or a cell lies beyond a thousand
+        training standard deviations on it. No calibration can find the scale of
+        the first two, the third inflates the sample's moments, and the task's
+        distance says nothing of any (such samples were labelled about half right,
+        as in range).
     fallback : bool
         The task was out of range and was answered by the model's invariant
         fallback (``normalise="auto"`` only: a model of per-task standardised tasks,
@@ -120,13 +121,13 @@ def task_report(
     quality: Any,
     moved: float,
     limit: float,
-    degenerate: NDArray[np.bool_] | None = None,
+    suspect: NDArray[np.bool_] | None = None,
 ) -> TaskReport:
     """A new task's report from its squared embedding distances ``sq`` to the training
     tasks (:class:`~.task_map.TaskMap`), the calibration it had, that calibration's
     quality and shift ``moved``, the largest shift in range (``limit``), and the
-    markers that carry no measurement of their own (``degenerate``,
-    :func:`~.reference.degenerate_markers`): with one, the task is out of range."""
+    markers not measured as the training batch measures them (``suspect``,
+    :func:`~.reference.suspect_markers`): with one, the task is out of range."""
     dist = np.sqrt(sq)
     order = np.argsort(dist, kind="stable")[:3]
     return TaskReport(
@@ -136,7 +137,7 @@ def task_report(
         out_of_range=bool(
             dist[order[0]] > task_map.range_threshold
             or moved > limit
-            or (degenerate is not None and degenerate.any())
+            or (suspect is not None and suspect.any())
         ),
         calibrated=None if how == "none" else how,
         calibration=quality,
