@@ -48,6 +48,10 @@ class MarkerQuality:
         The calibration: ``"control"``, or ``"landmarks"``, whose ``before`` and
         ``after`` are distances of the sample's populations to the training
         populations' places (:func:`core.estimators.transfer.landmarks.population_places`).
+    refused : bool
+        Landmarks: the map was refused, its gain lying in the ``worse`` markers, and
+        the sample answered as measured (a sample the gate left as measured, or one
+        that was mapped, is not refused). Never for a control.
     """
 
     moved: NDArray[np.float64]
@@ -55,6 +59,7 @@ class MarkerQuality:
     after: NDArray[np.float64]
     worse: NDArray[np.bool_]
     by: str = "control"
+    refused: bool = False
 
 
 def control_map(

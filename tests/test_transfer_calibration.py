@@ -174,8 +174,14 @@ def test_a_map_that_squeezes_a_spread_population_is_refused(two_populations):
     assert as_measured > np.mean(lda.predict(x * fit.scale + fit.shift) == k) + 0.01
     answer = model.predict_tasks([x])[0]
     assert answer.report.calibrated is None and answer.report.shift == 0.0
-    assert answer.report.calibration.by == "landmarks" and answer.report.calibration.worse[0]
-    np.testing.assert_array_equal(answer.report.calibration.moved, 0.0)
+    quality = answer.report.calibration
+    assert quality.by == "landmarks" and quality.refused and quality.worse[0]
+    np.testing.assert_array_equal(quality.moved, 0.0)
+    domain = model.domain_report([answer.report])
+    assert domain.calibration_refused.tolist() == [True]
+    # A sample through a plain instrument on every marker is mapped, not refused.
+    plain = model.predict_tasks([_two_populations(2000, 1.0, rng)[0] * 1.3 + 0.5])[0]
+    assert plain.report.calibrated == "landmarks" and not plain.report.calibration.refused
     assert np.mean(answer.predictions == k) > as_measured - 0.005
 
 

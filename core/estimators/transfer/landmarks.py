@@ -245,7 +245,9 @@ class LandmarkMap:
     def quality(self, moved: NDArray[np.float64]) -> MarkerQuality:
         """The map's report, with ``moved`` the median displacement of the sample's
         cells per marker as answered (zero where the sample was left as measured)."""
-        return MarkerQuality(moved, self.before, self.after, self.worse, by="landmarks")
+        return MarkerQuality(
+            moved, self.before, self.after, self.worse, by="landmarks", refused=self.refused
+        )
 
 
 def landmark_map(x: NDArray[np.float64], reference: Reference) -> LandmarkMap:

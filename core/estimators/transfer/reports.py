@@ -102,6 +102,7 @@ def calibration_arrays(reports: list[TaskReport]) -> dict[str, Any]:
         out["calibration_moved"] = np.array([r.calibration.moved for r in reports])
         out["calibration_worse"] = np.array([r.calibration.worse for r in reports])
         out["calibration_by"] = np.array([r.calibration.by for r in reports])
+        out["calibration_refused"] = np.array([r.calibration.refused for r in reports])
     return out
 
 
