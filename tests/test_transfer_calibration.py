@@ -157,6 +157,29 @@ def test_population_places_are_the_populations_distances_before_and_after_the_ma
     assert not lm.landmark_map(x, reference).refused
 
 
+def test_a_sample_the_gate_leaves_as_measured_names_no_marker_worse(fitted):
+    """The training batch's own samples show no instrument: the gate leaves them as
+    measured, their maps neither applied nor refused. The report then says what the
+    answer is, the cells as measured: moved 0, the populations where they were, and
+    no marker made worse (the service lists ``worse`` as the markers that refused a
+    map), though some of these maps, had they run, would have moved a population
+    away on a marker."""
+    model, reference, tasks, _ = fitted
+    fits = [lm.landmark_map(np.asarray(x), reference) for x in tasks]
+    assert all(f.gain <= reference.landmark_gain_limit and not f.refused for f in fits)
+    assert any(f.worse.any() for f in fits)
+    for x, fit in zip(tasks, fits, strict=True):
+        z, quality, ran = cal.calibrate("landmarks", np.asarray(x), reference, None)
+        assert ran == "none"
+        np.testing.assert_array_equal(z, x)
+        np.testing.assert_array_equal(quality.moved, 0.0)
+        np.testing.assert_array_equal(quality.before, fit.before)
+        np.testing.assert_array_equal(quality.after, fit.before)
+        assert quality.by == "landmarks" and not quality.worse.any()
+    for answer in model.predict_tasks(tasks):
+        assert answer.report.calibrated is None and not answer.report.calibration.worse.any()
+
+
 def test_a_map_that_squeezes_a_spread_population_is_refused(two_populations):
     """A new detector spreads the large population three times wider on marker 0.
     The likelihood's best map squeezes that marker (scale about 0.75) and drags the

@@ -147,7 +147,8 @@ def calibrate(
     A landmark map past the gate is still refused where its gain lies in markers it
     moves away from the sample's populations' places (:func:`.landmarks.landmark_map`):
     the sample is answered as measured, and its quality names those markers, each
-    moved by 0.
+    moved by 0. A sample the gate leaves as measured names none: its map made
+    nothing worse.
 
     Raises
     ------
@@ -162,7 +163,7 @@ def calibrate(
         fit = landmark_map(x, reference)
         limit = reference.landmark_gain_limit
         if fit.refused or (limit is not None and fit.gain <= limit):
-            return x, fit.quality(np.zeros_like(fit.scale)), "none"
+            return x, fit.as_measured(), "none"
         z = x * fit.scale + fit.shift
         return z, fit.quality(np.median(np.abs(z - x), axis=0) / reference.sd), how
     if how != "control":

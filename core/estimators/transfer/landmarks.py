@@ -243,9 +243,20 @@ class LandmarkMap:
     refused: bool
 
     def quality(self, moved: NDArray[np.float64]) -> MarkerQuality:
-        """The map's report, with ``moved`` the median displacement of the sample's
-        cells per marker as answered (zero where the sample was left as measured)."""
+        """The report of the map as applied, with ``moved`` the median displacement of
+        the sample's cells per marker."""
         return MarkerQuality(moved, self.before, self.after, self.worse, by="landmarks")
+
+    def as_measured(self) -> MarkerQuality:
+        """The report of the sample answered as measured: moved by 0 on every marker.
+        A refused map names the markers that refused it; a map the gate held back
+        made nothing worse, and its populations stay where they were."""
+        zero = np.zeros_like(self.scale)
+        if self.refused:
+            return self.quality(zero)
+        return MarkerQuality(
+            zero, self.before, self.before, np.zeros_like(self.worse), by="landmarks"
+        )
 
 
 def landmark_map(x: NDArray[np.float64], reference: Reference) -> LandmarkMap:

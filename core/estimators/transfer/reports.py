@@ -57,9 +57,12 @@ class TaskReport:
         model saw it; ``None`` where it was not. Without a control, the distance and
         the flag are the task's own, as it arrived; with one, the mapped task's.
     calibration : MarkerQuality or None
-        With a control: per marker, how far the map moved this task's cells, and the
-        control's distance to the training control before and after the map on
-        cells it was not fitted on (``worse``: the markers it made worse).
+        With a control or landmarks (``by`` says which): per marker, how far the map
+        moved this task's cells, and the distance to the training batch before and
+        after the map, the control's on cells it was not fitted on or the task's
+        populations' to the training populations' places (``worse``: the markers it
+        made worse, or that refused a landmark map where the task was left as
+        measured).
     shift : float or None
         How far the calibration moved the task (the largest over markers of a cell's
         median displacement, in training standard deviations;
