@@ -198,8 +198,38 @@ def test_a_map_that_squeezes_a_spread_population_is_refused(two_populations):
     answer = model.predict_tasks([x])[0]
     assert answer.report.calibrated is None and answer.report.shift == 0.0
     assert answer.report.calibration.by == "landmarks" and answer.report.calibration.worse[0]
+    assert answer.report.calibration.refused and answer.report.out_of_range
     np.testing.assert_array_equal(answer.report.calibration.moved, 0.0)
     assert np.mean(answer.predictions == k) > as_measured - 0.005
+
+
+def test_a_refused_map_of_a_real_instrument_is_no_silent_answer():
+    """The refusal can be wrong: a sample of the training batch seen through a plain
+    per-marker gain and offset (of the size the search's drawn instruments have),
+    whose landmark map undoes it, shows a gain nine times the gate's limit, yet the
+    populations identified as measured are the wrong ones, and the map is refused.
+    As measured, about a third of its cells are labelled right. A refused map past
+    the gate means an instrument the model did not undo: whatever the sample is
+    answered with, it is not answered as one like the training samples (the model
+    before the refusal mapped it, and labelled 0.999 of its cells right)."""
+    tasks, y, _ = make_batched_cytometry_tasks(
+        1, 8, 1500, n_markers=8, n_populations=6, random_state=4, strength=0.0
+    )
+    labels = np.split(y, 8)
+    model = MarginalTransferClassifier(calibrate="landmarks", cell_model="linear").fit(
+        list(tasks[:6]), np.concatenate(labels[:6])
+    )
+    gain = np.array([0.6, 0.7, 0.97, 1.09, 1.2, 0.9, 1.3, 0.92])
+    offset = np.array([-0.53, 0.62, -0.29, -2.63, -1.24, 0.07, -1.85, -0.21])
+    x = np.asarray(tasks[7]) * gain + offset
+    answer = model.predict_tasks([x])[0]
+    right = np.mean(answer.predictions == labels[7])
+    assert right > 0.95 or answer.report.out_of_range
+    # Refused here, past the gate: flagged, its report naming the markers.
+    fit = lm.landmark_map(x, Reference.from_state(model.reference_))
+    assert fit.refused and fit.gain > model.reference_["landmark_gain_limit"]
+    assert answer.report.calibrated is None and answer.report.calibration.refused
+    assert answer.report.calibration.worse.any()
 
 
 def test_with_batches_named_the_gate_holds_samples_out_within_their_batch():

@@ -15,7 +15,8 @@ So each map is checked against what a landmark is, a population's place: the sam
 populations, identified as measured, are compared marker by marker with the training
 populations' means, before and after the map (:func:`population_places`). A map whose
 gain lies mostly in markers it moves away from those places is refused
-(:func:`landmark_map`), and the sample is answered as measured.
+(:func:`landmark_map`), and the sample is answered as measured and flagged out of
+range: past the gate, it comes from an instrument the model did not undo.
 """
 
 from __future__ import annotations
@@ -247,16 +248,19 @@ class LandmarkMap:
         the sample's cells per marker."""
         return MarkerQuality(moved, self.before, self.after, self.worse, by="landmarks")
 
-    def as_measured(self) -> MarkerQuality:
-        """The report of the sample answered as measured: moved by 0 on every marker.
-        A refused map names the markers that refused it; a map the gate held back
-        made nothing worse, and its populations stay where they were."""
+    def held_back(self) -> MarkerQuality:
+        """The report of a sample the gate left as measured: moved by 0 on every
+        marker, its populations where they were, nothing made worse."""
         zero = np.zeros_like(self.scale)
-        if self.refused:
-            return self.quality(zero)
         return MarkerQuality(
             zero, self.before, self.before, np.zeros_like(self.worse), by="landmarks"
         )
+
+    def refusal(self) -> MarkerQuality:
+        """The report of a sample whose map, past the gate, was refused: moved by 0
+        on every marker, ``worse`` the markers that refused it."""
+        zero = np.zeros_like(self.scale)
+        return MarkerQuality(zero, self.before, self.after, self.worse, "landmarks", True)
 
 
 def landmark_map(x: NDArray[np.float64], reference: Reference) -> LandmarkMap:

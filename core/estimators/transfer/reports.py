@@ -36,7 +36,9 @@ class TaskReport:
         distance among the training tasks: the task is unlike every training task,
         and a ``τ > 0`` model answers with its pooled part there. With a fallback,
         also when ``disagreement`` exceeds ``range_factor`` times what the two
-        models' cross-validation errors allow on tasks like the training ones.
+        models' cross-validation errors allow on tasks like the training ones. Also
+        when the task's landmark map, past the gate, was refused
+        (``calibration.refused``): it shows an instrument the model did not undo.
     fallback : bool
         The task was out of range and was answered by the model's invariant
         fallback (``normalise="auto"`` only: a model of per-task standardised tasks,
@@ -125,7 +127,11 @@ def task_report(
         nearest_tasks=order,
         similarities=np.exp(-task_map.gamma * sq[order]),
         distance=float(dist[order[0]]),
-        out_of_range=bool(dist[order[0]] > task_map.range_threshold or moved > limit),
+        out_of_range=bool(
+            dist[order[0]] > task_map.range_threshold
+            or moved > limit
+            or (quality is not None and quality.refused)
+        ),
         calibrated=None if how == "none" else how,
         calibration=quality,
         shift=moved,
