@@ -49,9 +49,10 @@ class MarkerQuality:
         ``after`` are distances of the sample's populations to the training
         populations' places (:func:`core.estimators.transfer.landmarks.population_places`).
     refused : bool
-        Landmarks: the map was refused, its gain lying in the ``worse`` markers, and
-        the sample answered as measured (a sample the gate left as measured, or one
-        that was mapped, is not refused). Never for a control.
+        Landmarks: the map showed an instrument (its gain past the gate's limit) and
+        was refused (:func:`core.estimators.transfer.landmarks.landmark_map`); the
+        sample was answered as measured, and ``worse`` names the markers that
+        refused it. Never for a control.
     """
 
     moved: NDArray[np.float64]

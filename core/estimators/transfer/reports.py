@@ -36,7 +36,9 @@ class TaskReport:
         distance among the training tasks: the task is unlike every training task,
         and a ``τ > 0`` model answers with its pooled part there. With a fallback,
         also when ``disagreement`` exceeds ``range_factor`` times what the two
-        models' cross-validation errors allow on tasks like the training ones.
+        models' cross-validation errors allow on tasks like the training ones. Also
+        when the task's landmark map, past the gate, was refused
+        (``calibration.refused``): it shows an instrument the model did not undo.
     fallback : bool
         The task was out of range and was answered by the model's invariant
         fallback (``normalise="auto"`` only: a model of per-task standardised tasks,
@@ -57,9 +59,12 @@ class TaskReport:
         model saw it; ``None`` where it was not. Without a control, the distance and
         the flag are the task's own, as it arrived; with one, the mapped task's.
     calibration : MarkerQuality or None
-        With a control: per marker, how far the map moved this task's cells, and the
-        control's distance to the training control before and after the map on
-        cells it was not fitted on (``worse``: the markers it made worse).
+        With a control or landmarks (``by`` says which): per marker, how far the map
+        moved this task's cells, and the distance to the training batch before and
+        after the map, the control's on cells it was not fitted on or the task's
+        populations' to the training populations' places (``worse``: the markers it
+        made worse, or that refused a landmark map where the task was left as
+        measured).
     shift : float or None
         How far the calibration moved the task (the largest over markers of a cell's
         median displacement, in training standard deviations;
@@ -123,7 +128,11 @@ def task_report(
         nearest_tasks=order,
         similarities=np.exp(-task_map.gamma * sq[order]),
         distance=float(dist[order[0]]),
-        out_of_range=bool(dist[order[0]] > task_map.range_threshold or moved > limit),
+        out_of_range=bool(
+            dist[order[0]] > task_map.range_threshold
+            or moved > limit
+            or (quality is not None and quality.refused)
+        ),
         calibrated=None if how == "none" else how,
         calibration=quality,
         shift=moved,
