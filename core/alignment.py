@@ -48,6 +48,11 @@ class MarkerQuality:
         The calibration: ``"control"``, or ``"landmarks"``, whose ``before`` and
         ``after`` are distances of the sample's populations to the training
         populations' places (:func:`core.estimators.transfer.landmarks.population_places`).
+    refused : bool
+        Landmarks: the map showed an instrument (its gain past the gate's limit) and
+        was refused (:func:`core.estimators.transfer.landmarks.landmark_map`); the
+        sample was answered as measured, and ``worse`` names the markers that
+        refused it. Never for a control.
     """
 
     moved: NDArray[np.float64]
@@ -55,6 +60,7 @@ class MarkerQuality:
     after: NDArray[np.float64]
     worse: NDArray[np.bool_]
     by: str = "control"
+    refused: bool = False
 
 
 def control_map(

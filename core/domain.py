@@ -95,6 +95,9 @@ class DomainReport:
     calibration_by : ndarray of str, shape (n_bags,), or None
         Which map ``calibration_moved`` and ``calibration_worse`` describe:
         ``"control"`` or ``"landmarks"``.
+    calibration_refused : ndarray of bool, shape (n_bags,), or None
+        Landmarks: the bags whose map was refused (answered as measured because the
+        map's gain lay in the markers it made worse).
     calibrated : ndarray of str, shape (n_bags,), or None
         How each bag was calibrated to the training batch before it was labelled
         (marginal transfer: ``"control"``, ``"landmarks"``, ``"standardise"``; ``""``
@@ -116,6 +119,7 @@ class DomainReport:
     calibration_moved: NDArray[np.float64] | None = None
     calibration_worse: NDArray[np.bool_] | None = None
     calibration_by: NDArray[np.str_] | None = None
+    calibration_refused: NDArray[np.bool_] | None = None
     calibrated: NDArray[np.str_] | None = None
     calibration_shift: NDArray[np.float64] | None = None
 

@@ -324,16 +324,20 @@ def _calibration(domain: Any, i: int, markers: Sequence[str]) -> dict[str, Any]:
     """How a per-marker map (the batch's reference control, or the bag's landmarks)
     moved bag ``i`` (nothing for other calibrations): per marker, the median
     displacement of its cells in the training batch's sd, and the markers the map
-    made worse (for landmarks, those that refused it where the bag was left as
-    measured)."""
+    made worse; for landmarks, whether those refused the map (the bag then answered
+    as measured)."""
     if domain.calibration_moved is None:
         return {}
     moved = domain.calibration_moved[i]
     names = list(markers) or [str(j) for j in range(moved.size)]
     by = "control" if domain.calibration_by is None else str(domain.calibration_by[i])
+    refused = {}
+    if by == "landmarks" and domain.calibration_refused is not None:
+        refused = {"refused": bool(domain.calibration_refused[i])}
     return {
         "calibration": {
             "by": by,
+            **refused,
             "moved": {n: round(float(v), 4) for n, v in zip(names, moved, strict=True)},
             "worse": [n for n, w in zip(names, domain.calibration_worse[i], strict=True) if w],
         }

@@ -157,6 +157,29 @@ def test_population_places_are_the_populations_distances_before_and_after_the_ma
     assert not lm.landmark_map(x, reference).refused
 
 
+def test_a_sample_the_gate_leaves_as_measured_names_no_marker_worse(fitted):
+    """The training batch's own samples show no instrument: the gate leaves them as
+    measured, their maps neither applied nor refused. The report then says what the
+    answer is, the cells as measured: moved 0, the populations where they were, and
+    no marker made worse (the service lists ``worse`` as the markers that refused a
+    map), though some of these maps, had they run, would have moved a population
+    away on a marker."""
+    model, reference, tasks, _ = fitted
+    fits = [lm.landmark_map(np.asarray(x), reference) for x in tasks]
+    assert all(f.gain <= reference.landmark_gain_limit and not f.refused for f in fits)
+    assert any(f.worse.any() for f in fits)
+    for x, fit in zip(tasks, fits, strict=True):
+        z, quality, ran = cal.calibrate("landmarks", np.asarray(x), reference, None)
+        assert ran == "none"
+        np.testing.assert_array_equal(z, x)
+        np.testing.assert_array_equal(quality.moved, 0.0)
+        np.testing.assert_array_equal(quality.before, fit.before)
+        np.testing.assert_array_equal(quality.after, fit.before)
+        assert quality.by == "landmarks" and not quality.worse.any()
+    for answer in model.predict_tasks(tasks):
+        assert answer.report.calibrated is None and not answer.report.calibration.worse.any()
+
+
 def test_a_map_that_squeezes_a_spread_population_is_refused(two_populations):
     """A new detector spreads the large population three times wider on marker 0.
     The likelihood's best map squeezes that marker (scale about 0.75) and drags the
@@ -174,9 +197,45 @@ def test_a_map_that_squeezes_a_spread_population_is_refused(two_populations):
     assert as_measured > np.mean(lda.predict(x * fit.scale + fit.shift) == k) + 0.01
     answer = model.predict_tasks([x])[0]
     assert answer.report.calibrated is None and answer.report.shift == 0.0
-    assert answer.report.calibration.by == "landmarks" and answer.report.calibration.worse[0]
-    np.testing.assert_array_equal(answer.report.calibration.moved, 0.0)
+    quality = answer.report.calibration
+    assert quality.by == "landmarks" and quality.refused and quality.worse[0]
+    assert answer.report.out_of_range
+    np.testing.assert_array_equal(quality.moved, 0.0)
+    domain = model.domain_report([answer.report])
+    assert domain.calibration_refused.tolist() == [True]
+    # A sample through a plain instrument on every marker is mapped, not refused.
+    plain = model.predict_tasks([_two_populations(2000, 1.0, rng)[0] * 1.3 + 0.5])[0]
+    assert plain.report.calibrated == "landmarks" and not plain.report.calibration.refused
     assert np.mean(answer.predictions == k) > as_measured - 0.005
+
+
+def test_a_refused_map_of_a_real_instrument_is_no_silent_answer():
+    """The refusal can be wrong: a sample of the training batch seen through a plain
+    per-marker gain and offset (of the size the search's drawn instruments have),
+    whose landmark map undoes it, shows a gain nine times the gate's limit, yet the
+    populations identified as measured are the wrong ones, and the map is refused.
+    As measured, about a third of its cells are labelled right. A refused map past
+    the gate means an instrument the model did not undo: whatever the sample is
+    answered with, it is not answered as one like the training samples (the model
+    before the refusal mapped it, and labelled 0.999 of its cells right)."""
+    tasks, y, _ = make_batched_cytometry_tasks(
+        1, 8, 1500, n_markers=8, n_populations=6, random_state=4, strength=0.0
+    )
+    labels = np.split(y, 8)
+    model = MarginalTransferClassifier(calibrate="landmarks", cell_model="linear").fit(
+        list(tasks[:6]), np.concatenate(labels[:6])
+    )
+    gain = np.array([0.6, 0.7, 0.97, 1.09, 1.2, 0.9, 1.3, 0.92])
+    offset = np.array([-0.53, 0.62, -0.29, -2.63, -1.24, 0.07, -1.85, -0.21])
+    x = np.asarray(tasks[7]) * gain + offset
+    answer = model.predict_tasks([x])[0]
+    right = np.mean(answer.predictions == labels[7])
+    assert right > 0.95 or answer.report.out_of_range
+    # Refused here, past the gate: flagged, its report naming the markers.
+    fit = lm.landmark_map(x, Reference.from_state(model.reference_))
+    assert fit.refused and fit.gain > model.reference_["landmark_gain_limit"]
+    assert answer.report.calibrated is None and answer.report.calibration.refused
+    assert answer.report.calibration.worse.any()
 
 
 def test_with_batches_named_the_gate_holds_samples_out_within_their_batch():

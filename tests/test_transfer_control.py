@@ -151,6 +151,7 @@ def test_the_command_maps_by_the_control_file_and_names_it(cohort, model, tmp_pa
         assert got["labels"] == want.predictions.tolist()
         calibration = got["report"]["calibration"]
         assert calibration["by"] == "control" and list(calibration["moved"]) == markers
+        assert "refused" not in calibration
         moved = [calibration["moved"][m] for m in markers]
         np.testing.assert_allclose(moved, want.report.calibration.moved, atol=1e-4)
     # Without the control, each file is calibrated by its own landmarks, as the
@@ -160,6 +161,7 @@ def test_the_command_maps_by_the_control_file_and_names_it(cohort, model, tmp_pa
     assert "control" not in plain
     assert plain["results"][0]["report"]["calibrated"] == "landmarks"
     assert plain["results"][0]["report"]["calibration"]["by"] == "landmarks"
+    assert plain["results"][0]["report"]["calibration"]["refused"] is False
     alone = model.predict_tasks(test[:2])
     assert [r["labels"] for r in plain["results"]] == [a.predictions.tolist() for a in alone]
     url = ["--url", "http://127.0.0.1:9"]

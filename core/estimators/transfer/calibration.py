@@ -146,8 +146,10 @@ def calibrate(
 
     A landmark map past the gate is still refused where its gain lies in markers it
     moves away from the sample's populations' places (:func:`.landmarks.landmark_map`):
-    the sample is answered as measured, and its quality names those markers, each
-    moved by 0.
+    the sample is answered as measured, its quality names those markers, each moved
+    by 0, and says it was refused (``refused``: the sample shows an instrument the
+    model did not undo, out of range however it looks). A sample the gate leaves as
+    measured names none: its map made nothing worse.
 
     Raises
     ------
@@ -161,8 +163,10 @@ def calibrate(
     if how == "landmarks":
         fit = landmark_map(x, reference)
         limit = reference.landmark_gain_limit
-        if fit.refused or (limit is not None and fit.gain <= limit):
-            return x, fit.quality(np.zeros_like(fit.scale)), "none"
+        if limit is not None and fit.gain <= limit:
+            return x, fit.held_back(), "none"
+        if fit.refused:
+            return x, fit.refusal(), "none"
         z = x * fit.scale + fit.shift
         return z, fit.quality(np.median(np.abs(z - x), axis=0) / reference.sd), how
     if how != "control":

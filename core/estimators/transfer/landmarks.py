@@ -15,7 +15,8 @@ So each map is checked against what a landmark is, a population's place: the sam
 populations, identified as measured, are compared marker by marker with the training
 populations' means, before and after the map (:func:`population_places`). A map whose
 gain lies mostly in markers it moves away from those places is refused
-(:func:`landmark_map`), and the sample is answered as measured.
+(:func:`landmark_map`), and the sample is answered as measured and flagged out of
+range: past the gate, it comes from an instrument the model did not undo.
 """
 
 from __future__ import annotations
@@ -243,9 +244,23 @@ class LandmarkMap:
     refused: bool
 
     def quality(self, moved: NDArray[np.float64]) -> MarkerQuality:
-        """The map's report, with ``moved`` the median displacement of the sample's
-        cells per marker as answered (zero where the sample was left as measured)."""
+        """The report of the map as applied, with ``moved`` the median displacement of
+        the sample's cells per marker."""
         return MarkerQuality(moved, self.before, self.after, self.worse, by="landmarks")
+
+    def held_back(self) -> MarkerQuality:
+        """The report of a sample the gate left as measured: moved by 0 on every
+        marker, its populations where they were, nothing made worse."""
+        zero = np.zeros_like(self.scale)
+        return MarkerQuality(
+            zero, self.before, self.before, np.zeros_like(self.worse), by="landmarks"
+        )
+
+    def refusal(self) -> MarkerQuality:
+        """The report of a sample whose map, past the gate, was refused: moved by 0
+        on every marker, ``worse`` the markers that refused it."""
+        zero = np.zeros_like(self.scale)
+        return MarkerQuality(zero, self.before, self.after, self.worse, "landmarks", True)
 
 
 def landmark_map(x: NDArray[np.float64], reference: Reference) -> LandmarkMap:

@@ -36,7 +36,9 @@ class TaskReport:
         distance among the training tasks: the task is unlike every training task,
         and a ``τ > 0`` model answers with its pooled part there. With a fallback,
         also when ``disagreement`` exceeds ``range_factor`` times what the two
-        models' cross-validation errors allow on tasks like the training ones.
+        models' cross-validation errors allow on tasks like the training ones. Also
+        when the task's landmark map, past the gate, was refused
+        (``calibration.refused``): it shows an instrument the model did not undo.
         Also when a marker of the task is not measured as the training batch
         measures it (:func:`~.reference.suspect_markers`): its cells all read one
         value on it (the training cells vary on every marker,
@@ -66,9 +68,12 @@ class TaskReport:
         model saw it; ``None`` where it was not. Without a control, the distance and
         the flag are the task's own, as it arrived; with one, the mapped task's.
     calibration : MarkerQuality or None
-        With a control: per marker, how far the map moved this task's cells, and the
-        control's distance to the training control before and after the map on
-        cells it was not fitted on (``worse``: the markers it made worse).
+        With a control or landmarks (``by`` says which): per marker, how far the map
+        moved this task's cells, and the distance to the training batch before and
+        after the map, the control's on cells it was not fitted on or the task's
+        populations' to the training populations' places (``worse``: the markers it
+        made worse, or that refused a landmark map where the task was left as
+        measured).
     shift : float or None
         How far the calibration moved the task (the largest over markers of a cell's
         median displacement, in training standard deviations;
@@ -111,6 +116,7 @@ def calibration_arrays(reports: list[TaskReport]) -> dict[str, Any]:
         out["calibration_moved"] = np.array([r.calibration.moved for r in reports])
         out["calibration_worse"] = np.array([r.calibration.worse for r in reports])
         out["calibration_by"] = np.array([r.calibration.by for r in reports])
+        out["calibration_refused"] = np.array([r.calibration.refused for r in reports])
     return out
 
 
@@ -137,6 +143,7 @@ def task_report(
         out_of_range=bool(
             dist[order[0]] > task_map.range_threshold
             or moved > limit
+            or (quality is not None and quality.refused)
             or (suspect is not None and suspect.any())
         ),
         calibrated=None if how == "none" else how,
