@@ -25,6 +25,7 @@ from .explain import explain_task
 from .inputs import (
     as_task_list,
     check_parameters,
+    check_training_spread,
     concatenated_labels,
     control_cells,
     one_vs_rest_codes,
@@ -34,7 +35,7 @@ from .inputs import (
 )
 from .landmarks import REFUSAL_SHARE
 from .open_set import apply_reject, far_from_populations, population_statistics
-from .reference import SD_FLOOR, Reference, fit_reference
+from .reference import SD_FLOOR, Reference, fit_reference, suspect_markers
 from .reports import TaskPrediction, TaskReport, domain_report, task_report
 from .search import Problem, Selection, candidates, choose, without_control
 from .task_map import TaskMap, fit_task_map
@@ -97,6 +98,7 @@ class _MarginalTransfer(BaseEstimator):
         """
         check_parameters(self, self._is_classifier)
         tasks = as_task_list(X)
+        check_training_spread(tasks)
         Y = self._encode(concatenated_labels(y, tasks))
         d = tasks[0].shape[1]
         g = None if groups is None else np.asarray(groups)
@@ -181,9 +183,11 @@ class _MarginalTransfer(BaseEstimator):
         self, X: Any, control: ArrayLike | None
     ) -> tuple[list[NDArray[np.float64]], list[Any], list[str]]:
         """The tasks in the cell model's space, each one's calibration quality (with a
-        control) and shift (:func:`.calibration.shift`), and each one's calibration: the
-        model's own (or its best without a control where the batch's is not given), or
-        none where its landmarks show no instrument (:func:`.calibration.calibrate`)."""
+        control), shift (:func:`.calibration.shift`) and markers not measured as the
+        training batch measures them (:func:`.reference.suspect_markers`), and each
+        one's calibration: the model's own (or its best without a control where the
+        batch's is not given), or none where its landmarks show no instrument
+        (:func:`.calibration.calibrate`)."""
         reference, _ = self._parts()
         tasks = as_task_list(X)
         bad = [f"task {i}: {t.shape[1]} marker column(s), the model has {self.n_features_in_}"
@@ -195,7 +199,7 @@ class _MarginalTransfer(BaseEstimator):
             how = self.calibration_without_control_
         fitted = None
         if control is not None:
-            cells = control_cells(control, self.n_features_in_)
+            cells = control_cells(control, self.n_features_in_, reference.control_scale)
             # The map is fitted where it is used; a model without a training control
             # refuses a batch's control whatever it was to calibrate by.
             if how == "control" or reference.control_quantiles is None:
@@ -203,9 +207,10 @@ class _MarginalTransfer(BaseEstimator):
         out = [calibrate(how, x, reference, fitted) for x in tasks]
         ran = [r for _, _, r in out]
         moved = [shift(r, x, z, reference) for x, (z, _, r) in zip(tasks, out, strict=True)]
+        suspect = [suspect_markers(x, reference) for x in tasks]
         return (
             [z for z, _, _ in out],
-            [(q, m) for (_, q, _), m in zip(out, moved, strict=True)],
+            [(q, m, f) for (_, q, _), m, f in zip(out, moved, suspect, strict=True)],
             ran,
         )
 
@@ -223,9 +228,9 @@ class _MarginalTransfer(BaseEstimator):
                 s = cell_scores(self.cell_model_, z, task_map, psi[i], self._is_classifier)
                 scores.append(s)
                 codes.append(self._codes(s))
-                quality, moved = qualities[i]
+                quality, moved, suspect = qualities[i]
                 limit = self.shift_limits_.get(how[i], np.inf)
-                reports.append(task_report(task_map, sq[i], how[i], quality, moved, limit))
+                reports.append(task_report(task_map, sq[i], how[i], quality, moved, limit, suspect))
         return scores, codes, reports
 
     def _codes(self, s: NDArray[np.float64]) -> NDArray[np.int64]:

@@ -13,10 +13,13 @@ from ...alignment import CONTROL_LEVELS
 from ...bags import Bags, BagValidationError, as_bags
 from .calibration import CALIBRATIONS
 from .cell_models import CELL_MODELS
+from .reference import SD_FLOOR
 
 __all__ = [
+    "LARGEST_VALUE",
     "as_task_list",
     "check_parameters",
+    "check_training_spread",
     "concatenated_labels",
     "control_cells",
     "one_vs_rest_codes",
@@ -38,20 +41,79 @@ CONSTRAINTS: dict[str, tuple[Any, str]] = {
 }
 
 
+#: The largest magnitude of a value the estimators compute on: float32's, the widest
+#: an FCS file stores. Beyond about 1e154 a square overflows: the moments, the landmark
+#: map and the cell models' products turned such a sample into NaN or Inf scores (or a
+#: refusal that blamed NaN the sample did not hold).
+LARGEST_VALUE = float(np.finfo(np.float32).max)
+
+
+def _too_large(cells: NDArray[np.float64], what: str) -> list[str]:
+    """A sentence per marker column of ``cells`` holding a value beyond
+    :data:`LARGEST_VALUE`, naming ``what`` holds it."""
+    big = np.abs(cells) > LARGEST_VALUE
+    columns = np.flatnonzero(big.any(axis=0))
+    largest = np.abs(cells[:, columns]).max(axis=0) if columns.size else []
+    return [
+        f"{what}, column {j}: {int(big[:, j].sum())} value(s) beyond ±{LARGEST_VALUE:.3g} "
+        f"(the largest {v:.3g}); no measurement is that large (float32's range, as "
+        "FCS stores it)"
+        for j, v in zip(columns, largest, strict=True)
+    ]
+
+
 def as_task_list(X: Any) -> list[NDArray[np.float64]]:
-    """Tasks as a list of (cells x markers) float arrays; one 2-D array is one task."""
+    """Tasks as a list of (cells x markers) float arrays; one 2-D array is one task.
+    A task of a single cell, or with a value beyond :data:`LARGEST_VALUE`, is named."""
     if isinstance(X, np.ndarray) and X.ndim == 2:
         X = [X]
     bags: Bags = as_bags(X)
+    tasks = [np.asarray(bags[i], dtype=np.float64) for i in range(len(bags))]
     problems = [f"task {i}: a single cell" for i, n in enumerate(bags.sizes) if n < 2]
+    for i, x in enumerate(tasks):
+        problems += _too_large(x, f"task {i}")
     if problems:
         raise BagValidationError(problems)
-    return [np.asarray(bags[i], dtype=np.float64) for i in range(len(bags))]
+    return tasks
 
 
-def control_cells(control: ArrayLike, dim: int) -> NDArray[np.float64]:
+def check_training_spread(tasks: list[NDArray[np.float64]]) -> None:
+    """Refuse training tasks on which a marker column does not vary: every training
+    cell at one value (or within float32's smallest normal step of it). Such a
+    marker tells no cell from another, and no spread is there to calibrate a new
+    sample's by: scikit-learn's LDA failed with an IndexError where no marker
+    varied, and a model fitted with one flagged every new sample that read one value
+    on it too.
+
+    Raises
+    ------
+    BagValidationError
+        Naming each such column, its value range and what is expected.
+    """
+    low = np.min([x.min(axis=0) for x in tasks], axis=0)
+    high = np.max([x.max(axis=0) for x in tasks], axis=0)
+    tiny = float(np.finfo(np.float32).tiny)
+    problems = [
+        f"column {j}: every training cell reads {low[j]:.6g}"
+        + ("" if high[j] == low[j] else f" to {high[j]:.6g}")
+        + f" (a spread of at most {tiny:.3g}); a marker must vary across the training "
+        "cells to tell them apart: leave it out of the panel"
+        for j in np.flatnonzero(high - low <= tiny)
+    ]
+    if problems:
+        raise BagValidationError(problems)
+
+
+def control_cells(
+    control: ArrayLike, dim: int, scale: NDArray[np.float64] | None = None
+) -> NDArray[np.float64]:
     """A batch's reference control as cells x ``dim`` markers, enough for the quantile
-    map's levels, finite."""
+    map's levels, finite, and spread on every marker between its outer levels: more
+    than :data:`~.reference.SD_FLOOR` times ``scale`` (the training control's standard
+    deviation; without it, more than float32's smallest normal step). A control
+    piled on one value maps a whole range of its batch's cells onto one value, or
+    one value onto a range: its samples were moved by 6e8 training standard
+    deviations."""
     cells = np.asarray(control, dtype=np.float64)
     if cells.ndim != 2 or cells.shape[1] != dim:
         raise BagValidationError(
@@ -67,6 +129,19 @@ def control_cells(control: ArrayLike, dim: int) -> NDArray[np.float64]:
         )
     if not np.isfinite(cells).all():
         raise BagValidationError(["the reference control contains NaN or Inf"])
+    problems = _too_large(cells, "the reference control")
+    ends = np.quantile(cells, CONTROL_LEVELS[[0, -1]], axis=0)
+    least = np.finfo(np.float32).tiny if scale is None else SD_FLOOR * np.asarray(scale)
+    problems += [
+        f"the reference control, column {j}: its cells between the "
+        f"{100 * CONTROL_LEVELS[0]:g} % and {100 * CONTROL_LEVELS[-1]:g} % quantiles read "
+        f"{ends[0, j]:.6g}"
+        + ("" if ends[1, j] == ends[0, j] else f" to {ends[1, j]:.6g}")
+        + "; a control must vary on every marker to map it onto the training batch's"
+        for j in np.flatnonzero(ends[1] - ends[0] <= least)
+    ]
+    if problems:
+        raise BagValidationError(problems)
     return cells
 
 

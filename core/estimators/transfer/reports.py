@@ -39,6 +39,15 @@ class TaskReport:
         models' cross-validation errors allow on tasks like the training ones. Also
         when the task's landmark map, past the gate, was refused
         (``calibration.refused``): it shows an instrument the model did not undo.
+        Also when a marker of the task is not measured as the training batch
+        measures it (:func:`~.reference.suspect_markers`): its cells all read one
+        value on it (the training cells vary on every marker,
+        :func:`~.inputs.check_training_spread`), it is an affine copy of another
+        marker (the same channel read twice), or a cell lies beyond a thousand
+        training standard deviations on it. No calibration can find the scale of
+        the first two, the third inflates the sample's moments, and the task's
+        distance says nothing of any (such samples were labelled about half right,
+        as in range).
     fallback : bool
         The task was out of range and was answered by the model's invariant
         fallback (``normalise="auto"`` only: a model of per-task standardised tasks,
@@ -118,10 +127,13 @@ def task_report(
     quality: Any,
     moved: float,
     limit: float,
+    suspect: NDArray[np.bool_] | None = None,
 ) -> TaskReport:
     """A new task's report from its squared embedding distances ``sq`` to the training
     tasks (:class:`~.task_map.TaskMap`), the calibration it had, that calibration's
-    quality and shift ``moved``, and the largest shift in range (``limit``)."""
+    quality and shift ``moved``, the largest shift in range (``limit``), and the
+    markers not measured as the training batch measures them (``suspect``,
+    :func:`~.reference.suspect_markers`): with one, the task is out of range."""
     dist = np.sqrt(sq)
     order = np.argsort(dist, kind="stable")[:3]
     return TaskReport(
@@ -132,6 +144,7 @@ def task_report(
             dist[order[0]] > task_map.range_threshold
             or moved > limit
             or (quality is not None and quality.refused)
+            or (suspect is not None and suspect.any())
         ),
         calibrated=None if how == "none" else how,
         calibration=quality,
