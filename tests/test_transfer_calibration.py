@@ -288,3 +288,25 @@ def test_a_marker_at_one_value_is_shifted_to_the_training_mean(two_populations):
     )
     answer = model.predict_tasks([x])[0]
     assert np.all(np.isfinite(answer.scores)) and answer.report.out_of_range
+
+
+def test_a_training_sample_flat_on_a_marker_leaves_the_gate_open():
+    """One training sample reads one value on marker 1 (a dead channel in one file).
+    Its scale there is the moment map's floor, not a fit, and its log-Jacobian
+    (log 1000) counted as gain raised the gate's limit a thousandfold: every new
+    sample was left as measured, a plainly shifted one too. Left out of the gain, the
+    limit stays near the clean training set's, and the shifted sample is mapped."""
+    rng = np.random.default_rng(5)
+    train = [_two_populations(800, 1.0, rng) for _ in range(6)]
+    xs, ks = [x.copy() for x, _ in train], [k for _, k in train]
+    codes = np.concatenate(ks)
+    clean = cal.landmark_gain_limit(xs, codes, 3, 0, 1.0)
+    xs[2][:, 1] = 0.3
+    assert cal.landmark_gain_limit(xs, codes, 3, 0, 1.0) < 10 * clean
+    model = MarginalTransferClassifier(
+        calibrate="landmarks", cell_model="linear", random_state=0
+    ).fit(xs, ks)
+    x, k = _two_populations(2000, 1.0, rng)
+    answer = model.predict_tasks([x * [1.6, 0.7, 1.2] + [1.0, -0.5, 0.3]])[0]
+    assert answer.report.calibrated == "landmarks"
+    assert np.mean(answer.predictions == k) > 0.95

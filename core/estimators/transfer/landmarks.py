@@ -153,22 +153,30 @@ def landmark_gain(
     likelihood cannot choose between starts. Label-then-map rounds from the identity
     (the issue-44 baseline) left one emulated GvHD sample at 0.143.
     """
-    return _fitted(canonical_cells(x, LANDMARK_CELLS, 5), reference)
+    a, b, gain, _ = _fitted(canonical_cells(x, LANDMARK_CELLS, 5), reference)
+    return a, b, gain
 
 
 def _fitted(
     judged: NDArray[np.float64], reference: Reference
-) -> tuple[NDArray[np.float64], NDArray[np.float64], float]:
-    """:func:`landmark_gain` on the cells ``judged``, already drawn."""
+) -> tuple[NDArray[np.float64], NDArray[np.float64], float, NDArray[np.bool_]]:
+    """:func:`landmark_gain` on the cells ``judged``, already drawn, and the markers
+    flat in them.
+
+    A flat marker is only shifted (to the training mean) by the moment map, and its
+    scale is the floor's ``1 / SD_FLOOR``, not a fit: its log-Jacobian, ``log 1000``,
+    is left out of the gain. Counted, one flat marker in one training sample raised
+    the gate's limit a thousandfold (0.007 to 6.9), and no new sample was calibrated.
+    """
     assert reference.mixture is not None
     floor = SD_FLOOR * reference.sd
     m, s = sample_moments(judged, floor)
     a = reference.sd / s
-    # A marker at the floor is only shifted (to the training mean) by the moment map.
     flat = s <= floor
     a, b, best = _em_affine(judged, reference.mixture, a, reference.mean - a * m, flat)
     ones = np.ones_like(a)
-    return a, b, best - _log_likelihood(reference.mixture, judged, ones, np.zeros_like(a))
+    base = _log_likelihood(reference.mixture, judged, ones, np.zeros_like(a))
+    return a, b, best - base - float(np.log(a[flat]).sum()), flat
 
 
 def landmark_affine(
@@ -277,13 +285,15 @@ def landmark_map(x: NDArray[np.float64], reference: Reference) -> LandmarkMap:
     mixture = reference.mixture
     assert mixture is not None
     judged = canonical_cells(x, LANDMARK_CELLS, 5)
-    a, b, gain = _fitted(judged, reference)
+    a, b, gain, flat = _fitted(judged, reference)
     before, after, worse = population_places(judged, a, b, reference)
     ones, zeros = np.ones_like(a), np.zeros_like(b)
     kept = gain
     if worse.any():
         guarded = _log_likelihood(mixture, judged, np.where(worse, 1.0, a), np.where(worse, 0.0, b))
+        # As in the gain, a flat marker's floor scale is no evidence.
         kept = guarded - _log_likelihood(mixture, judged, ones, zeros)
+        kept -= float(np.log(a[flat & ~worse]).sum())
     share = reference.landmark_refusal
     refused = share is not None and gain > 0 and bool(worse.any()) and kept < share * gain
     return LandmarkMap(a, b, gain, before, after, worse, kept, refused)
