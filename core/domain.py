@@ -98,6 +98,11 @@ class DomainReport:
     calibration_refused : ndarray of bool, shape (n_bags,), or None
         Landmarks: the bags whose map was refused (answered as measured because the
         map's gain lay in the markers it made worse).
+    suspect_markers : ndarray of bool, shape (n_bags, n_markers), or None
+        Marginal transfer: the markers of each bag not measured as the training
+        batch measures them (cells all at one value, a copy of another marker, or a
+        cell a thousand training SDs off), each of which puts the bag out of range;
+        ``None`` for other models.
     calibrated : ndarray of str, shape (n_bags,), or None
         How each bag was calibrated to the training batch before it was labelled
         (marginal transfer: ``"control"``, ``"landmarks"``, ``"standardise"``; ``""``
@@ -120,6 +125,7 @@ class DomainReport:
     calibration_worse: NDArray[np.bool_] | None = None
     calibration_by: NDArray[np.str_] | None = None
     calibration_refused: NDArray[np.bool_] | None = None
+    suspect_markers: NDArray[np.bool_] | None = None
     calibrated: NDArray[np.str_] | None = None
     calibration_shift: NDArray[np.float64] | None = None
 

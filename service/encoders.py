@@ -317,7 +317,19 @@ def _cell_report(result: CellPrediction, i: int, markers: Sequence[str] = ()) ->
         "calibrated": domain.calibrated_of(i),
         "calibration_shift": domain.calibration_shift_of(i),
         **_calibration(domain, i, markers),
+        **_suspect(domain, i, markers),
     }
+
+
+def _suspect(domain: Any, i: int, markers: Sequence[str]) -> dict[str, Any]:
+    """The markers of bag ``i`` not measured as the training batch measures them
+    (each puts the bag out of range): the channels a lab should look at. Nothing for
+    models without the check."""
+    if domain.suspect_markers is None:
+        return {}
+    flags = domain.suspect_markers[i]
+    names = list(markers) or [str(j) for j in range(flags.size)]
+    return {"suspect_markers": [n for n, f in zip(names, flags, strict=True) if f]}
 
 
 def _calibration(domain: Any, i: int, markers: Sequence[str]) -> dict[str, Any]:

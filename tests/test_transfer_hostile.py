@@ -114,8 +114,10 @@ def test_a_sample_that_reads_one_value_on_a_marker_is_out_of_range(cohort, model
     near[:, 1] = np.median(np.vstack(cells[:4])[:, 1])
     (answer,) = landmarks.predict_tasks([near])
     assert answer.report.out_of_range and np.all(np.isfinite(answer.scores))
+    # The report names the marker: the channel a lab should look at.
+    assert answer.report.suspect.tolist() == [False, True, False]
     (measured,) = landmarks.predict_tasks([x])
-    assert not measured.report.out_of_range
+    assert not measured.report.out_of_range and not measured.report.suspect.any()
     flat_samples = [near, np.repeat(x[:1], 50, axis=0), x * 1e-310, x[:2][[0, 0]]]
     for name, model in models.items():
         extra = {"control": control} if name == "control" else {}
@@ -124,6 +126,8 @@ def test_a_sample_that_reads_one_value_on_a_marker_is_out_of_range(cohort, model
         assert all(np.all(np.isfinite(a.scores)) for a in answers), name
         domain = model.domain_report([a.report for a in answers])
         assert domain.out_of_range[:4].all() and not domain.out_of_range[4], name
+        assert domain.suspect_markers[0].tolist() == [False, True, False], name
+        assert not domain.suspect_markers[4].any(), name
 
 
 def test_the_service_refuses_a_huge_value_and_flags_a_flat_sample(cohort, models, tmp_path):
@@ -165,6 +169,7 @@ def test_the_service_refuses_a_huge_value_and_flags_a_flat_sample(cohort, models
         assert r.status_code == 200, r.text
         got = r.json()["predictions"]
         assert [p["report"]["out_of_range"] for p in got] == [False, True]
+        assert [p["report"]["suspect_markers"] for p in got] == [[], ["CD4"]]
         assert got[1]["status"] != got[0]["status"]
 
 
@@ -183,6 +188,12 @@ def test_a_marker_copied_from_another_is_out_of_range(cohort, models):
         extra = {"control": control} if name == "control" else {}
         answers = model.predict_tasks([copied, rescaled, x], **extra)
         assert [a.report.out_of_range for a in answers] == [True, True, False], name
+        # Both markers of a tied pair are named: which one is the copy, no cell says.
+        assert [a.report.suspect.tolist() for a in answers] == [
+            [True, False, True],
+            [False, True, True],
+            [False, False, False],
+        ], name
         assert all(np.all(np.isfinite(a.scores)) for a in answers), name
 
 

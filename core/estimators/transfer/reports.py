@@ -80,6 +80,10 @@ class TaskReport:
         :func:`~.calibration.shift`). Beyond what the drawn instruments needed
         (times ``range_factor``), the task is out of range however it looks once
         calibrated. ``None`` for models before issue 44.
+    suspect : ndarray of bool, shape (d,), or None
+        The markers not measured as the training batch measures them
+        (:func:`~.reference.suspect_markers`, which put the task out of range):
+        which channel a lab should look at. ``None`` for models without the check.
     """
 
     nearest_tasks: NDArray[np.int64]
@@ -92,6 +96,7 @@ class TaskReport:
     calibrated: str | None = None
     calibration: MarkerQuality | None = None
     shift: float | None = None
+    suspect: NDArray[np.bool_] | None = None
 
 
 @dataclass
@@ -105,13 +110,16 @@ class TaskPrediction:
 
 def calibration_arrays(reports: list[TaskReport]) -> dict[str, Any]:
     """The :class:`~core.domain.DomainReport` fields of how tasks were calibrated:
-    by which calibration each, and with a control or landmarks, how the map moved
-    each marker and which it made worse."""
+    by which calibration each, with a control or landmarks how the map moved each
+    marker and which it made worse, and the markers not measured as the training
+    batch measures them."""
     out: dict[str, Any] = {"calibrated": np.array([r.calibrated or "" for r in reports])}
     if any(r.shift is not None for r in reports):
         out["calibration_shift"] = np.array(
             [np.nan if r.shift is None else r.shift for r in reports]
         )
+    if reports and all(r.suspect is not None for r in reports):
+        out["suspect_markers"] = np.array([r.suspect for r in reports])
     if reports and all(r.calibration is not None for r in reports):
         out["calibration_moved"] = np.array([r.calibration.moved for r in reports])
         out["calibration_worse"] = np.array([r.calibration.worse for r in reports])
@@ -149,6 +157,7 @@ def task_report(
         calibrated=None if how == "none" else how,
         calibration=quality,
         shift=moved,
+        suspect=suspect,
     )
 
 
