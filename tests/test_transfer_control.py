@@ -84,6 +84,18 @@ def test_without_its_batch_control_a_sample_is_calibrated_by_its_landmarks(cohor
     assert domain.calibration_by.tolist() == ["landmarks"] * len(answers)
 
 
+def test_without_its_control_a_sample_of_the_training_batch_is_left_as_measured(cohort, model):
+    """A model fixed to its control falls back to landmarks where a batch's control is
+    not given, and that fallback is gated like any landmark calibration: the gate's
+    limit is measured at fit, and the training batch's own samples, whose landmark
+    gain stays under it, are answered as measured. Before, the limit was measured
+    only where landmarks were a candidate, so this fallback mapped every sample."""
+    train, _ = cohort(0, False)
+    assert model.reference_["landmark_gain_limit"] is not None
+    answers = model.predict_tasks(train)
+    assert [a.report.calibrated for a in answers] == [None] * len(answers)
+
+
 def test_a_saved_model_keeps_its_control(cohort, model, tmp_path):
     test, _ = cohort(1, False)
     control, _ = cohort(1, True)

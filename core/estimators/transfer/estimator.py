@@ -118,7 +118,7 @@ class _MarginalTransfer(BaseEstimator):
         seed = seed_of(self.random_state)
         with one_thread():
             gain_limit = None
-            if "landmarks" in calibrations:
+            if "landmarks" in {without_control(c, self._is_classifier) for c in calibrations}:
                 gain_limit = landmark_gain_limit(tasks, codes, self.cv, seed, self.range_factor, g)
             if len(calibrations) * len(models) > 1:
                 problem = Problem(
