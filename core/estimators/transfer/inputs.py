@@ -51,14 +51,15 @@ LARGEST_VALUE = float(np.finfo(np.float32).max)
 def _too_large(cells: NDArray[np.float64], what: str) -> list[str]:
     """A sentence per marker column of ``cells`` holding a value beyond
     :data:`LARGEST_VALUE`, naming ``what`` holds it."""
-    big = np.abs(cells) > LARGEST_VALUE
-    columns = np.flatnonzero(big.any(axis=0))
-    largest = np.abs(cells[:, columns]).max(axis=0) if columns.size else []
+    # Column extremes first: no cells-sized temporary on a sample of 10^6 cells that
+    # is, as nearly every one is, within range.
+    high, low = cells.max(axis=0), cells.min(axis=0)
+    columns = np.flatnonzero((high > LARGEST_VALUE) | (low < -LARGEST_VALUE))
     return [
-        f"{what}, column {j}: {int(big[:, j].sum())} value(s) beyond ±{LARGEST_VALUE:.3g} "
-        f"(the largest {v:.3g}); no measurement is that large (float32's range, as "
-        "FCS stores it)"
-        for j, v in zip(columns, largest, strict=True)
+        f"{what}, column {j}: {np.count_nonzero(np.abs(cells[:, j]) > LARGEST_VALUE)} "
+        f"value(s) beyond ±{LARGEST_VALUE:.3g} (the largest {max(high[j], -low[j]):.3g}); "
+        "no measurement is that large (float32's range, as FCS stores it)"
+        for j in columns
     ]
 
 

@@ -66,12 +66,22 @@ def _log_joint(mixture: dict[str, Any], x: NDArray[np.float64]) -> NDArray[np.fl
     return mixture["log_priors"][None, :] - 0.5 * d2
 
 
-def _responsibilities(mixture: dict[str, Any], x: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Each cell's posterior over the training populations (cells x populations)."""
-    logp = _log_joint(mixture, x)
-    logp -= logp.max(axis=1, keepdims=True)
+def _posterior(logp: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Each cell's posterior over the training populations from :func:`_log_joint`."""
+    logp = logp - logp.max(axis=1, keepdims=True)
     r = np.exp(logp)
     return r / r.sum(axis=1, keepdims=True)
+
+
+def _responsibilities(mixture: dict[str, Any], x: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Each cell's posterior over the training populations (cells x populations)."""
+    return _posterior(_log_joint(mixture, x))
+
+
+def _mean_log_density(logp: NDArray[np.float64]) -> float:
+    """Mean over cells of the log mixture density, from :func:`_log_joint`."""
+    top = logp.max(axis=1)
+    return float((top + np.log(np.exp(logp - top[:, None]).sum(axis=1))).mean())
 
 
 def _log_likelihood(
@@ -81,10 +91,7 @@ def _log_likelihood(
     Gaussian mixture (the LDA's, shared covariance), plus the map's log-Jacobian
     ``Σ log a``: the likelihood of ``x`` itself under the mapped model, comparable
     between maps (constants left out)."""
-    logp = _log_joint(mixture, x * a + b)
-    top = logp.max(axis=1)
-    ll = top + np.log(np.exp(logp - top[:, None]).sum(axis=1))
-    return float(ll.mean() + np.log(a).sum())
+    return _mean_log_density(_log_joint(mixture, x * a + b)) + float(np.log(a).sum())
 
 
 def _em_affine(
@@ -153,30 +160,23 @@ def landmark_gain(
     likelihood cannot choose between starts. Label-then-map rounds from the identity
     (the issue-44 baseline) left one emulated GvHD sample at 0.143.
     """
-    a, b, gain, _ = _fitted(canonical_cells(x, LANDMARK_CELLS, 5), reference)
-    return a, b, gain
+    fit = landmark_map(x, reference)
+    return fit.scale, fit.shift, fit.gain
 
 
-def _fitted(
+def _em_from_moments(
     judged: NDArray[np.float64], reference: Reference
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], float, NDArray[np.bool_]]:
-    """:func:`landmark_gain` on the cells ``judged``, already drawn, and the markers
-    flat in them.
-
-    A flat marker is only shifted (to the training mean) by the moment map, and its
-    scale is the floor's ``1 / SD_FLOOR``, not a fit: its log-Jacobian, ``log 1000``,
-    is left out of the gain. Counted, one flat marker in one training sample raised
-    the gate's limit a thousandfold (0.007 to 6.9), and no new sample was calibrated.
-    """
+    """EM (:func:`_em_affine`) on the cells ``judged`` from their moment map; the map,
+    its :func:`_log_likelihood`, and the markers flat in them (at the floor, which the
+    moment map only shifts to the training mean)."""
     assert reference.mixture is not None
     floor = SD_FLOOR * reference.sd
     m, s = sample_moments(judged, floor)
     a = reference.sd / s
     flat = s <= floor
     a, b, best = _em_affine(judged, reference.mixture, a, reference.mean - a * m, flat)
-    ones = np.ones_like(a)
-    base = _log_likelihood(reference.mixture, judged, ones, np.zeros_like(a))
-    return a, b, best - base - float(np.log(a[flat]).sum()), flat
+    return a, b, best, flat
 
 
 def landmark_affine(
@@ -211,7 +211,14 @@ def population_places(
         Markers the map moves further away in either average.
     """
     assert reference.mixture is not None
-    r = _responsibilities(reference.mixture, x)
+    return _places(x, _responsibilities(reference.mixture, x), a, b, reference)
+
+
+def _places(
+    x: NDArray[np.float64], r: NDArray[np.float64], a: NDArray, b: NDArray, reference: Reference
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.bool_]]:
+    """:func:`population_places` with the cells' posteriors ``r`` as measured."""
+    assert reference.mixture is not None
     counts = r.sum(axis=0)
     means = (r.T @ x) / np.maximum(counts, 1e-300)[:, None]
     target = reference.mixture["means"]
@@ -285,15 +292,19 @@ def landmark_map(x: NDArray[np.float64], reference: Reference) -> LandmarkMap:
     mixture = reference.mixture
     assert mixture is not None
     judged = canonical_cells(x, LANDMARK_CELLS, 5)
-    a, b, gain, flat = _fitted(judged, reference)
-    before, after, worse = population_places(judged, a, b, reference)
-    ones, zeros = np.ones_like(a), np.zeros_like(b)
+    # The cells as measured, scored once: the gain's base and the places' populations.
+    measured = _log_joint(mixture, judged)
+    base = _mean_log_density(measured)
+    a, b, best, flat = _em_from_moments(judged, reference)
+    # A flat marker's scale is the floor's 1 / SD_FLOOR, not a fit: its log-Jacobian
+    # (log 1000) is no gain. Counted, one flat marker in one training sample raised the
+    # gate's limit a thousandfold (0.007 to 6.9), and no new sample was calibrated.
+    gain = best - base - float(np.log(a[flat]).sum())
+    before, after, worse = _places(judged, _posterior(measured), a, b, reference)
     kept = gain
     if worse.any():
         guarded = _log_likelihood(mixture, judged, np.where(worse, 1.0, a), np.where(worse, 0.0, b))
-        # As in the gain, a flat marker's floor scale is no evidence.
-        kept = guarded - _log_likelihood(mixture, judged, ones, zeros)
-        kept -= float(np.log(a[flat & ~worse]).sum())
+        kept = guarded - base - float(np.log(a[flat & ~worse]).sum())
     share = reference.landmark_refusal
     refused = share is not None and gain > 0 and bool(worse.any()) and kept < share * gain
     return LandmarkMap(a, b, gain, before, after, worse, kept, refused)
