@@ -310,3 +310,41 @@ def test_a_training_sample_flat_on_a_marker_leaves_the_gate_open():
     answer = model.predict_tasks([x * [1.6, 0.7, 1.2] + [1.0, -0.5, 0.3]])[0]
     assert answer.report.calibrated == "landmarks"
     assert np.mean(answer.predictions == k) > 0.95
+
+
+def test_a_sample_holding_a_population_its_fold_lacks_sets_no_limit():
+    """With batches named, a batch of two samples, one of which holds a single
+    population: the other, held out, is scored under a mixture that lacks its second
+    population, and its gain is that population's, not an instrument's. It set the
+    gate's limit (300 times the other held-out samples' gains), and a plainly shifted new
+    sample was left as measured. Such a held-out sample now sets nothing; the rest
+    of the limit is the other held-out samples' largest gain."""
+    rng = np.random.default_rng(7)
+    lone, k = _two_populations(800, 1.0, rng)
+    first = [(lone[k == 0], k[k == 0]), _two_populations(800, 1.0, rng)]
+    second = [
+        (x * [1.5, 0.8, 1.0] + [1.0, -0.5, 0.2], k)
+        for x, k in (_two_populations(800, 1.0, rng) for _ in range(3))
+    ]
+    tasks = [x for x, _ in first + second]
+    labels = [k for _, k in first + second]
+    groups = np.array([0, 0, 1, 1, 1])
+    limit = cal.landmark_gain_limit(tasks, np.concatenate(labels), 3, 0, 1.0, groups)
+    gains = []
+    for t in range(5):
+        others = [o for o in range(5) if groups[o] == groups[t] and o != t]
+        reference = fit_reference(
+            [tasks[o] for o in others], np.concatenate([labels[o] for o in others]), None
+        )
+        gains.append(lm.landmark_gain(tasks[t], reference)[2])
+    # Held out of the single-population sample, the second sample's gain is the
+    # population it lacks.
+    assert gains[1] > 5 * max(gains[:1] + gains[2:])
+    assert limit == pytest.approx(max(gains[:1] + gains[2:]), rel=1e-12)
+    model = MarginalTransferClassifier(
+        calibrate="landmarks", cell_model="linear", random_state=0
+    ).fit(tasks, labels, groups=groups)
+    x, k = _two_populations(2000, 1.0, rng)
+    answer = model.predict_tasks([x * [1.6, 0.7, 1.2] + [1.0, -0.5, 0.3]])[0]
+    assert answer.report.calibrated == "landmarks"
+    assert np.mean(answer.predictions == k) > 0.95

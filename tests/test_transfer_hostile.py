@@ -250,3 +250,54 @@ def test_cells_a_thousand_training_sds_away_put_a_sample_out_of_range(cohort, mo
         if name != "control":
             (answer,) = model.predict_tasks([wild])
             assert answer.report.out_of_range and np.all(np.isfinite(answer.scores)), name
+
+
+def test_a_marker_far_from_zero_next_to_its_spread(cohort):
+    """Moving a marker by a constant in every training and new sample moves the
+    landmark map's shift and nothing else (the map is affine-equivariant), as far as
+    float32 (an FCS file) can carry the marker's spread at that level: 1e6 times it.
+    At 1e8, which no FCS file stores, the map's Newton system was singular (a
+    ``LinAlgError``, a 500 at the service); the fit is refused naming the column."""
+    from bagserve.core.estimators.transfer.landmarks import landmark_map
+
+    cells, labels, _ = cohort
+    # An instrument the gate lets through: every marker scaled and shifted.
+    new = cells[4] * [1.6, 0.7, 1.3] + [0.8, -0.5, 0.4]
+    answers, scales = [], []
+    for moved in ([0.0, 0.0, 0.0], [0.0, 1e6, 0.0]):
+        model = MarginalTransferClassifier(calibrate="landmarks", cell_model="linear", **FAST)
+        model.fit([c + moved for c in cells[:4]], labels[:4])
+        (answer,) = model.predict_tasks([new + moved])
+        answers.append(answer)
+        scales.append(landmark_map(new + moved, Reference.from_state(model.reference_)).scale)
+    assert [a.report.calibrated for a in answers] == ["landmarks", "landmarks"]
+    np.testing.assert_allclose(scales[1], scales[0], rtol=1e-5)
+    assert np.mean(answers[1].predictions == answers[0].predictions) > 0.99
+    far = [c + np.array([0, 1e8, 0]) for c in cells[:4]]
+    with pytest.raises(BagValidationError, match=r"column 1: every training cell reads 1e\+08"):
+        MarginalTransferClassifier(**FAST).fit(far, labels[:4])
+
+
+def test_a_sample_spread_thinly_far_from_zero_gets_its_landmark_map(cohort):
+    """The landmark map's Newton system, on the cells as measured, has a condition
+    that grows with the square of a marker's distance from zero over its spread. The
+    training cells read about 1e5 from zero on a marker (1e5 times their spread,
+    which float32 carries) and a new sample read there with a thousandth of their
+    spread: the map scaled that marker by 163 where the same cells near zero get 418,
+    with a smaller likelihood gain, a map that does not bring the populations home.
+    Centred, the map is the same wherever the marker is read."""
+    from bagserve.core.estimators.transfer.landmarks import landmark_map
+
+    cells, labels, _ = cohort
+    fits = []
+    for level in (0.0, 1e5):
+        moved = np.array([0.0, level, 0.0])
+        model = MarginalTransferClassifier(calibrate="landmarks", cell_model="linear", **FAST)
+        model.fit([c + moved for c in cells[:4]], labels[:4])
+        x = cells[4] + moved
+        x[:, 1] = level + (x[:, 1] - x[:, 1].mean()) * 3e-3
+        fits.append(landmark_map(x, Reference.from_state(model.reference_)))
+        (answer,) = model.predict_tasks([x])
+        assert np.all(np.isfinite(answer.scores))
+    np.testing.assert_allclose(fits[1].scale, fits[0].scale, rtol=1e-5)
+    assert abs(fits[1].gain - fits[0].gain) < 1e-4

@@ -53,6 +53,9 @@ NEWTON_STEPS = 3
 #: batches (3 seeds) every such map kept 0.39 or more but one GvHD sample's (0.09;
 #: 0.986 of its cells right as measured, 0.987 mapped).
 REFUSAL_SHARE = 0.25
+#: A marker whose cells' mean lies beyond this many of their standard deviations from
+#: zero is centred in the landmark map's Newton steps (:func:`_em_affine`).
+CENTRE_BEYOND = 1000.0
 #: A population counts as a place of its own from this share of the sample's cells.
 PLACE_SHARE = 0.01
 
@@ -115,10 +118,20 @@ def _em_affine(
     A ``flat`` marker (its cells all at one value, a detector at its bound) keeps
     its ``(a, b)``: its scale and shift are not separately identified, and the
     Newton system is singular in them.
+
+    A marker whose cells sit far from zero next to their spread is centred for the
+    Newton steps (``b`` read about the centre): ``A``'s condition grows with the
+    square of that ratio, and at 1e8 the system was singular in floating point.
+    Markers within :data:`CENTRE_BEYOND` spreads of zero keep the plain arithmetic,
+    so saved models answer bit for bit.
     """
     L, means = mixture["whitening"], mixture["means"]
     P = L @ L.T
     n, d = x.shape
+    mean = x.mean(axis=0)
+    centre = np.where(np.abs(mean) > CENTRE_BEYOND * x.std(axis=0), mean, 0.0)
+    x = x - centre
+    b = b + a * centre
     sums = x.sum(axis=0)
     A = np.block([[P * (x.T @ x), sums[:, None] * P], [P * sums[None, :], n * P]])
     free = np.flatnonzero(np.tile(~flat, 2)) if flat is not None else np.arange(2 * d)
@@ -139,7 +152,7 @@ def _em_affine(
                 t /= 2.0
             u = u + t * step
         a, b = u[:d], u[d:]
-    return a, b, _log_likelihood(mixture, x, a, b)
+    return a, b - a * centre, _log_likelihood(mixture, x, a, b)
 
 
 def landmark_gain(
