@@ -238,29 +238,40 @@ def test_a_refused_map_of_a_real_instrument_is_no_silent_answer():
     assert answer.report.calibration.worse.any()
 
 
+def _second_batch(rng):
+    """Three samples of two populations through a second instrument: a gain and an
+    offset per marker."""
+    return [
+        (x * [1.5, 0.8, 1.0] + [1.0, -0.5, 0.2], k)
+        for x, k in (_two_populations(800, 1.0, rng) for _ in range(3))
+    ]
+
+
+def _gains_within_batches(tasks, labels, groups):
+    """Each sample's landmark gain under the mixture of the other samples of its
+    batch, recomputed sample by sample (the oracle of the gate's limit)."""
+    gains = []
+    for t in range(len(tasks)):
+        others = [o for o in range(len(tasks)) if groups[o] == groups[t] and o != t]
+        reference = fit_reference(
+            [tasks[o] for o in others], np.concatenate([labels[o] for o in others]), None
+        )
+        gains.append(lm.landmark_gain(tasks[t], reference)[2])
+    return gains
+
+
 def test_with_batches_named_the_gate_holds_samples_out_within_their_batch():
     """The gate's limit with ``groups``: each sample's landmark gain under the mixture
     of the other samples of its own batch (three folds of a three-sample batch leave
     one out: recomputed here sample by sample), never across batches, whose gain is
     the second instrument's; a batch of one sample shows nothing."""
     rng = np.random.default_rng(3)
-    first = [_two_populations(800, 1.0, rng) for _ in range(3)]
-    # The second batch's instrument: a gain and an offset per marker.
-    second = [
-        (x * [1.5, 0.8, 1.0] + [1.0, -0.5, 0.2], k)
-        for x, k in (_two_populations(800, 1.0, rng) for _ in range(3))
-    ]
-    tasks = [x for x, _ in first + second]
-    labels = [k for _, k in first + second]
+    samples = [_two_populations(800, 1.0, rng) for _ in range(3)] + _second_batch(rng)
+    tasks = [x for x, _ in samples]
+    labels = [k for _, k in samples]
     groups = np.array([0, 0, 0, 1, 1, 1])
     limit = cal.landmark_gain_limit(tasks, np.concatenate(labels), 3, 0, 1.0, groups)
-    gains = []
-    for t in range(6):
-        others = [o for o in range(6) if groups[o] == groups[t] and o != t]
-        reference = fit_reference(
-            [tasks[o] for o in others], np.concatenate([labels[o] for o in others]), None
-        )
-        gains.append(lm.landmark_gain(tasks[t], reference)[2])
+    gains = _gains_within_batches(tasks, labels, groups)
     assert limit == pytest.approx(max(gains), rel=1e-12)
     pooled = cal.landmark_gain_limit(tasks, np.concatenate(labels), 3, 0, 1.0)
     assert pooled > 3 * limit
@@ -321,22 +332,12 @@ def test_a_sample_holding_a_population_its_fold_lacks_sets_no_limit():
     of the limit is the other held-out samples' largest gain."""
     rng = np.random.default_rng(7)
     lone, k = _two_populations(800, 1.0, rng)
-    first = [(lone[k == 0], k[k == 0]), _two_populations(800, 1.0, rng)]
-    second = [
-        (x * [1.5, 0.8, 1.0] + [1.0, -0.5, 0.2], k)
-        for x, k in (_two_populations(800, 1.0, rng) for _ in range(3))
-    ]
-    tasks = [x for x, _ in first + second]
-    labels = [k for _, k in first + second]
+    samples = [(lone[k == 0], k[k == 0]), _two_populations(800, 1.0, rng), *_second_batch(rng)]
+    tasks = [x for x, _ in samples]
+    labels = [k for _, k in samples]
     groups = np.array([0, 0, 1, 1, 1])
     limit = cal.landmark_gain_limit(tasks, np.concatenate(labels), 3, 0, 1.0, groups)
-    gains = []
-    for t in range(5):
-        others = [o for o in range(5) if groups[o] == groups[t] and o != t]
-        reference = fit_reference(
-            [tasks[o] for o in others], np.concatenate([labels[o] for o in others]), None
-        )
-        gains.append(lm.landmark_gain(tasks[t], reference)[2])
+    gains = _gains_within_batches(tasks, labels, groups)
     # Held out of the single-population sample, the second sample's gain is the
     # population it lacks.
     assert gains[1] > 5 * max(gains[:1] + gains[2:])

@@ -103,6 +103,7 @@ def _em_affine(
     a: NDArray,
     b: NDArray,
     flat: NDArray[np.bool_] | None = None,
+    centre: NDArray[np.float64] | None = None,
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], float]:
     """EM for the per-marker affine map ``x ↦ a x + b`` of largest likelihood under the
     training cells' Gaussian mixture, from ``(a, b)``; returns the map and its
@@ -119,17 +120,14 @@ def _em_affine(
     its ``(a, b)``: its scale and shift are not separately identified, and the
     Newton system is singular in them.
 
-    A marker whose cells sit far from zero next to their spread is centred for the
-    Newton steps (``b`` read about the centre): ``A``'s condition grows with the
-    square of that ratio, and at 1e8 the system was singular in floating point.
-    Markers within :data:`CENTRE_BEYOND` spreads of zero keep the plain arithmetic,
-    so saved models answer bit for bit.
+    The Newton steps read each marker about ``centre`` (``b`` too): ``A``'s
+    condition grows with the square of a marker's distance from its centre over its
+    spread, and at 1e8 the system was singular in floating point.
     """
     L, means = mixture["whitening"], mixture["means"]
     P = L @ L.T
     n, d = x.shape
-    mean = x.mean(axis=0)
-    centre = np.where(np.abs(mean) > CENTRE_BEYOND * x.std(axis=0), mean, 0.0)
+    centre = np.zeros(d) if centre is None else centre
     x = x - centre
     b = b + a * centre
     sums = x.sum(axis=0)
@@ -188,7 +186,11 @@ def _em_from_moments(
     m, s = sample_moments(judged, floor)
     a = reference.sd / s
     flat = s <= floor
-    a, b, best = _em_affine(judged, reference.mixture, a, reference.mean - a * m, flat)
+    # Markers far from zero next to their spread are centred (:func:`_em_affine`);
+    # those within CENTRE_BEYOND spreads keep the plain arithmetic, so saved models
+    # answer bit for bit.
+    centre = np.where(~flat & (np.abs(m) > CENTRE_BEYOND * s), m, 0.0)
+    a, b, best = _em_affine(judged, reference.mixture, a, reference.mean - a * m, flat, centre)
     return a, b, best, flat
 
 
